@@ -1,0 +1,90 @@
+"""The aiohttp application: the route table and the middleware stack."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+import agent
+from agent.api import gpus, node, sim
+from agent.api.context import AGENT, MAX_BODY_BYTES, AgentContext
+from agent.api.models import (
+    EventList,
+    GpuList,
+    GpuModel,
+    NodeModel,
+    SimFault,
+    SimFaultRequest,
+    SimGpuRequest,
+    SimLatencyRequest,
+    SimProcess,
+    SimProcessRequest,
+    SimState,
+    SimXidRequest,
+    Status,
+)
+from agent.api.openapi import build_openapi
+from agent.api.problems import problem_middleware
+from agent.api.routing import QueryParam, Route, auth_middleware, register, request_middleware
+
+CORE_ROUTES = [
+    Route("GET", "/healthz", node.healthz, "Liveness: the process and its event loop answer",
+          Status, public=True, tag="probes"),
+    Route("GET", "/readyz", node.readyz, "Readiness: NVML up, inventory loaded, state reconciled",
+          Status, public=True, tag="probes", extra_responses={503: Status}),
+    Route("GET", "/metrics", node.metrics, "Prometheus exposition", None, public=True,
+          tag="probes", content_type="text/plain"),
+    Route("GET", "/openapi.json", node.openapi, "This document", None, public=True,
+          tag="probes"),
+    Route("GET", "/v1/node", node.get_node, "Node identity, driver/CUDA/NVML versions, backend",
+          NodeModel, errors=(503,)),
+    Route("GET", "/v1/gpus", gpus.list_gpus, "Inventory of every GPU", GpuList, tag="gpus",
+          errors=(503,)),
+    Route("GET", "/v1/gpus/{gpu}", gpus.get_gpu, "One GPU, by index or UUID", GpuModel,
+          tag="gpus", errors=(503,)),
+    Route("GET", "/v1/events", node.list_events, "Recent events (bounded ring)", EventList,
+          query=(QueryParam("since", {"type": "integer", "minimum": 0},
+                            "Only events with a larger sequence number"),), errors=(422,)),
+]
+
+SIM_ROUTES = [
+    Route("GET", "/v1/sim", sim.sim_state,
+          "Simulator: presets, processes, faults, latencies, call counters", SimState,
+          tag="simulation"),
+    Route("POST", "/v1/sim/processes", sim.add_process,
+          "Simulator: attach a fake process to a GPU or MIG device", SimProcess,
+          body=SimProcessRequest, status=201, scope="admin", tag="simulation",
+          errors=(404, 409)),
+    Route("DELETE", "/v1/sim/processes/{pid}", sim.remove_process,
+          "Simulator: end a fake process", None, status=204, scope="admin", tag="simulation",
+          errors=(422,)),
+    Route("POST", "/v1/sim/faults", sim.add_fault,
+          "Simulator: make the (skip+1)-th matching NVML call fail (or CRASH the agent)",
+          SimFault, body=SimFaultRequest, status=201, scope="admin", tag="simulation"),
+    Route("DELETE", "/v1/sim/faults", sim.clear_faults, "Simulator: remove every fault", None,
+          status=204, scope="admin", tag="simulation"),
+    Route("PUT", "/v1/sim/latency", sim.set_latency,
+          "Simulator: seconds added to each call of the named NVML functions", SimState,
+          body=SimLatencyRequest, scope="admin", tag="simulation"),
+    Route("POST", "/v1/sim/xid", sim.inject_xid, "Simulator: raise an XID event on a GPU", None,
+          body=SimXidRequest, status=202, scope="admin", tag="simulation", errors=(404,)),
+    Route("POST", "/v1/sim/reset", sim.reset_gpu,
+          "Simulator: reset one GPU as nvidia-smi -r does", None, body=SimGpuRequest,
+          status=204, scope="admin", tag="simulation", errors=(404, 409)),
+    Route("POST", "/v1/sim/reload-driver", sim.reload_driver,
+          "Simulator: reload the driver (instances gone; Hopper forgets MIG mode)", None,
+          status=204, scope="admin", tag="simulation"),
+]
+
+
+def build_app(ctx: AgentContext) -> web.Application:
+    """The application for one agent; ``/v1/sim`` exists only when ``ctx.sim`` is set."""
+    app = web.Application(
+        client_max_size=ctx.settings.max_body_bytes,
+        middlewares=[request_middleware, problem_middleware, auth_middleware],
+    )
+    app[AGENT] = ctx
+    app[MAX_BODY_BYTES] = ctx.settings.max_body_bytes
+    routes = CORE_ROUTES + (SIM_ROUTES if ctx.sim is not None else [])
+    register(app, routes)
+    app[node.OPENAPI] = build_openapi(routes, version=agent.__version__)
+    return app

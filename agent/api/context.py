@@ -1,0 +1,51 @@
+"""What the handlers share, as typed application keys (no untyped state bags)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from agent.api.auth import TokenStore
+from agent.events import EventLog
+from agent.gpu.inventory import GpuInventory
+from agent.gpu.session import NvmlSession
+from agent.metrics.agent import AgentMetrics
+from agent.settings import Settings
+
+
+@dataclass
+class Readiness:
+    """Why the agent is not ready yet; ``reason`` is ``None`` once it is."""
+
+    reason: str | None = "starting"
+    since: float = field(default_factory=time.monotonic)
+
+    @property
+    def ready(self) -> bool:
+        return self.reason is None
+
+    def set(self, reason: str | None) -> None:
+        if reason != self.reason:
+            self.reason = reason
+            self.since = time.monotonic()
+
+
+@dataclass
+class AgentContext:
+    settings: Settings
+    session: NvmlSession
+    inventory: GpuInventory
+    events: EventLog
+    tokens: TokenStore
+    metrics: AgentMetrics
+    backend: str
+    readiness: Readiness = field(default_factory=Readiness)
+    #: The simulated node's controls (``agent.gpu.sim.node.SimulatedNode``) with --simulate.
+    sim: Any = None
+
+
+AGENT = web.AppKey("agent", AgentContext)
+MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)

@@ -1,0 +1,202 @@
+"""Request and response models of the REST API; ``/openapi.json`` is generated from these."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, RootModel
+
+from agent.events import Event
+from agent.gpu.types import DriverInfo, Gpu, MigDevice
+
+
+class Strict(BaseModel):
+    """Requests reject unknown fields, so a typo is an error rather than a silent default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Problem(BaseModel):
+    """RFC 9457 problem details."""
+
+    type: str
+    title: str
+    status: int
+    detail: str
+    instance: str | None = None
+    request_id: str | None = None
+    errors: list[dict[str, Any]] | None = Field(
+        default=None, description="For validation errors: each offending field and why")
+
+
+class Status(BaseModel):
+    status: Literal["ok", "ready", "not ready"]
+    reason: str | None = None
+
+
+class PlacementModel(BaseModel):
+    start: int = Field(description="First memory slice")
+    size: int = Field(description="Number of memory slices")
+
+
+class MigModeModel(BaseModel):
+    current: bool
+    pending: bool
+
+
+class HealthModel(BaseModel):
+    healthy: bool
+    reasons: list[str]
+
+
+class MigDeviceModel(BaseModel):
+    index: int = Field(description="NVML MIG device index")
+    uuid: str
+    profile: str
+    gi_id: int
+    ci_id: int
+    placement: PlacementModel
+    memory_mib: int
+    multiprocessors: int
+    draining: bool
+
+    @classmethod
+    def of(cls, device: MigDevice, *, draining: bool = False) -> MigDeviceModel:
+        return cls(index=device.index, uuid=device.uuid, profile=device.profile,
+                   gi_id=device.gi_id, ci_id=device.ci_id,
+                   placement=PlacementModel(start=device.placement.start,
+                                            size=device.placement.size),
+                   memory_mib=device.memory_mib, multiprocessors=device.multiprocessors,
+                   draining=draining)
+
+
+class GpuModel(BaseModel):
+    index: int
+    minor: int
+    uuid: str
+    name: str
+    brand: str
+    architecture: str
+    cuda_compute_capability: str
+    pci_bus_id: str
+    memory_total_mib: int
+    numa_node: int | None
+    cpu_affinity: str = Field(description="CPUs near this GPU, as a Linux cpulist")
+    mig_capable: bool
+    mig_mode: MigModeModel | None = Field(description="null where the GPU cannot do MIG")
+    mig_devices: list[MigDeviceModel]
+    health: HealthModel
+
+    @classmethod
+    def of(cls, gpu: Gpu) -> GpuModel:
+        s = gpu.static
+        return cls(
+            index=s.index, minor=s.minor, uuid=s.uuid, name=s.name, brand=s.brand,
+            architecture=s.architecture, cuda_compute_capability=s.cuda_compute_capability,
+            pci_bus_id=s.pci_bus_id, memory_total_mib=s.memory_total_mib, numa_node=s.numa_node,
+            cpu_affinity=s.cpu_affinity, mig_capable=s.mig_capable,
+            mig_mode=MigModeModel(current=gpu.mig_mode.current, pending=gpu.mig_mode.pending)
+            if gpu.mig_mode else None,
+            mig_devices=[MigDeviceModel.of(d) for d in gpu.mig_devices],
+            health=HealthModel(healthy=gpu.health.healthy, reasons=list(gpu.health.reasons)),
+        )
+
+
+class GpuList(BaseModel):
+    gpus: list[GpuModel]
+
+
+class NodeModel(BaseModel):
+    hostname: str
+    driver_version: str
+    cuda_driver_version: str
+    nvml_version: str
+    boot_id: str
+    backend: str = Field(description="'nvml' on a real node, 'simulated:<preset>' otherwise")
+    agent_version: str
+    gpu_count: int
+
+    @classmethod
+    def of(cls, *, hostname: str, driver: DriverInfo, boot_id: str, backend: str,
+           agent_version: str, gpu_count: int) -> NodeModel:
+        return cls(hostname=hostname, driver_version=driver.driver_version,
+                   cuda_driver_version=driver.cuda_driver_version,
+                   nvml_version=driver.nvml_version, boot_id=boot_id, backend=backend,
+                   agent_version=agent_version, gpu_count=gpu_count)
+
+
+class EventModel(BaseModel):
+    seq: int
+    time: float = Field(description="Unix time in seconds")
+    kind: str
+    severity: Literal["info", "warning", "error"]
+    gpu: str | None
+    message: str
+    details: dict[str, Any]
+
+    @classmethod
+    def of(cls, event: Event) -> EventModel:
+        return cls(seq=event.seq, time=event.time, kind=event.kind,
+                   severity=event.severity.value, gpu=event.gpu, message=event.message,
+                   details=dict(event.details))
+
+
+class EventList(BaseModel):
+    events: list[EventModel]
+    last_seq: int = Field(description="Pass as ?since= to get only newer events")
+
+
+# -- simulation controls (only with --simulate) --------------------------------------------
+
+
+class SimProcessRequest(Strict):
+    device: str = Field(description="GPU or MIG device UUID", min_length=1, max_length=96)
+    pid: int | None = Field(default=None, ge=1, le=4_194_304)
+    used_memory_mib: int | None = Field(default=None, ge=0, le=1 << 24)
+
+
+class SimProcess(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    pid: int
+    device: str
+    used_memory_mib: int
+
+
+class SimFaultRequest(Strict):
+    function: str = Field(min_length=4, max_length=128,
+                          description="NVML function name, e.g. nvmlDeviceCreateGpuInstance"
+                                      "WithPlacement")
+    error: str = Field(min_length=1, max_length=64,
+                       description="NVML_ERROR_* name, or CRASH to SIGKILL the agent at the call")
+    gpu: str | None = Field(default=None, max_length=96)
+    skip: int = Field(default=0, ge=0, le=1_000_000)
+    times: int = Field(default=1, ge=1, le=1_000_000)
+
+
+class SimFault(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    function: str
+    error: str
+
+
+class SimXidRequest(Strict):
+    gpu: str = Field(min_length=1, max_length=96)
+    xid: int = Field(ge=1, le=1_000_000)
+
+
+class SimState(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    preset: str
+    presets: list[str]
+    processes: list[dict[str, Any]]
+    faults: list[dict[str, Any]]
+    latencies: dict[str, float]
+    calls: dict[str, int]
+
+
+class SimLatencyRequest(RootModel[dict[str, Annotated[float, Field(ge=0, le=30)]]]):
+    """Seconds added to every call of each named NVML function; replaces the whole table."""
+
+
+class SimGpuRequest(Strict):
+    gpu: str = Field(min_length=1, max_length=96, description="GPU UUID")

@@ -1,0 +1,62 @@
+"""Probes, node identity, events, metrics and the OpenAPI document."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+import agent
+from agent.api.context import AGENT, AgentContext
+from agent.api.models import EventList, EventModel, NodeModel, Status
+from agent.api.routing import json_response
+from agent.errors import InvalidRequest, NotReady
+from agent.host import boot_id
+
+OPENAPI = web.AppKey("openapi", dict)
+
+
+def require_ready(ctx: AgentContext) -> None:
+    """Raise :class:`NotReady` with the reason while NVML or the inventory is not up."""
+    if not ctx.inventory.loaded:
+        raise NotReady(f"agent not ready: {ctx.readiness.reason or 'inventory not loaded'}")
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return json_response(Status(status="ok"))
+
+
+async def readyz(request: web.Request) -> web.Response:
+    readiness = request.app[AGENT].readiness
+    if readiness.ready:
+        return json_response(Status(status="ready"))
+    return json_response(Status(status="not ready", reason=readiness.reason), status=503)
+
+
+async def get_node(request: web.Request) -> web.Response:
+    ctx = request.app[AGENT]
+    require_ready(ctx)
+    return json_response(NodeModel.of(
+        hostname=ctx.settings.node_name, driver=ctx.inventory.driver,
+        boot_id=boot_id(ctx.settings.proc_root), backend=ctx.backend,
+        agent_version=agent.__version__, gpu_count=len(ctx.inventory.gpus)))
+
+
+async def list_events(request: web.Request) -> web.Response:
+    raw = request.query.get("since", "0")
+    if not raw.isdigit():
+        raise InvalidRequest(f"since: {raw!r} is not a non-negative integer",
+                             [{"field": "since", "reason": "not a non-negative integer"}])
+    events = request.app[AGENT].events.since(int(raw))
+    last = events[-1].seq if events else int(raw)
+    return json_response(EventList(events=[EventModel.of(e) for e in events], last_seq=last))
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[AGENT].metrics.registry)
+    response = web.Response(body=body)
+    response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+    return response
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(request.app[OPENAPI])

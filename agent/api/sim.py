@@ -1,0 +1,87 @@
+"""Simulation controls (``/v1/sim/*``), registered only when the agent runs with --simulate."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from agent.api.context import AGENT
+from agent.api.models import (
+    SimFault,
+    SimFaultRequest,
+    SimGpuRequest,
+    SimLatencyRequest,
+    SimProcess,
+    SimProcessRequest,
+    SimState,
+    SimXidRequest,
+)
+from agent.api.problems import parse_body
+from agent.api.routing import json_response
+from agent.errors import InvalidRequest
+
+
+def _sim_state(request: web.Request) -> SimState:
+    return SimState.model_validate(request.app[AGENT].sim.describe())
+
+
+async def sim_state(request: web.Request) -> web.Response:
+    return json_response(await asyncio.to_thread(_sim_state, request))
+
+
+async def add_process(request: web.Request) -> web.Response:
+    body = await parse_body(request, SimProcessRequest)
+    sim = request.app[AGENT].sim
+    record = await asyncio.to_thread(sim.add_process, body.device, body.pid,
+                                     body.used_memory_mib)
+    return json_response(SimProcess.model_validate(record), status=201)
+
+
+async def remove_process(request: web.Request) -> web.Response:
+    raw = request.match_info["pid"]
+    if not raw.isdigit():
+        raise InvalidRequest(f"pid: {raw!r} is not a process id",
+                             [{"field": "pid", "reason": "not a positive integer"}])
+    await asyncio.to_thread(request.app[AGENT].sim.remove_process, int(raw))
+    return web.Response(status=204)
+
+
+async def add_fault(request: web.Request) -> web.Response:
+    body = await parse_body(request, SimFaultRequest)
+    record = await asyncio.to_thread(request.app[AGENT].sim.add_fault, body.function, body.error,
+                                     body.gpu, body.skip, body.times)
+    return json_response(SimFault.model_validate(record), status=201)
+
+
+async def clear_faults(request: web.Request) -> web.Response:
+    await asyncio.to_thread(request.app[AGENT].sim.clear_faults)
+    return web.Response(status=204)
+
+
+async def set_latency(request: web.Request) -> web.Response:
+    body = await parse_body(request, SimLatencyRequest)
+    await asyncio.to_thread(request.app[AGENT].sim.set_latency, body.root)
+    return json_response(await asyncio.to_thread(_sim_state, request))
+
+
+async def inject_xid(request: web.Request) -> web.Response:
+    body = await parse_body(request, SimXidRequest)
+    await asyncio.to_thread(request.app[AGENT].sim.inject_xid, body.gpu, body.xid)
+    return web.Response(status=202)
+
+
+async def reset_gpu(request: web.Request) -> web.Response:
+    body = await parse_body(request, SimGpuRequest)
+    ctx = request.app[AGENT]
+    await asyncio.to_thread(ctx.sim.reset_gpu, body.gpu)
+    ctx.session.clear_lost(body.gpu)
+    return web.Response(status=204)
+
+
+async def reload_driver(request: web.Request) -> web.Response:
+    ctx = request.app[AGENT]
+    await asyncio.to_thread(ctx.sim.reload_driver)
+    for gpu in ctx.inventory.gpus:
+        ctx.session.clear_lost(gpu.uuid)
+    return web.Response(status=204)

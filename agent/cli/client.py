@@ -1,0 +1,116 @@
+"""A small synchronous client for the agent's API, over TCP or the Unix socket."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from agent.settings import DEFAULT_SOCKET, SIM_STATE_DIR
+
+
+class ClientError(Exception):
+    """A one-line message for the terminal."""
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self._path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+@dataclass(frozen=True)
+class Response:
+    status: int
+    body: Any
+
+
+def read_token_file(path: Path) -> str:
+    """The token of the first ``name:token[:scopes]`` line."""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if line and not line.startswith("#"):
+            return line.split(":")[1]
+    raise ClientError(f"no token in {path}")
+
+
+def discover(url: str | None, token_file: str | None) -> tuple[str, str | None]:
+    """Where to connect and with which token: flags, then ``GPU_AGENT_URL`` /
+    ``GPU_AGENT_TOKEN[_FILE]``, then a simulated agent started from this directory, then the
+    node's default socket."""
+    url = url or os.environ.get("GPU_AGENT_URL")
+    token_path = token_file or os.environ.get("GPU_AGENT_TOKEN_FILE")
+    token = os.environ.get("GPU_AGENT_TOKEN")
+    sim_dir = SIM_STATE_DIR.absolute()
+    if url is None and (sim_dir / "listeners.json").exists():
+        url = f"unix:{sim_dir / 'agent.sock'}"
+        if token_path is None and token is None and (sim_dir / "tokens").exists():
+            token_path = str(sim_dir / "tokens")
+    if token_path is not None:
+        try:
+            token = read_token_file(Path(token_path))
+        except OSError as err:
+            raise ClientError(f"cannot read token file {token_path}: {err.strerror}") from err
+    return url or DEFAULT_SOCKET, token
+
+
+class AgentClient:
+    def __init__(self, url: str, token: str | None = None, timeout: float = 30.0) -> None:
+        self.url = url
+        self.token = token
+        self.timeout = timeout
+
+    def _connection(self) -> http.client.HTTPConnection:
+        if self.url.startswith("unix:"):
+            return _UnixConnection(self.url[5:], self.timeout)
+        parts = urlsplit(self.url)
+        if parts.scheme == "https":
+            return http.client.HTTPSConnection(parts.hostname or "localhost", parts.port,
+                                               timeout=self.timeout)
+        return http.client.HTTPConnection(parts.hostname or "localhost", parts.port or 80,
+                                          timeout=self.timeout)
+
+    def request(self, method: str, path: str, body: Any = None) -> Response:
+        """Send one request; raise :class:`ClientError` for transport errors and problems."""
+        headers = {"Accept": "application/json"}
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["Content-Type"] = "application/json"
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        conn = self._connection()
+        try:
+            conn.request(method, path, body=data, headers=headers)
+            raw = conn.getresponse()
+            payload = raw.read()
+        except (OSError, http.client.HTTPException) as err:
+            reason = getattr(err, "strerror", None) or str(err) or type(err).__name__
+            raise ClientError(f"cannot reach the agent at {self.url}: {reason} (is it running? "
+                              "start it with 'gpu-agent serve', or pass --url)") from err
+        finally:
+            conn.close()
+        try:
+            parsed = json.loads(payload) if payload else None
+        except json.JSONDecodeError:
+            parsed = payload.decode(errors="replace")
+        if raw.status >= 400:
+            if isinstance(parsed, dict) and "detail" in parsed:
+                raise ClientError(f"{raw.status} {parsed.get('title', '')}: {parsed['detail']}")
+            raise ClientError(f"{raw.status} {raw.reason}")
+        return Response(raw.status, parsed)

@@ -1,0 +1,192 @@
+"""``gpu-agent``: run the agent (``serve``) or talk to a running one."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import agent
+from agent.cli.client import AgentClient, ClientError, discover
+from agent.cli.tables import gpu_table, node_lines
+from agent.errors import AgentError
+
+Command = Callable[[argparse.Namespace, AgentClient], int]
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from agent import daemon, logs  # noqa: PLC0415 - keeps client verbs fast to start
+    from agent.settings import resolve  # noqa: PLC0415
+
+    try:
+        settings = resolve({
+            "simulate": args.simulate, "state_dir": args.state_dir, "cdi_dir": args.cdi_dir,
+            "listen": args.listen, "token_file": args.token_file,
+            "auth_read": True if args.auth_read else None, "log_format": args.log_format,
+            "log_level": args.log_level, "proc_root": args.proc_root,
+            "node_name": args.node_name, "config": args.config,
+        })
+        logs.configure(settings.log_format, settings.log_level)
+        return asyncio.run(daemon.serve(settings))
+    except AgentError as err:
+        print(f"gpu-agent: {err.detail}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _print(args: argparse.Namespace, body: Any) -> None:
+    print(json.dumps(body, indent=2))
+
+
+def _node(args: argparse.Namespace, client: AgentClient) -> int:
+    body = client.request("GET", "/v1/node").body
+    if args.json:
+        _print(args, body)
+    else:
+        print("\n".join(node_lines(body)))
+    return 0
+
+
+def _gpus(args: argparse.Namespace, client: AgentClient) -> int:
+    body = client.request("GET", "/v1/gpus").body
+    if args.json:
+        _print(args, body)
+    else:
+        print(gpu_table(body["gpus"]))
+    return 0
+
+
+def _sim(args: argparse.Namespace, client: AgentClient) -> int:
+    verb = args.sim_verb
+    response: Any
+    if verb == "show":
+        response = client.request("GET", "/v1/sim").body
+    elif verb == "process" and args.action == "add":
+        response = client.request("POST", "/v1/sim/processes", {
+            "device": args.device, "pid": args.pid, "used_memory_mib": args.memory_mib}).body
+    elif verb == "process":
+        client.request("DELETE", f"/v1/sim/processes/{args.pid}")
+        response = {"removed": args.pid}
+    elif verb == "fault" and args.action == "add":
+        response = client.request("POST", "/v1/sim/faults", {
+            "function": args.function, "error": args.error, "gpu": args.gpu,
+            "skip": args.skip, "times": args.times}).body
+    elif verb == "fault":
+        client.request("DELETE", "/v1/sim/faults")
+        response = {"faults": []}
+    elif verb == "latency":
+        table: dict[str, float] = {}
+        for item in args.latencies:
+            name, sep, seconds = item.partition("=")
+            if not sep:
+                raise ClientError(f"latency {item!r}: expected FUNCTION=SECONDS")
+            try:
+                table[name] = float(seconds)
+            except ValueError as err:
+                raise ClientError(f"latency {item!r}: {seconds!r} is not a number") from err
+        response = client.request("PUT", "/v1/sim/latency", table).body["latencies"]
+    elif verb == "xid":
+        client.request("POST", "/v1/sim/xid", {"gpu": args.gpu, "xid": args.xid})
+        response = {"gpu": args.gpu, "xid": args.xid}
+    elif verb == "reset":
+        client.request("POST", "/v1/sim/reset", {"gpu": args.gpu})
+        response = {"reset": args.gpu}
+    else:
+        client.request("POST", "/v1/sim/reload-driver")
+        response = {"reloaded": True}
+    _print(args, response)
+    return 0
+
+
+def _add_serve(sub: Any) -> None:
+    serve = sub.add_parser("serve", help="run the agent",
+                           description="Run the agent. Every flag may also be given as "
+                                       "GPU_AGENT_<FLAG> in the environment or in --config.")
+    serve.add_argument("--simulate", metavar="PRESET",
+                       help="run on a simulated node (dgx-h100, dgx-a100, hgx-h200, "
+                            "a100-pcie-bridged, l40s)")
+    serve.add_argument("--state-dir", help="state directory (default /var/lib/gpu-agent; "
+                                           "./.gpu-agent-sim with --simulate)")
+    serve.add_argument("--cdi-dir", help="where CDI specs are written (default /var/run/cdi)")
+    serve.add_argument("--listen", action="append", metavar="ADDR",
+                       help="HOST:PORT (port 0 picks one) or unix:PATH; repeatable")
+    serve.add_argument("--token-file", help="bearer tokens, one 'name:token[:scope,...]' a line")
+    serve.add_argument("--auth-read", action="store_true", help="require a token for reads too")
+    serve.add_argument("--log-format", choices=("text", "json"))
+    serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    serve.add_argument("--proc-root", help="where /proc is (the simulator writes its own)")
+    serve.add_argument("--node-name", help="node name (default $NODE_NAME or the hostname)")
+    serve.add_argument("--config", help="TOML file with any of these settings")
+
+
+def _add_sim(sub: Any) -> None:
+    sim = sub.add_parser("sim", help="control a simulated agent")
+    verbs = sim.add_subparsers(dest="sim_verb", required=True)
+    verbs.add_parser("show", help="presets, processes, faults, latencies, call counters")
+    process = verbs.add_parser("process", help="attach or end a fake GPU process")
+    actions = process.add_subparsers(dest="action", required=True)
+    add = actions.add_parser("add")
+    add.add_argument("device", help="GPU or MIG device UUID")
+    add.add_argument("--pid", type=int)
+    add.add_argument("--memory-mib", type=int)
+    remove = actions.add_parser("rm")
+    remove.add_argument("pid", type=int)
+    fault = verbs.add_parser("fault", help="make NVML calls fail")
+    actions = fault.add_subparsers(dest="action", required=True)
+    add = actions.add_parser("add")
+    add.add_argument("function",
+                     help="NVML function, e.g. nvmlDeviceCreateGpuInstanceWithPlacement")
+    add.add_argument("error", help="NVML_ERROR_* name, or CRASH")
+    add.add_argument("--gpu", help="only calls on this GPU UUID")
+    add.add_argument("--skip", type=int, default=0, help="let this many matching calls pass")
+    add.add_argument("--times", type=int, default=1, help="fail this many calls")
+    actions.add_parser("clear")
+    latency = verbs.add_parser("latency", help="seconds added to NVML calls")
+    latency.add_argument("latencies", nargs="*", metavar="FUNCTION=SECONDS")
+    xid = verbs.add_parser("xid", help="raise an XID event")
+    xid.add_argument("gpu", help="GPU UUID")
+    xid.add_argument("xid", type=int)
+    reset = verbs.add_parser("reset", help="reset a GPU as nvidia-smi -r does")
+    reset.add_argument("gpu", help="GPU UUID")
+    verbs.add_parser("reload-driver", help="reload the simulated driver")
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="gpu-agent", description=__doc__)
+    top.add_argument("--version", action="version", version=f"gpu-agent {agent.__version__}")
+    client_opts = argparse.ArgumentParser(add_help=False)
+    client_opts.add_argument("--url", help="agent address: http(s)://HOST:PORT or unix:PATH "
+                                           "(default: the local socket)")
+    client_opts.add_argument("--token-file", help="token file (or GPU_AGENT_TOKEN[_FILE])")
+    client_opts.add_argument("--json", action="store_true", help="print JSON")
+    sub = top.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    sub.add_parser("node", parents=[client_opts], help="node identity and versions")
+    sub.add_parser("gpus", parents=[client_opts], help="the node's GPUs")
+    _add_sim(sub)
+    sub.choices["sim"].add_argument("--url")
+    sub.choices["sim"].add_argument("--token-file")
+    return top
+
+
+COMMANDS: dict[str, Command] = {"node": _node, "gpus": _gpus, "sim": _sim}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    try:
+        url, token = discover(args.url, args.token_file)
+        return COMMANDS[args.command](args, AgentClient(url, token))
+    except ClientError as err:
+        print(f"gpu-agent: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

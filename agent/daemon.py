@@ -1,0 +1,192 @@
+"""``gpu-agent serve``: one agent per state directory, from start-up to a graceful stop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
+from tenacity.wait import wait_exponential_jitter
+
+import agent
+from agent.api.app import build_app
+from agent.api.auth import TokenStore, generate_token_file
+from agent.api.context import AgentContext
+from agent.durable import ExclusiveLock, write_atomic
+from agent.errors import AgentError, NvmlError
+from agent.events import EventLog, Severity
+from agent.gpu.inventory import GpuInventory
+from agent.gpu.session import NvmlSession
+from agent.metrics.agent import AgentMetrics
+from agent.settings import Listener, Settings
+
+log = logging.getLogger("agent.daemon")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The NVML implementation the agent drives, and the simulator's controls if simulated."""
+
+    nvml: Any
+    name: str
+    sim: Any = None
+
+
+def open_backend(settings: Settings) -> Backend:
+    """The real ``pynvml`` module, or the simulated node of the chosen preset."""
+    if settings.simulate:
+        from agent.gpu.sim.node import SimulatedNode  # noqa: PLC0415 - only when simulating
+
+        node = SimulatedNode(settings.simulate, settings.state_dir, settings.proc_root)
+        # Faults armed before NVML is first touched (e.g. nvmlInit failing as if the driver
+        # were not loaded yet); later ones come through /v1/sim/faults.
+        for fault in json.loads(os.environ.get("GPU_AGENT_SIM_FAULTS", "[]")):
+            node.add_fault(**fault)
+        return Backend(nvml=node.nvml, name=f"simulated:{settings.simulate}", sim=node)
+    import pynvml  # noqa: PLC0415 - the real library is only loaded on real nodes
+
+    return Backend(nvml=pynvml, name="nvml")
+
+
+def load_tokens(settings: Settings) -> TokenStore:
+    """The configured tokens; a simulated agent without a token file gets a generated one."""
+    if settings.token_file is not None:
+        return TokenStore.load(settings.token_file)
+    if settings.simulate:
+        path = settings.state_dir / "tokens"
+        if not path.exists():
+            generate_token_file(path)
+        store = TokenStore.load(path)
+        token = path.read_text().split(":")[1].strip()
+        # Printed once for the developer at the terminal; the structured log never carries it.
+        print(f"simulated agent token (also in {path}): {token}", flush=True)
+        return store
+    return TokenStore.empty()
+
+
+def _unlink_stale_socket(path: Path) -> None:
+    if not path.exists():
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        path.unlink()  # nobody answers: left behind by a killed agent
+        return
+    finally:
+        probe.close()
+    raise AgentError(f"{path} is served by another running process; choose another --listen")
+
+
+async def _start_sites(runner: web.AppRunner, listeners: tuple[Listener, ...]) -> list[str]:
+    bound: list[str] = []
+    for listener in listeners:
+        if listener.path is not None:
+            listener.path.parent.mkdir(parents=True, exist_ok=True)
+            _unlink_stale_socket(listener.path)
+            site: web.BaseSite = web.UnixSite(runner, str(listener.path))
+            await site.start()
+            os.chmod(listener.path, 0o660)
+            bound.append(f"unix:{listener.path}")
+        else:
+            site = web.TCPSite(runner, listener.host, listener.port, reuse_address=True)
+            await site.start()
+            server = site._server  # the bound port is only known here when port 0 was asked
+            for sock in getattr(server, "sockets", None) or ():
+                host, port = sock.getsockname()[:2]
+                bound.append(f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}")
+    return bound
+
+
+async def _become_ready(ctx: AgentContext) -> None:
+    """Initialise NVML and load the inventory, retrying with backoff while the driver is not
+    there yet; the agent stays up (and unready) meanwhile instead of crash-looping."""
+
+    def before_sleep(state: RetryCallState) -> None:
+        err = state.outcome.exception() if state.outcome else None
+        reason = f"NVML not available: {err} (attempt {state.attempt_number}, retrying)"
+        ctx.readiness.set(reason)
+        log.warning("nvml not available", extra={"attempt": state.attempt_number,
+                                                  "error": str(err)})
+
+    ctx.readiness.set("initialising NVML")
+    async for attempt in AsyncRetrying(retry=retry_if_exception_type(NvmlError),
+                                       wait=wait_exponential_jitter(initial=0.5, max=30),
+                                       before_sleep=before_sleep, reraise=True):
+        with attempt:
+            await ctx.session.initialise()
+            ctx.readiness.set("loading inventory")
+            await ctx.inventory.load()
+    ctx.readiness.set(None)
+    ctx.metrics.ready.set(1)
+    ctx.events.append("agent.ready", f"agent ready with {len(ctx.inventory.gpus)} GPUs",
+                      details={"backend": ctx.backend})
+
+
+async def serve(settings: Settings) -> int:
+    """Run the agent until SIGTERM/SIGINT; return the process exit code."""
+    lock = ExclusiveLock(settings.state_dir / "agent.lock")
+    lock.acquire()
+    backend: Backend | None = None
+    try:
+        backend = open_backend(settings)
+        return await _run(settings, backend)
+    finally:
+        if backend is not None and backend.sim is not None:
+            backend.sim.close()
+        lock.release()
+
+
+async def _run(settings: Settings, backend: Backend) -> int:
+    metrics = AgentMetrics()
+    metrics.set_build(version=agent.__version__, backend=backend.name)
+    session = NvmlSession(backend.nvml, on_error=lambda e: metrics.nvml_errors.labels(
+        e.function, e.name).inc())
+    ctx = AgentContext(settings=settings, session=session, inventory=GpuInventory(session),
+                       events=EventLog(), tokens=load_tokens(settings), metrics=metrics,
+                       backend=backend.name, sim=backend.sim)
+    runner = web.AppRunner(build_app(ctx), handle_signals=False, access_log=None,
+                           shutdown_timeout=settings.shutdown_timeout_s)
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    startup: asyncio.Task[None] | None = None
+    try:
+        bound = await _start_sites(runner, settings.listen)
+        write_atomic(settings.state_dir / "listeners.json",
+                     json.dumps({"pid": os.getpid(), "listeners": bound}).encode())
+        log.info("listening", extra={"listeners": ",".join(bound), "backend": backend.name,
+                                     "state_dir": str(settings.state_dir),
+                                     "version": agent.__version__})
+        startup = asyncio.create_task(_become_ready(ctx))
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait({startup, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if startup.done() and startup.exception() is not None:
+            raise startup.exception()  # type: ignore[misc]
+        await stopped
+        log.info("stopping", extra={"reason": "signal"})
+        ctx.readiness.set("shutting down")
+        ctx.metrics.ready.set(0)
+        return 0
+    finally:
+        if startup is not None and not startup.done():
+            startup.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await startup
+        # Stops accepting, lets in-flight requests finish (up to shutdown_timeout), closes.
+        await runner.cleanup()
+        session.close()
+        ctx.events.append("agent.stopped", "agent stopped", severity=Severity.INFO)
+        with contextlib.suppress(FileNotFoundError):
+            (settings.state_dir / "listeners.json").unlink()

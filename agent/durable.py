@@ -1,0 +1,102 @@
+"""Durable files: atomic replace with fsync, exclusive locks, and corrupt files kept aside.
+
+Every file the agent owns (simulator state, checkpoint, journal, CDI specs) is written
+through :func:`write_atomic`, so a reader sees either the old bytes or the new ones, and the
+new ones survive a power cut once the call returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from agent.errors import StateLocked
+
+
+def fsync_dir(directory: Path) -> None:
+    """Flush a directory entry (a rename or a new file) to disk."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes, *, mode: int = 0o644) -> None:
+    """Replace ``path`` with ``data``: temp file in the same directory, fsync, rename, fsync dir."""
+    directory = path.parent
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".{path.name}.tmp.{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        view = memoryview(data)
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+    os.close(fd)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+    fsync_dir(directory)
+
+
+def keep_aside(path: Path, reason: str) -> Path:
+    """Move an untrustworthy file aside as ``<name>.corrupt-<ts>-<reason>``; never delete it."""
+    target = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}-{reason}")
+    os.replace(path, target)
+    fsync_dir(path.parent)
+    return target
+
+
+class ExclusiveLock:
+    """An advisory ``flock`` on a file, held for the life of the object; the holder's pid is
+    written into the file so a refused second process can say who holds it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock without waiting; raise :class:`StateLocked` naming the holder."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            os.close(fd)
+            if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise StateLocked(path=str(self.path), holder_pid=holder or "unknown") from err
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        """Drop the lock (closing the descriptor releases it)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Hold the lock for a ``with`` block."""
+        self.acquire()
+        try:
+            yield
+        finally:
+            self.release()

@@ -1,0 +1,112 @@
+"""The agent's one exception hierarchy. The API maps each class to an HTTP problem in one place
+(``agent/api/problems.py``); code below the API raises these and never builds responses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class AgentError(Exception):
+    """Base of every error the agent reports on purpose."""
+
+    #: HTTP status the API answers with.
+    status: int = 500
+    #: Stable machine-readable problem type (the last part of the problem ``type`` URI).
+    type_name: str = "internal-error"
+    title: str = "Internal error"
+
+    def __init__(self, detail: str, **extra: Any) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.extra: dict[str, Any] = extra
+
+
+class NotFound(AgentError):
+    status = 404
+    type_name = "not-found"
+    title = "Not found"
+
+
+class InvalidRequest(AgentError):
+    """The request is malformed; ``errors`` lists the offending fields and why."""
+
+    status = 422
+    type_name = "invalid-request"
+    title = "Invalid request"
+
+    def __init__(self, detail: str, errors: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(detail, errors=errors or [])
+
+
+class Unauthorized(AgentError):
+    status = 401
+    type_name = "unauthorized"
+    title = "Unauthorized"
+
+
+class Forbidden(AgentError):
+    status = 403
+    type_name = "forbidden"
+    title = "Forbidden"
+
+
+class Conflict(AgentError):
+    status = 409
+    type_name = "conflict"
+    title = "Conflict"
+
+
+class NotReady(AgentError):
+    """The agent is up but cannot answer yet (NVML not initialised, recovery running)."""
+
+    status = 503
+    type_name = "not-ready"
+    title = "Not ready"
+
+
+class StateLocked(AgentError):
+    """Another agent process holds the state directory."""
+
+    status = 409
+    type_name = "state-locked"
+    title = "State directory locked"
+
+    def __init__(self, *, path: str, holder_pid: str) -> None:
+        super().__init__(
+            f"another gpu-agent (pid {holder_pid}) holds {path}; one agent per state directory",
+            path=path,
+            holder_pid=holder_pid,
+        )
+
+
+class NvmlError(AgentError):
+    """An NVML call failed. ``code`` is the NVML return code, ``function`` the NVML function."""
+
+    status = 502
+    type_name = "nvml-error"
+    title = "NVML call failed"
+
+    def __init__(self, *, function: str, code: int, name: str, gpu: str | None = None) -> None:
+        where = f" on {gpu}" if gpu else ""
+        super().__init__(f"{function}{where} failed: {name} ({code})", function=function,
+                         code=code, nvml_error=name, gpu=gpu)
+        self.function = function
+        self.code = code
+        self.name = name
+        self.gpu = gpu
+
+
+class GpuLost(NvmlError):
+    """The GPU answered ``NVML_ERROR_GPU_IS_LOST``: it has fallen off the bus."""
+
+    status = 503
+    type_name = "gpu-lost"
+    title = "GPU lost"
+
+
+class BadRequest(AgentError):
+    """The body is not what the endpoint reads at all (not JSON, wrong content type)."""
+
+    status = 400
+    type_name = "bad-request"
+    title = "Bad request"

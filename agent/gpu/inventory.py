@@ -1,0 +1,275 @@
+"""Reading the node's GPUs from NVML into immutable values, and keeping the latest snapshot.
+
+Static attributes are read once; MIG mode, MIG devices and health are re-read on refresh,
+because other tools (``nvidia-smi mig``, mig-parted) can change them behind the agent's back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import time
+from functools import partial
+from collections.abc import Sequence
+from typing import Any
+
+from agent.errors import NotFound, NvmlError
+from agent.gpu.naming import mig_profile_name
+from agent.gpu.session import NvmlSession
+from agent.gpu.types import (
+    DriverInfo,
+    GiProfile,
+    Gpu,
+    GpuStatic,
+    Health,
+    MigDevice,
+    MigMode,
+    Placement,
+)
+
+log = logging.getLogger("agent.gpu.inventory")
+
+_ARCHITECTURES = {2: "kepler", 3: "maxwell", 4: "pascal", 5: "volta", 6: "turing",
+                  7: "ampere", 8: "ada", 9: "hopper", 10: "blackwell"}
+_BRANDS = {1: "quadro", 2: "tesla", 3: "nvs", 5: "geforce", 6: "titan", 12: "quadro_rtx",
+           13: "nvidia_rtx", 14: "nvidia"}
+# NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV1: the "+me" profile that carries the media engines.
+_PROFILE_INDEX_ME = 0x7
+# Words of the CPU set passed to nvmlDeviceGetCpuAffinity: 1024 CPUs, more than any host has.
+_CPU_SET_WORDS = 16
+_NOT_AVAILABLE = ("NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_INVALID_ARGUMENT")
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def cpu_list(words: Sequence[int]) -> str:
+    """A CPU bitmask (64-bit words, lowest CPU first) as a Linux cpulist like ``0-55,112-167``."""
+    cpus = [w * 64 + b for w, word in enumerate(words) for b in range(64) if word >> b & 1]
+    ranges: list[str] = []
+    start = prev = None
+    for cpu in [*cpus, None]:
+        if cpu is not None and prev is not None and cpu == prev + 1:
+            prev = cpu
+            continue
+        if start is not None:
+            ranges.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = cpu
+    return ",".join(ranges)
+
+
+def read_driver(session: NvmlSession) -> DriverInfo:
+    """Driver, CUDA driver and NVML versions."""
+    cuda = int(session.call("nvmlSystemGetCudaDriverVersion"))
+    return DriverInfo(
+        driver_version=_text(session.call("nvmlSystemGetDriverVersion")),
+        cuda_driver_version=f"{cuda // 1000}.{cuda % 1000 // 10}",
+        nvml_version=_text(session.call("nvmlSystemGetNVMLVersion")),
+    )
+
+
+def read_static(session: NvmlSession, index: int) -> GpuStatic:
+    """Attributes of GPU ``index`` that stay fixed while the driver is loaded."""
+    call = session.call
+    handle = call("nvmlDeviceGetHandleByIndex", index)
+    uuid = _text(call("nvmlDeviceGetUUID", handle))
+    major, minor = call("nvmlDeviceGetCudaComputeCapability", handle, gpu=uuid)
+    try:
+        call("nvmlDeviceGetMigMode", handle, gpu=uuid)
+        mig_capable = True
+    except NvmlError as err:
+        if err.name != "NVML_ERROR_NOT_SUPPORTED":
+            raise
+        mig_capable = False
+    try:
+        numa: int | None = int(call("nvmlDeviceGetNumaNodeId", handle, gpu=uuid))
+    except NvmlError as err:
+        if err.name not in _NOT_AVAILABLE:
+            raise
+        numa = None
+    affinity = call("nvmlDeviceGetCpuAffinity", handle, _CPU_SET_WORDS, gpu=uuid)
+    pci = call("nvmlDeviceGetPciInfo", handle, gpu=uuid)
+    memory = call("nvmlDeviceGetMemoryInfo", handle, gpu=uuid)
+    return GpuStatic(
+        index=index,
+        minor=int(call("nvmlDeviceGetMinorNumber", handle, gpu=uuid)),
+        uuid=uuid,
+        name=_text(call("nvmlDeviceGetName", handle, gpu=uuid)),
+        brand=_BRANDS.get(int(call("nvmlDeviceGetBrand", handle, gpu=uuid)), "unknown"),
+        architecture=_ARCHITECTURES.get(int(call("nvmlDeviceGetArchitecture", handle, gpu=uuid)),
+                                        "unknown"),
+        cuda_compute_capability=f"{major}.{minor}",
+        pci_bus_id=_text(pci.busId),
+        memory_total_mib=int(memory.total) // (1024 * 1024),
+        numa_node=numa,
+        cpu_affinity=cpu_list([int(w) for w in affinity]),
+        mig_capable=mig_capable,
+    )
+
+
+def read_gi_profiles(session: NvmlSession, handle: Any, static: GpuStatic) -> tuple[GiProfile, ...]:
+    """Walk the GPU-instance profile index constants, skipping those the GPU lacks (as
+    mig-parted does); ``id`` is the device profile ID that the create calls take."""
+    nvml = session.nvml
+    profiles: list[GiProfile] = []
+    for index in range(int(nvml.NVML_GPU_INSTANCE_PROFILE_COUNT)):
+        try:
+            info = session.call("nvmlDeviceGetGpuInstanceProfileInfo", handle, index,
+                                gpu=static.uuid)
+        except NvmlError as err:
+            if err.name in _NOT_AVAILABLE:
+                continue
+            raise
+        memory = int(info.memorySizeMB)
+        profiles.append(GiProfile(
+            id=int(info.id), index=index,
+            name=mig_profile_name(int(info.sliceCount), memory, static.memory_total_mib,
+                                  media_extensions=index == _PROFILE_INDEX_ME),
+            slices=int(info.sliceCount), memory_mib=memory,
+            multiprocessors=int(info.multiprocessorCount),
+            copy_engines=int(info.copyEngineCount), decoders=int(info.decoderCount),
+            encoders=int(info.encoderCount), jpeg_engines=int(info.jpegCount),
+            ofa_engines=int(info.ofaCount), max_instances=int(info.instanceCount),
+        ))
+    return tuple(profiles)
+
+
+def read_gpu_instances(session: NvmlSession, handle: Any, uuid: str,
+                       profiles: Sequence[GiProfile]) -> dict[int, tuple[GiProfile, Placement]]:
+    """GPU instances by GI id, walked per profile: unlike MIG device handles this also sees a
+    GI that has no compute instance (a half-made slice)."""
+    nvml = session.nvml
+    found: dict[int, tuple[GiProfile, Placement]] = {}
+    for profile in profiles:
+        capacity = max(profile.max_instances, 1)
+        array = (nvml.c_nvmlGpuInstance_t * capacity)()
+        count = ctypes.c_uint(capacity)
+        session.call("nvmlDeviceGetGpuInstances", handle, profile.id, array, ctypes.byref(count),
+                     gpu=uuid)
+        for gi in array[: count.value]:
+            info = session.call("nvmlGpuInstanceGetInfo", gi, gpu=uuid)
+            found[int(info.id)] = (profile, Placement(int(info.placement.start),
+                                                      int(info.placement.size)))
+    return found
+
+
+def read_mig_devices(session: NvmlSession, handle: Any, uuid: str,
+                     profiles: Sequence[GiProfile]) -> tuple[MigDevice, ...]:
+    """MIG devices by NVML MIG device index, with the profile and placement of their GI."""
+    instances = read_gpu_instances(session, handle, uuid, profiles)
+    devices: list[MigDevice] = []
+    for index in range(int(session.call("nvmlDeviceGetMaxMigDeviceCount", handle, gpu=uuid))):
+        try:
+            mig = session.call("nvmlDeviceGetMigDeviceHandleByIndex", handle, index, gpu=uuid)
+        except NvmlError as err:
+            if err.name == "NVML_ERROR_NOT_FOUND":
+                continue
+            raise
+        gi_id = int(session.call("nvmlDeviceGetGpuInstanceId", mig, gpu=uuid))
+        attributes = session.call("nvmlDeviceGetAttributes", mig, gpu=uuid)
+        if gi_id not in instances:
+            # Created between the two walks; the next refresh sees it whole.
+            continue
+        profile, placement = instances[gi_id]
+        devices.append(MigDevice(
+            index=index,
+            uuid=_text(session.call("nvmlDeviceGetUUID", mig, gpu=uuid)),
+            profile=profile.name,
+            gi_id=gi_id,
+            ci_id=int(session.call("nvmlDeviceGetComputeInstanceId", mig, gpu=uuid)),
+            placement=placement,
+            memory_mib=int(attributes.memorySizeMB),
+            multiprocessors=int(attributes.multiprocessorCount),
+        ))
+    return tuple(devices)
+
+
+def read_gpu(session: NvmlSession, static: GpuStatic,
+             profiles: tuple[GiProfile, ...]) -> Gpu:
+    """MIG mode, MIG devices and health of one GPU; a lost GPU keeps its static attributes."""
+    reasons: list[str] = []
+    mig_mode: MigMode | None = None
+    devices: tuple[MigDevice, ...] = ()
+    try:
+        handle = session.call("nvmlDeviceGetHandleByUUID", static.uuid, gpu=static.uuid)
+        if static.mig_capable:
+            current, pending = session.call("nvmlDeviceGetMigMode", handle, gpu=static.uuid)
+            mig_mode = MigMode(current=bool(current), pending=bool(pending))
+            if mig_mode.current:
+                if not profiles:
+                    profiles = read_gi_profiles(session, handle, static)
+                devices = read_mig_devices(session, handle, static.uuid, profiles)
+    except NvmlError as err:
+        reasons.append(err.detail)
+    lost = session.lost_reason(static.uuid)
+    if lost is not None and lost not in reasons:
+        reasons.insert(0, f"GPU is lost: {lost}")
+    return Gpu(static=static, mig_mode=mig_mode, mig_devices=devices,
+               health=Health(healthy=not reasons, reasons=tuple(reasons)), profiles=profiles)
+
+
+class GpuInventory:
+    """The node's GPUs: loaded once NVML is up, refreshed on demand (one refresh at a time;
+    concurrent callers share it)."""
+
+    def __init__(self, session: NvmlSession) -> None:
+        self._session = session
+        self._static: tuple[GpuStatic, ...] = ()
+        self._gpus: tuple[Gpu, ...] = ()
+        self._driver: DriverInfo | None = None
+        self._refreshing: asyncio.Task[tuple[Gpu, ...]] | None = None
+        self.refreshed_at = 0.0
+
+    @property
+    def loaded(self) -> bool:
+        return self._driver is not None
+
+    @property
+    def driver(self) -> DriverInfo:
+        if self._driver is None:
+            raise RuntimeError("inventory not loaded")
+        return self._driver
+
+    @property
+    def gpus(self) -> tuple[Gpu, ...]:
+        """The last snapshot, without touching NVML."""
+        return self._gpus
+
+    async def load(self) -> None:
+        """Read driver versions and every GPU's static attributes, then a first snapshot."""
+        def read_all() -> tuple[DriverInfo, tuple[GpuStatic, ...]]:
+            count = int(self._session.call("nvmlDeviceGetCount"))
+            return read_driver(self._session), tuple(
+                read_static(self._session, i) for i in range(count))
+
+        driver, statics = await self._session.read(read_all)
+        self._static = statics
+        self._driver = driver
+        await self.refresh()
+        log.info("inventory loaded", extra={"gpus": len(statics),
+                                            "driver": driver.driver_version})
+
+    async def refresh(self) -> tuple[Gpu, ...]:
+        """Re-read dynamic state of every GPU (in parallel, in the read pool)."""
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.ensure_future(self._refresh())
+        return await asyncio.shield(self._refreshing)
+
+    async def _refresh(self) -> tuple[Gpu, ...]:
+        previous = {g.uuid: g.profiles for g in self._gpus}
+        gpus = await asyncio.gather(*(
+            self._session.read(partial(read_gpu, self._session, s, previous.get(s.uuid, ())))
+            for s in self._static))
+        self._gpus = tuple(gpus)
+        self.refreshed_at = time.monotonic()
+        return self._gpus
+
+    def find(self, ref: str) -> Gpu:
+        """A GPU by index (``"0"``) or UUID; :class:`NotFound` otherwise."""
+        for gpu in self._gpus:
+            if ref == gpu.uuid or (ref.isdigit() and int(ref) == gpu.index):
+                return gpu
+        raise NotFound(f"no GPU {ref!r} on this node (known: indices 0-{len(self._gpus) - 1} "
+                       "or GPU UUIDs)", gpu=ref)

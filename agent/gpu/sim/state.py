@@ -1,0 +1,235 @@
+"""The simulated node's hardware state, and its file ``<state_dir>/sim/hardware.json``.
+
+What survives a restart of the agent (and of the simulator with it) is what survives one on a
+real node: GPUs, MIG modes, GPU and compute instances, running processes, lost GPUs. Faults,
+latencies and call counters are runtime-only and live elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn
+
+from agent.durable import keep_aside, write_atomic
+from agent.errors import AgentError, InvalidRequest
+from agent.gpu.sim.naming import gpu_uuid
+from agent.gpu.sim.presets import Preset
+
+SCHEMA_VERSION = 1
+
+
+class SimulatorStateError(AgentError):
+    """The simulator's state file cannot be used (corrupt, or written by a newer version)."""
+
+    status = 500
+    type_name = "simulator-state"
+    title = "Simulator state unusable"
+
+
+# eq=False everywhere: instances are identified by identity (the NVML facade maps handles to
+# them), and two equal-looking GIs on different GPUs are different objects.
+@dataclass(eq=False)
+class CiState:
+    id: int
+    profile_id: int
+    start: int
+    size: int
+    uuid: str
+
+
+@dataclass(eq=False)
+class GiState:
+    id: int
+    profile_id: int
+    start: int
+    size: int
+    compute_instances: list[CiState] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class GpuState:
+    index: int
+    uuid: str
+    mig_current: int = 0
+    mig_pending: int = 0
+    lost: bool = False
+    gpu_instances: list[GiState] = field(default_factory=list)
+    energy_mj: int = 0
+    """Energy counter value at ``energy_at`` (wall-clock seconds); power is constant between
+    two load changes, so the counter is this plus power times elapsed time."""
+    energy_at: float = 0.0
+
+
+@dataclass(eq=False)
+class ProcessState:
+    pid: int
+    device_uuid: str
+    """GPU UUID (MIG off) or MIG device UUID the process runs on."""
+    used_memory_mib: int
+
+
+@dataclass(eq=False)
+class HardwareState:
+    preset: str
+    seed: str
+    boot_id: str
+    gpus: list[GpuState]
+    processes: list[ProcessState] = field(default_factory=list)
+    mig_serial: int = 0
+    """Counts compute instances ever created, so a re-created one gets a new MIG UUID."""
+
+    @classmethod
+    def new(cls, preset: Preset) -> HardwareState:
+        """A freshly installed node: new seed (so its UUIDs are its own), MIG off everywhere."""
+        seed = secrets.token_hex(8)
+        now = time.time()
+        return cls(preset=preset.name, seed=seed, boot_id=str(uuid.uuid4()),
+                   gpus=[GpuState(index=i, uuid=gpu_uuid(preset.name, seed, i), energy_at=now)
+                         for i in range(preset.gpu_count)])
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "preset": self.preset,
+            "seed": self.seed,
+            "boot_id": self.boot_id,
+            "mig_serial": self.mig_serial,
+            "gpus": [{
+                "index": g.index,
+                "mig_current": g.mig_current,
+                "mig_pending": g.mig_pending,
+                "lost": g.lost,
+                "energy_mj": g.energy_mj,
+                "energy_at": g.energy_at,
+                "gpu_instances": [{
+                    "id": gi.id, "profile_id": gi.profile_id, "start": gi.start,
+                    "size": gi.size,
+                    "compute_instances": [{
+                        "id": ci.id, "profile_id": ci.profile_id, "start": ci.start,
+                        "size": ci.size, "uuid": ci.uuid,
+                    } for ci in gi.compute_instances],
+                } for gi in g.gpu_instances],
+            } for g in self.gpus],
+            "processes": [{"pid": p.pid, "device_uuid": p.device_uuid,
+                           "used_memory_mib": p.used_memory_mib} for p in self.processes],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> HardwareState:
+        """Parse (unknown fields ignored); KeyError/TypeError/ValueError on a bad document."""
+        preset, seed = str(data["preset"]), str(data["seed"])
+        gpus = [GpuState(
+            index=int(g["index"]), uuid=gpu_uuid(preset, seed, int(g["index"])),
+            mig_current=int(g["mig_current"]), mig_pending=int(g["mig_pending"]),
+            lost=bool(g["lost"]), energy_mj=int(g.get("energy_mj", 0)),
+            energy_at=float(g.get("energy_at", time.time())),
+            gpu_instances=[GiState(
+                id=int(gi["id"]), profile_id=int(gi["profile_id"]), start=int(gi["start"]),
+                size=int(gi["size"]),
+                compute_instances=[CiState(
+                    id=int(ci["id"]), profile_id=int(ci["profile_id"]), start=int(ci["start"]),
+                    size=int(ci["size"]), uuid=str(ci["uuid"]),
+                ) for ci in gi["compute_instances"]],
+            ) for gi in g["gpu_instances"]],
+        ) for g in data["gpus"]]
+        return cls(preset=preset, seed=seed, boot_id=str(data["boot_id"]), gpus=gpus,
+                   processes=[ProcessState(pid=int(p["pid"]), device_uuid=str(p["device_uuid"]),
+                                           used_memory_mib=int(p["used_memory_mib"]))
+                              for p in data["processes"]],
+                   mig_serial=int(data.get("mig_serial", 0)))
+
+
+def check_consistent(state: HardwareState, preset: Preset) -> None:
+    """Raise ValueError unless the state could exist on this preset's hardware."""
+    model = preset.gpu
+    if [g.index for g in state.gpus] != list(range(preset.gpu_count)):
+        raise ValueError(f"expected GPUs 0-{preset.gpu_count - 1}")
+    devices: set[str] = set()
+    for gpu in state.gpus:
+        devices.add(gpu.uuid)
+        if gpu.mig_current not in (0, 1) or gpu.mig_pending not in (0, 1):
+            raise ValueError(f"GPU {gpu.index}: bad MIG mode")
+        if gpu.gpu_instances and not gpu.mig_current:
+            raise ValueError(f"GPU {gpu.index}: GPU instances with MIG disabled")
+        used: set[int] = set()
+        for gi in gpu.gpu_instances:
+            profile = model.gi_profile(gi.profile_id)
+            if profile is None or gi.start not in profile.starts or gi.size != profile.size:
+                raise ValueError(f"GPU {gpu.index}: bad GPU instance {gi.id}")
+            slots = set(range(gi.start, gi.start + gi.size))
+            if used & slots:
+                raise ValueError(f"GPU {gpu.index}: overlapping GPU instances")
+            used |= slots
+            ci_used: set[int] = set()
+            for ci in gi.compute_instances:
+                ci_profile = model.ci_profile(profile, ci.profile_id)
+                if ci_profile is None or (ci.start, ci.size) not in ci_profile.placements:
+                    raise ValueError(f"GPU {gpu.index}: bad compute instance {gi.id}/{ci.id}")
+                ci_slots = set(range(ci.start, ci.start + ci.size))
+                if ci_used & ci_slots:
+                    raise ValueError(f"GPU {gpu.index}: overlapping compute instances")
+                ci_used |= ci_slots
+                devices.add(ci.uuid)
+    pids = [p.pid for p in state.processes]
+    if len(pids) != len(set(pids)):
+        raise ValueError("duplicate process ids")
+    for process in state.processes:
+        if process.device_uuid not in devices:
+            raise ValueError(f"process {process.pid} on unknown device {process.device_uuid}")
+
+
+class StateFile:
+    """``hardware.json``: read once at start, replaced atomically after every change."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def load(self, preset: Preset) -> HardwareState | None:
+        """The saved state, or None if there is none yet. A file that cannot be parsed or
+        does not fit the preset's hardware is kept aside and reported, never started over."""
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            data = json.loads(raw)
+            if not isinstance(data, dict) or not isinstance(data.get("schema_version"), int):
+                raise ValueError("not a JSON object with a schema_version")
+        except ValueError as err:
+            self._corrupt(err)
+        if data["schema_version"] > SCHEMA_VERSION:
+            raise SimulatorStateError(
+                f"{self.path} has schema version {data['schema_version']}; this simulator "
+                f"reads up to {SCHEMA_VERSION}. Use a newer gpu-agent or another state "
+                "directory.", path=str(self.path))
+        try:
+            state = HardwareState.from_json(data)
+        except (KeyError, TypeError, ValueError) as err:
+            self._corrupt(err)
+        if state.preset != preset.name:
+            raise InvalidRequest(
+                f"state directory {self.path.parent.parent} holds a simulated {state.preset!r} "
+                f"node, not {preset.name!r}; use --simulate {state.preset} or another state "
+                "directory", errors=[{"field": "preset", "message": f"this state directory "
+                                      f"is a {state.preset!r} node"}])
+        try:
+            check_consistent(state, preset)
+        except ValueError as err:
+            self._corrupt(err)
+        return state
+
+    def save(self, state: HardwareState) -> None:
+        data = json.dumps(state.to_json(), indent=1, sort_keys=True).encode() + b"\n"
+        write_atomic(self.path, data)
+
+    def _corrupt(self, err: Exception) -> NoReturn:
+        kept = keep_aside(self.path, "unparseable")
+        raise SimulatorStateError(
+            f"simulator state {self.path} is unusable ({type(err).__name__}: {err}); it was "
+            f"kept aside as {kept.name}. Inspect it, then remove it to start a fresh simulated "
+            "node (new GPU UUIDs).", path=str(self.path), kept_as=str(kept)) from err

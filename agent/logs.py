@@ -1,0 +1,66 @@
+"""Structured logging: one line per event, ``key=value`` (text) or JSON, never secrets."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+_RESERVED = set(vars(logging.makeLogRecord({})).keys()) | {"message", "asctime"}
+
+
+def _fields(record: logging.LogRecord) -> dict[str, Any]:
+    return {k: v for k, v in vars(record).items() if k not in _RESERVED}
+
+
+def _quote(value: Any) -> str:
+    text = str(value)
+    if text == "" or any(c in text for c in ' "=\n\t'):
+        return json.dumps(text)
+    return text
+
+
+class TextFormatter(logging.Formatter):
+    """``ts=... level=... logger=... msg="..." key=value ...`` on one line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        parts = [
+            f"ts={time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime(record.created))}"
+            f".{int(record.msecs):03d}Z",
+            f"level={record.levelname.lower()}",
+            f"logger={record.name}",
+            f"msg={_quote(record.getMessage())}",
+        ]
+        parts += [f"{k}={_quote(v)}" for k, v in _fields(record).items()]
+        if record.exc_info:
+            parts.append(f"exc={_quote(self.formatException(record.exc_info))}")
+        return " ".join(parts)
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, Any] = {
+            "ts": record.created,
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        doc.update(_fields(record))
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc, default=str)
+
+
+def configure(log_format: str, level: str = "info") -> None:
+    """Install the chosen formatter on the root logger (stderr)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    # aiohttp's own access log is replaced by the agent's one-line access log.
+    logging.getLogger("aiohttp.access").disabled = True

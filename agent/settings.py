@@ -1,0 +1,158 @@
+"""Settings of ``gpu-agent serve``, parsed once and frozen.
+
+Precedence: command-line flag, then ``GPU_AGENT_<FLAG>`` in the environment, then the TOML
+``--config`` file (keys are the flag names with ``_`` or ``-``), then the defaults.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agent.errors import InvalidRequest
+
+DEFAULT_SOCKET = "unix:/run/gpu-agent/agent.sock"
+DEFAULT_TCP = "127.0.0.1:9401"
+SIM_STATE_DIR = Path(".gpu-agent-sim")
+
+
+@dataclass(frozen=True)
+class Listener:
+    """Where the API listens: a TCP ``host:port`` (port 0 picks one) or a Unix socket path."""
+
+    host: str | None = None
+    port: int | None = None
+    path: Path | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Listener:
+        if text.startswith("unix:"):
+            if not text[5:]:
+                raise ValueError("unix: needs a socket path, e.g. unix:/run/gpu-agent/agent.sock")
+            return cls(path=Path(text[5:]))
+        host, sep, port = text.rpartition(":")
+        if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ValueError(f"{text!r} is neither HOST:PORT nor unix:PATH")
+        return cls(host=host.strip("[]") or "0.0.0.0", port=int(port))
+
+    def __str__(self) -> str:
+        return f"unix:{self.path}" if self.path else f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Settings:
+    simulate: str | None
+    state_dir: Path
+    cdi_dir: Path
+    listen: tuple[Listener, ...]
+    token_file: Path | None
+    auth_read: bool
+    log_format: str
+    log_level: str
+    proc_root: Path
+    node_name: str
+    max_body_bytes: int = 1 << 20
+    shutdown_timeout_s: float = 10.0
+
+
+# Flags the environment and the config file may set, with their parsers.
+_FLAG_TYPES: dict[str, str] = {
+    "simulate": "str", "state_dir": "path", "cdi_dir": "path", "listen": "list",
+    "token_file": "path", "auth_read": "bool", "log_format": "str", "log_level": "str",
+    "proc_root": "path", "node_name": "str", "config": "path",
+}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    kind = _FLAG_TYPES[name]
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off", ""):
+            return False
+        raise InvalidRequest(f"{name}: {value!r} is not a boolean",
+                             [{"field": name, "reason": "not a boolean"}])
+    if kind == "list":
+        if isinstance(value, str):
+            return [v.strip() for v in value.split(",") if v.strip()]
+        return [str(v) for v in value]
+    if kind == "path":
+        return Path(str(value))
+    return str(value)
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for name in _FLAG_TYPES:
+        key = f"GPU_AGENT_{name.upper()}"
+        if key in env:
+            found[name] = _coerce(name, env[key])
+    return found
+
+
+def _from_config(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            doc = tomllib.load(fh)
+    except OSError as err:
+        raise InvalidRequest(f"config file {path}: {err.strerror}") from err
+    except tomllib.TOMLDecodeError as err:
+        raise InvalidRequest(f"config file {path}: {err}") from err
+    found: dict[str, Any] = {}
+    for key, value in doc.items():
+        name = key.replace("-", "_")
+        if name not in _FLAG_TYPES or name == "config":
+            raise InvalidRequest(f"config file {path}: unknown key {key!r}",
+                                 [{"field": key, "reason": "unknown key"}])
+        found[name] = _coerce(name, value)
+    return found
+
+
+def resolve(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Settings:
+    """Merge flags (``None`` = not given), environment and config file into :class:`Settings`."""
+    env = os.environ if env is None else env
+    from_env = _from_env(env)
+    given = {k: v for k, v in flags.items() if v is not None and v != []}
+    config_path = given.get("config") or from_env.get("config")
+    merged: dict[str, Any] = _from_config(Path(config_path)) if config_path else {}
+    merged.update(from_env)
+    merged.update(given)
+
+    simulate = merged.get("simulate")
+    state_dir = Path(merged.get("state_dir") or
+                     (SIM_STATE_DIR if simulate else Path("/var/lib/gpu-agent"))).absolute()
+    if simulate:
+        default_listen = [f"unix:{state_dir / 'agent.sock'}", DEFAULT_TCP]
+    else:
+        default_listen = [DEFAULT_SOCKET, DEFAULT_TCP]
+    try:
+        listen = tuple(Listener.parse(t) for t in (merged.get("listen") or default_listen))
+    except ValueError as err:
+        raise InvalidRequest(f"--listen: {err}", [{"field": "listen", "reason": str(err)}]) from err
+    log_format = merged.get("log_format", "text")
+    if log_format not in ("text", "json"):
+        raise InvalidRequest(f"--log-format must be text or json, not {log_format!r}",
+                             [{"field": "log_format", "reason": "not text or json"}])
+    return Settings(
+        simulate=simulate,
+        state_dir=state_dir,
+        cdi_dir=Path(merged.get("cdi_dir") or
+                     (state_dir / "cdi" if simulate else Path("/var/run/cdi"))).absolute(),
+        listen=listen,
+        token_file=merged.get("token_file"),
+        auth_read=bool(merged.get("auth_read", False)),
+        log_format=log_format,
+        log_level=str(merged.get("log_level", "info")),
+        proc_root=Path(merged.get("proc_root") or
+                       (state_dir / "proc" if simulate else Path("/proc"))).absolute(),
+        node_name=str(merged.get("node_name") or env.get("NODE_NAME") or socket.gethostname()),
+    )
+

@@ -1,0 +1,1 @@
+"""Container Device Interface specs for the devices the agent prepares."""

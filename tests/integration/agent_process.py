@@ -1,0 +1,133 @@
+"""Starting and talking to a real ``gpu-agent serve`` process, for integration tests."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: Any
+
+    @property
+    def content_type(self) -> str:
+        return self.headers.get("content-type", "").split(";")[0]
+
+
+class _Unix(http.client.HTTPConnection):
+    def __init__(self, path: Path) -> None:
+        super().__init__("localhost", timeout=30)
+        self._path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(30)
+        self.sock.connect(str(self._path))
+
+
+@dataclass
+class AgentProcess:
+    proc: subprocess.Popen[bytes]
+    state_dir: Path
+    log_path: Path
+    url: str = ""
+    token: str | None = None
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def socket_path(self) -> Path:
+        return self.state_dir / "agent.sock"
+
+    def request(self, method: str, path: str, body: Any = None, *, token: str | None = "auto",
+                unix: bool = False, raw: bytes | None = None,
+                headers: dict[str, str] | None = None) -> Reply:
+        """One HTTP request; ``token="auto"`` sends the agent's token, ``None`` sends none."""
+        sent = dict(headers or {})
+        if token == "auto":
+            token = self.token
+        if token:
+            sent["Authorization"] = f"Bearer {token}"
+        data = raw
+        if body is not None:
+            data = json.dumps(body).encode()
+            sent.setdefault("Content-Type", "application/json")
+        if unix:
+            conn: http.client.HTTPConnection = _Unix(self.socket_path)
+        else:
+            host, port = self.url.removeprefix("http://").rsplit(":", 1)
+            conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        try:
+            conn.request(method, path, body=data, headers=sent)
+            response = conn.getresponse()
+            payload = response.read()
+        finally:
+            conn.close()
+        headers_out = {k.lower(): v for k, v in response.getheaders()}
+        parsed: Any = payload.decode(errors="replace")
+        if payload and headers_out.get("content-type", "").split(";")[0].endswith("json"):
+            parsed = json.loads(payload)
+        return Reply(response.status, headers_out, parsed)
+
+    def wait_ready(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.request("GET", "/readyz", token=None).status == 200:
+                return
+            self._check_alive()
+            time.sleep(0.05)
+        raise AssertionError(f"agent not ready after {timeout}s:\n{self.log()}")
+
+    def _check_alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"agent exited with {self.proc.returncode}:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+
+def start_agent(state_dir: Path, *, preset: str | None = "dgx-h100", extra: list[str] | None = None,
+                env: dict[str, str] | None = None, wait_ready: bool = True) -> AgentProcess:
+    """Start ``python -m agent serve`` on an ephemeral port and the state dir's socket."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    args = [sys.executable, "-m", "agent", "serve", "--state-dir", str(state_dir),
+            "--listen", "127.0.0.1:0", "--listen", f"unix:{state_dir / 'agent.sock'}",
+            *(["--simulate", preset] if preset else []), *(extra or [])]
+    log_path = state_dir.parent / f"{state_dir.name}.log"
+    log = log_path.open("ab")
+    listeners = state_dir / "listeners.json"
+    listeners.unlink(missing_ok=True)
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})}, start_new_session=True)
+    agent = AgentProcess(proc, state_dir, log_path, args=args)
+    deadline = time.monotonic() + 30
+    while not listeners.exists():
+        agent._check_alive()
+        if time.monotonic() > deadline:
+            agent.stop(signal.SIGKILL)
+            raise AssertionError(f"agent did not listen:\n{agent.log()}")
+        time.sleep(0.02)
+    bound = json.loads(listeners.read_text())["listeners"]
+    agent.url = next(u for u in bound if u.startswith("http://"))
+    tokens = state_dir / "tokens"
+    if tokens.exists():
+        agent.token = tokens.read_text().split(":")[1].strip()
+    if wait_ready:
+        agent.wait_ready()
+    return agent

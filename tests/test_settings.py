@@ -1,0 +1,75 @@
+"""Settings: flags beat environment beat config file beat defaults; bad values are named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agent.errors import InvalidRequest
+from agent.settings import Listener, resolve
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("127.0.0.1:9401", Listener(host="127.0.0.1", port=9401)),
+    ("0.0.0.0:0", Listener(host="0.0.0.0", port=0)),
+    ("[::1]:8080", Listener(host="::1", port=8080)),
+    (":9401", Listener(host="0.0.0.0", port=9401)),
+    ("unix:/run/gpu-agent/agent.sock", Listener(path=Path("/run/gpu-agent/agent.sock"))),
+])
+def test_listener_forms(text: str, expected: Listener) -> None:
+    assert Listener.parse(text) == expected
+
+
+@pytest.mark.parametrize("text", ["localhost", "host:port", "1.2.3.4:70000", "unix:"])
+def test_bad_listener_is_rejected(text: str) -> None:
+    with pytest.raises(ValueError, match="HOST:PORT|socket path"):
+        Listener.parse(text)
+
+
+def test_simulate_defaults_keep_everything_in_the_state_dir(tmp_path: Path) -> None:
+    s = resolve({"simulate": "dgx-h100", "state_dir": str(tmp_path)}, env={})
+    assert s.listen == (Listener(path=tmp_path / "agent.sock"),
+                        Listener(host="127.0.0.1", port=9401))
+    assert s.proc_root == tmp_path / "proc"
+    assert s.cdi_dir == tmp_path / "cdi"
+
+
+def test_real_node_defaults() -> None:
+    s = resolve({}, env={"NODE_NAME": "worker-1"})
+    assert s.simulate is None
+    assert s.state_dir == Path("/var/lib/gpu-agent")
+    assert [str(x) for x in s.listen] == ["unix:/run/gpu-agent/agent.sock", "127.0.0.1:9401"]
+    assert s.node_name == "worker-1"
+    assert s.proc_root == Path("/proc")
+
+
+def test_precedence_flag_over_env_over_config(tmp_path: Path) -> None:
+    config = tmp_path / "agent.toml"
+    config.write_text('log-format = "json"\nauth_read = true\nnode_name = "from-config"\n'
+                      'listen = ["127.0.0.1:1"]\n')
+    env = {"GPU_AGENT_CONFIG": str(config), "GPU_AGENT_NODE_NAME": "from-env",
+           "GPU_AGENT_LISTEN": "127.0.0.1:2,unix:/tmp/x.sock"}
+    s = resolve({"node_name": "from-flag"}, env=env)
+    assert s.node_name == "from-flag"
+    assert [str(x) for x in s.listen] == ["127.0.0.1:2", "unix:/tmp/x.sock"]
+    assert s.log_format == "json"
+    assert s.auth_read is True
+
+
+@pytest.mark.parametrize(("env", "field"), [
+    ({"GPU_AGENT_AUTH_READ": "maybe"}, "auth_read"),
+    ({"GPU_AGENT_LOG_FORMAT": "xml"}, "log_format"),
+    ({"GPU_AGENT_LISTEN": "nowhere"}, "listen"),
+])
+def test_bad_values_name_the_field(env: dict[str, str], field: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        resolve({}, env=env)
+    assert info.value.extra["errors"][0]["field"] == field
+
+
+def test_unknown_config_key_is_an_error(tmp_path: Path) -> None:
+    config = tmp_path / "agent.toml"
+    config.write_text("listn = ['127.0.0.1:1']\n")
+    with pytest.raises(InvalidRequest, match="unknown key 'listn'"):
+        resolve({"config": str(config)}, env={})
