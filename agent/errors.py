@@ -110,3 +110,11 @@ class BadRequest(AgentError):
     status = 400
     type_name = "bad-request"
     title = "Bad request"
+
+
+class GeometryNotPlaceable(AgentError):
+    """A desired MIG geometry cannot be placed on the GPU; ``detail`` says why in words."""
+
+    status = 422
+    type_name = "geometry-not-placeable"
+    title = "MIG geometry cannot be placed"

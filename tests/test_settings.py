@@ -23,7 +23,7 @@ def test_listener_forms(text: str, expected: Listener) -> None:
 
 @pytest.mark.parametrize("text", ["localhost", "host:port", "1.2.3.4:70000", "unix:"])
 def test_bad_listener_is_rejected(text: str) -> None:
-    with pytest.raises(ValueError, match="HOST:PORT|socket path"):
+    with pytest.raises(ValueError, match=r"HOST:PORT|socket path"):
         Listener.parse(text)
 
 

@@ -49,3 +49,5 @@ class AgentContext:
 
 AGENT = web.AppKey("agent", AgentContext)
 MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
+REQUEST_ID = web.RequestKey("request_id", str)
+PRINCIPAL = web.RequestKey("principal", str)

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from agent.api.context import MAX_BODY_BYTES
+from agent.api.context import MAX_BODY_BYTES, REQUEST_ID
 from agent.errors import AgentError, BadRequest, InvalidRequest
 
 log = logging.getLogger("agent.api")
@@ -28,7 +28,7 @@ def problem_response(request: web.Request, *, status: int, type_name: str, title
         "status": status,
         "detail": detail,
         "instance": request.path,
-        "request_id": request.get("request_id"),
+        "request_id": request.get(REQUEST_ID),
     }
     for key, value in (extra or {}).items():
         if value is not None:
@@ -91,9 +91,9 @@ async def problem_middleware(request: web.Request, handler: Any) -> web.StreamRe
                                 type_name=exc.reason.lower().replace(" ", "-"),
                                 title=exc.reason, detail=detail, headers=headers)
     except Exception:
-        log.exception("unhandled error", extra={"request_id": request.get("request_id"),
+        log.exception("unhandled error", extra={"request_id": request.get(REQUEST_ID),
                                                 "path": request.path})
         return problem_response(request, status=500, type_name="internal-error",
                                 title="Internal error",
                                 detail="the agent failed unexpectedly; see its log for "
-                                       f"request id {request.get('request_id')}")
+                                       f"request id {request.get(REQUEST_ID)}")

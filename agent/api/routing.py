@@ -12,13 +12,12 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from pydantic import BaseModel
 
-from agent.api.context import AGENT
+from agent.api.context import AGENT, PRINCIPAL, REQUEST_ID
 from agent.errors import Forbidden
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 access_log = logging.getLogger("agent.access")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-ROUTE_KEY = "route_spec"
 
 
 @dataclass(frozen=True)
@@ -87,14 +86,14 @@ def _spec_of(request: web.Request) -> Route | None:
 async def request_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Request id in and out, and one access-log line per request."""
     offered = request.headers.get("X-Request-Id", "")
-    request["request_id"] = offered if _REQUEST_ID.match(offered) else uuid.uuid4().hex
-    request["principal"] = "-"
+    request[REQUEST_ID] = offered if _REQUEST_ID.match(offered) else uuid.uuid4().hex
+    request[PRINCIPAL] = "-"
     started = time.perf_counter()
     status = 500
     try:
         response = await handler(request)
         status = response.status
-        response.headers["X-Request-Id"] = request["request_id"]
+        response.headers["X-Request-Id"] = request[REQUEST_ID]
         return response
     finally:
         elapsed_ms = (time.perf_counter() - started) * 1000
@@ -103,8 +102,8 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
         request.app[AGENT].metrics.http_requests.labels(request.method, route, str(status)).inc()
         access_log.info("request", extra={
             "method": request.method, "path": request.path, "status": status,
-            "duration_ms": round(elapsed_ms, 2), "request_id": request["request_id"],
-            "peer": request.remote or "unix", "principal": request["principal"]})
+            "duration_ms": round(elapsed_ms, 2), "request_id": request[REQUEST_ID],
+            "peer": request.remote or "unix", "principal": request[PRINCIPAL]})
 
 
 @web.middleware
@@ -121,7 +120,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
                     "'name:token[:scope,...]' to a file readable only by the agent and start it "
                     "with --token-file FILE (or GPU_AGENT_TOKEN_FILE)")
             principal = ctx.tokens.authenticate(request.headers.get("Authorization"))
-            request["principal"] = principal.name
+            request[PRINCIPAL] = principal.name
             principal.require(spec.scope or "read")
     return await handler(request)
 

@@ -10,11 +10,12 @@ import asyncio
 import ctypes
 import logging
 import time
-from functools import partial
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
-from agent.errors import NotFound, NvmlError
+from agent.errors import GpuLost, NotFound, NvmlError
+from agent.gpu.mig import read_instances
 from agent.gpu.naming import mig_profile_name
 from agent.gpu.session import NvmlSession
 from agent.gpu.types import (
@@ -73,7 +74,18 @@ def read_driver(session: NvmlSession) -> DriverInfo:
 def read_static(session: NvmlSession, index: int) -> GpuStatic:
     """Attributes of GPU ``index`` that stay fixed while the driver is loaded."""
     call = session.call
-    handle = call("nvmlDeviceGetHandleByIndex", index)
+    try:
+        handle = call("nvmlDeviceGetHandleByIndex", index)
+    except GpuLost:
+        # NVML gives no handle, hence no UUID, for a GPU that fell off the bus; list it anyway
+        # (unhealthy) so operators see it, rather than refusing to start.
+        placeholder = f"GPU-LOST-{index}"
+        session.mark_lost(placeholder, "nvmlDeviceGetHandleByIndex returned "
+                                       "NVML_ERROR_GPU_IS_LOST at start-up")
+        return GpuStatic(index=index, minor=-1, uuid=placeholder, name="unknown (GPU is lost)",
+                         brand="unknown", architecture="unknown", cuda_compute_capability="",
+                         pci_bus_id="", memory_total_mib=0, numa_node=None, cpu_affinity="",
+                         mig_capable=False)
     uuid = _text(call("nvmlDeviceGetUUID", handle))
     major, minor = call("nvmlDeviceGetCudaComputeCapability", handle, gpu=uuid)
     try:
@@ -123,6 +135,12 @@ def read_gi_profiles(session: NvmlSession, handle: Any, static: GpuStatic) -> tu
                 continue
             raise
         memory = int(info.memorySizeMB)
+        capacity = max(int(info.instanceCount), 1) * 8
+        array = (nvml.c_nvmlGpuInstancePlacement_t * capacity)()
+        count = ctypes.c_uint(capacity)
+        session.call("nvmlDeviceGetGpuInstancePossiblePlacements", handle, int(info.id), array,
+                     ctypes.byref(count), gpu=static.uuid)
+        placements = tuple(Placement(int(p.start), int(p.size)) for p in array[: count.value])
         profiles.append(GiProfile(
             id=int(info.id), index=index,
             name=mig_profile_name(int(info.sliceCount), memory, static.memory_total_mib,
@@ -132,33 +150,17 @@ def read_gi_profiles(session: NvmlSession, handle: Any, static: GpuStatic) -> tu
             copy_engines=int(info.copyEngineCount), decoders=int(info.decoderCount),
             encoders=int(info.encoderCount), jpeg_engines=int(info.jpegCount),
             ofa_engines=int(info.ofaCount), max_instances=int(info.instanceCount),
+            placements=placements, media_extensions=index == _PROFILE_INDEX_ME,
         ))
     return tuple(profiles)
-
-
-def read_gpu_instances(session: NvmlSession, handle: Any, uuid: str,
-                       profiles: Sequence[GiProfile]) -> dict[int, tuple[GiProfile, Placement]]:
-    """GPU instances by GI id, walked per profile: unlike MIG device handles this also sees a
-    GI that has no compute instance (a half-made slice)."""
-    nvml = session.nvml
-    found: dict[int, tuple[GiProfile, Placement]] = {}
-    for profile in profiles:
-        capacity = max(profile.max_instances, 1)
-        array = (nvml.c_nvmlGpuInstance_t * capacity)()
-        count = ctypes.c_uint(capacity)
-        session.call("nvmlDeviceGetGpuInstances", handle, profile.id, array, ctypes.byref(count),
-                     gpu=uuid)
-        for gi in array[: count.value]:
-            info = session.call("nvmlGpuInstanceGetInfo", gi, gpu=uuid)
-            found[int(info.id)] = (profile, Placement(int(info.placement.start),
-                                                      int(info.placement.size)))
-    return found
 
 
 def read_mig_devices(session: NvmlSession, handle: Any, uuid: str,
                      profiles: Sequence[GiProfile]) -> tuple[MigDevice, ...]:
     """MIG devices by NVML MIG device index, with the profile and placement of their GI."""
-    instances = read_gpu_instances(session, handle, uuid, profiles)
+    names = {p.id: p.name for p in profiles}
+    instances = {gi.id: (names.get(gi.profile_id, f"profile-{gi.profile_id}"), gi.placement)
+                 for gi in read_instances(session, handle, uuid, profiles)}
     devices: list[MigDevice] = []
     for index in range(int(session.call("nvmlDeviceGetMaxMigDeviceCount", handle, gpu=uuid))):
         try:
@@ -176,7 +178,7 @@ def read_mig_devices(session: NvmlSession, handle: Any, uuid: str,
         devices.append(MigDevice(
             index=index,
             uuid=_text(session.call("nvmlDeviceGetUUID", mig, gpu=uuid)),
-            profile=profile.name,
+            profile=profile,
             gi_id=gi_id,
             ci_id=int(session.call("nvmlDeviceGetComputeInstanceId", mig, gpu=uuid)),
             placement=placement,
@@ -193,6 +195,9 @@ def read_gpu(session: NvmlSession, static: GpuStatic,
     mig_mode: MigMode | None = None
     devices: tuple[MigDevice, ...] = ()
     try:
+        if static.minor < 0:
+            raise GpuLost(function="nvmlDeviceGetHandleByIndex", code=15,
+                          name="NVML_ERROR_GPU_IS_LOST", gpu=static.uuid)
         handle = session.call("nvmlDeviceGetHandleByUUID", static.uuid, gpu=static.uuid)
         if static.mig_capable:
             current, pending = session.call("nvmlDeviceGetMigMode", handle, gpu=static.uuid)

@@ -48,6 +48,8 @@ class GiProfile:
     jpeg_engines: int
     ofa_engines: int
     max_instances: int
+    placements: tuple[Placement, ...] = ()
+    media_extensions: bool = False
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,33 @@ class Gpu:
     @property
     def index(self) -> int:
         return self.static.index
+
+
+@dataclass(frozen=True)
+class ComputeInstanceState:
+    id: int
+    profile_id: int
+    placement: Placement
+
+
+@dataclass(frozen=True)
+class GpuInstanceState:
+    """A GPU instance as NVML lists it, with its compute instances (possibly none)."""
+
+    id: int
+    profile_id: int
+    placement: Placement
+    compute_instances: tuple[ComputeInstanceState, ...]
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    """A compute process; ``gi_id``/``ci_id`` say which MIG device it runs on, if any."""
+
+    pid: int
+    used_memory_mib: int
+    gi_id: int | None
+    ci_id: int | None
 
 
 @dataclass(frozen=True)

@@ -110,11 +110,11 @@ def start_agent(state_dir: Path, *, preset: str | None = "dgx-h100", extra: list
             "--listen", "127.0.0.1:0", "--listen", f"unix:{state_dir / 'agent.sock'}",
             *(["--simulate", preset] if preset else []), *(extra or [])]
     log_path = state_dir.parent / f"{state_dir.name}.log"
-    log = log_path.open("ab")
     listeners = state_dir / "listeners.json"
     listeners.unlink(missing_ok=True)
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, **(env or {})}, start_new_session=True)
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})}, start_new_session=True)
     agent = AgentProcess(proc, state_dir, log_path, args=args)
     deadline = time.monotonic() + 30
     while not listeners.exists():

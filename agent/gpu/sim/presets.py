@@ -3,11 +3,13 @@ and whole-node presets (GPU count, PCI bus ids, NUMA layout, CPUs)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
 from agent.errors import InvalidRequest
-from agent.gpu.sim.naming import compute_instance_name, mig_profile_name
+from agent.gpu.naming import mig_profile_name
+from agent.gpu.sim.naming import compute_instance_name
 
 Architecture = Literal["ampere", "hopper", "ada"]
 
@@ -120,36 +122,43 @@ class GpuModel:
 
     def ci_profiles(self, gi: GiProfile) -> tuple[CiProfile, ...]:
         """The CI profiles a GI of this profile offers, REV1 included where the SKU has it."""
-        gi_name = gi.name(self.memory_mib)
-        rev2 = gi.index == GI_PROFILE_1_SLICE_REV2
-        profiles: list[CiProfile] = []
-        for c in _CI_SIZES[gi.slices]:
-            # The CI spanning the GI gets all of the GI's SMs (3g = 60 on H100, not 48), except
-            # in Hopper's REV2 GI, where the plain 1c CI gets one slice's SMs (16 of 26) and
-            # the REV1 CI is the one that gets them all.
-            whole = c == gi.slices and not (rev2 and self.rev1_ci_multiprocessors)
-            placements = _ci_placements(c, gi.slices)
-            sms = gi.multiprocessors if whole else c * self.sm_per_slice
-            profiles.append(CiProfile(
-                id=CI_PROFILE_BY_SLICES[c], slices=c, instance_count=len(placements),
-                multiprocessors=sms, placements=placements,
-                name=compute_instance_name(c, gi_name, whole=whole)))
-        rev1_name = compute_instance_name(1, gi_name, whole=rev2)
-        if self.rev1_ci_multiprocessors == 0:
-            one = profiles[0]
-            profiles.append(CiProfile(
-                id=CI_PROFILE_1_SLICE_REV1, slices=1, instance_count=one.instance_count,
-                multiprocessors=one.multiprocessors, placements=one.placements, name=one.name))
-        elif rev2 or gi.slices == 2:
-            # More SMs than one slice holds, so it cannot share the GI: it occupies all of it.
-            profiles.append(CiProfile(
-                id=CI_PROFILE_1_SLICE_REV1, slices=1, instance_count=1,
-                multiprocessors=self.rev1_ci_multiprocessors,
-                placements=((0, gi.slices),), name=rev1_name))
-        return tuple(profiles)
+        return _ci_profiles(self, gi)
 
     def ci_profile(self, gi: GiProfile, profile_id: int) -> CiProfile | None:
         return next((p for p in self.ci_profiles(gi) if p.id == profile_id), None)
+
+
+@functools.cache
+def _ci_profiles(model: GpuModel, gi: GiProfile) -> tuple[CiProfile, ...]:
+    """GpuModel.ci_profiles, computed once per (model, GI profile)."""
+    gi_name = gi.name(model.memory_mib)
+    rev2 = gi.index == GI_PROFILE_1_SLICE_REV2
+    profiles: list[CiProfile] = []
+    for c in _CI_SIZES[gi.slices]:
+        # The CI spanning the GI gets all of the GI's SMs (3g = 60 on H100, not 48), except
+        # in Hopper's REV2 GI, where the plain 1c CI gets one slice's SMs (16 of 26) and
+        # the REV1 CI is the one that gets them all.
+        whole = c == gi.slices and not (rev2 and model.rev1_ci_multiprocessors)
+        placements = _ci_placements(c, gi.slices)
+        sms = gi.multiprocessors if whole else c * model.sm_per_slice
+        profiles.append(CiProfile(
+            id=CI_PROFILE_BY_SLICES[c], slices=c, instance_count=len(placements),
+            multiprocessors=sms, placements=placements,
+            name=compute_instance_name(c, gi_name, whole=whole)))
+    rev1_name = compute_instance_name(1, gi_name, whole=rev2)
+    if model.rev1_ci_multiprocessors == 0:
+        # Ampere: REV1 mirrors the 1-slice CI in every GI.
+        one = profiles[0]
+        profiles.append(CiProfile(
+            id=CI_PROFILE_1_SLICE_REV1, slices=1, instance_count=one.instance_count,
+            multiprocessors=one.multiprocessors, placements=one.placements, name=one.name))
+    elif rev2 or gi.slices == 2:
+        # More SMs than one slice holds, so it cannot share the GI: it occupies all of it.
+        profiles.append(CiProfile(
+            id=CI_PROFILE_1_SLICE_REV1, slices=1, instance_count=1,
+            multiprocessors=model.rev1_ci_multiprocessors,
+            placements=((0, gi.slices),), name=rev1_name))
+    return tuple(profiles)
 
 
 def _ci_placements(c: int, g: int) -> tuple[tuple[int, int], ...]:
@@ -203,12 +212,14 @@ class Preset:
         return len(self.bus_numbers)
 
 
-def _gi(id: int, index: int, slices: int, *, mib: int, sms: int, engines: Engines,
+def _gi(profile_id: int, index: int, slices: int, *, mib: int, sms: int, engines: Engines,
         me: bool = False) -> GiProfile:
     """A GI profile row; placements, GI ids and auto-placement order follow from the id."""
-    layout = _PLACEMENT_TABLE[id]
-    return GiProfile(id=id, index=index, slices=slices, memory_mib=mib,
-                     multiprocessors=sms, engines=engines, instance_count=len(layout[0]),
+    layout = _PLACEMENT_TABLE[profile_id]
+    return GiProfile(id=profile_id, index=index, slices=slices, memory_mib=mib,
+                     multiprocessors=sms, engines=engines,
+                     # One +me instance at most: the GPU has one set of media engines.
+                     instance_count=1 if me else len(layout[0]),
                      starts=layout[0], size=layout[1], gi_ids=layout[2], auto_order=layout[3],
                      media_extensions=me)
 
@@ -261,6 +272,8 @@ def _gib(shown: float) -> int:
     return round(shown * 8) * 128
 
 
+# PCI device ids are the real ones (gpu-operator's table); subsystem ids are plausible board
+# ids for these systems, not checked against hardware.
 A100_SXM4_40GB = GpuModel(
     name="NVIDIA A100-SXM4-40GB", architecture="ampere", cuda_capability=(8, 0),
     memory_mib=40960, multiprocessors=108, pci_device_id=0x20B010DE,
@@ -347,4 +360,4 @@ def get_preset(name: str) -> Preset:
         known = ", ".join(PRESETS)
         raise InvalidRequest(
             f"unknown simulator preset {name!r}; known presets: {known}",
-            errors=[{"field": "preset", "message": f"must be one of: {known}"}]) from None
+            errors=[{"field": "preset", "reason": f"must be one of: {known}"}]) from None

@@ -215,7 +215,7 @@ class StateFile:
             raise InvalidRequest(
                 f"state directory {self.path.parent.parent} holds a simulated {state.preset!r} "
                 f"node, not {preset.name!r}; use --simulate {state.preset} or another state "
-                "directory", errors=[{"field": "preset", "message": f"this state directory "
+                "directory", errors=[{"field": "preset", "reason": f"this state directory "
                                       f"is a {state.preset!r} node"}])
         try:
             check_consistent(state, preset)

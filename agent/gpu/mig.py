@@ -1,0 +1,147 @@
+"""MIG through NVML: walking GPU and compute instances, and the four mutations (GI/CI create
+and destroy) plus MIG mode. Every function runs in an NVML worker thread.
+
+The walk goes per GPU-instance profile and then per compute-instance profile, never through
+MIG device handles: a GI whose CI failed to create is invisible to those (dra-driver #1452),
+and cached handles go stale after any change (libcudacxx #224).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Any
+
+from agent.errors import NvmlError
+from agent.gpu.session import NvmlSession
+from agent.gpu.types import (
+    ComputeInstanceState,
+    GiProfile,
+    GpuInstanceState,
+    GpuProcess,
+    MigMode,
+    Placement,
+)
+
+_NOT_AVAILABLE = ("NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_INVALID_ARGUMENT")
+# NVML reports "no instance" in process records as 0xFFFFFFFF.
+_NO_INSTANCE = 0xFFFFFFFF
+# Enough room for every CI a GI can hold (7 on a 7g).
+_MAX_CIS = 8
+
+
+def _ci_profiles(session: NvmlSession, gi: Any, uuid: str) -> list[Any]:
+    """The compute-instance profiles this GPU instance offers (NVML profile info structs)."""
+    nvml = session.nvml
+    found = []
+    for constant in range(int(nvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT)):
+        try:
+            found.append(session.call("nvmlGpuInstanceGetComputeInstanceProfileInfo", gi,
+                                      constant, nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
+                                      gpu=uuid))
+        except NvmlError as err:
+            if err.name not in _NOT_AVAILABLE:
+                raise
+    return found
+
+
+def _compute_instances(session: NvmlSession, gi: Any, uuid: str) -> list[tuple[Any, Any]]:
+    """(handle, info) of every compute instance in a GPU instance."""
+    nvml = session.nvml
+    found = []
+    for profile in _ci_profiles(session, gi, uuid):
+        array = (nvml.c_nvmlComputeInstance_t * _MAX_CIS)()
+        count = ctypes.c_uint(_MAX_CIS)
+        session.call("nvmlGpuInstanceGetComputeInstances", gi, int(profile.id), array,
+                     ctypes.byref(count), gpu=uuid)
+        for ci in array[: count.value]:
+            found.append((ci, session.call("nvmlComputeInstanceGetInfo", ci, gpu=uuid)))
+    return found
+
+
+def read_instances(session: NvmlSession, handle: Any, uuid: str,
+                   profiles: Sequence[GiProfile]) -> tuple[GpuInstanceState, ...]:
+    """Every GPU instance with its compute instances, ordered by GI id."""
+    nvml = session.nvml
+    found: list[GpuInstanceState] = []
+    for profile in profiles:
+        capacity = max(profile.max_instances, 1)
+        array = (nvml.c_nvmlGpuInstance_t * capacity)()
+        count = ctypes.c_uint(capacity)
+        session.call("nvmlDeviceGetGpuInstances", handle, profile.id, array, ctypes.byref(count),
+                     gpu=uuid)
+        for gi in array[: count.value]:
+            info = session.call("nvmlGpuInstanceGetInfo", gi, gpu=uuid)
+            cis = tuple(sorted(
+                (ComputeInstanceState(int(ci.id), int(ci.profileId),
+                                      Placement(int(ci.placement.start), int(ci.placement.size)))
+                 for _, ci in _compute_instances(session, gi, uuid)), key=lambda c: c.id))
+            found.append(GpuInstanceState(
+                id=int(info.id), profile_id=int(info.profileId),
+                placement=Placement(int(info.placement.start), int(info.placement.size)),
+                compute_instances=cis))
+    return tuple(sorted(found, key=lambda g: g.id))
+
+
+def create_gpu_instance(session: NvmlSession, handle: Any, uuid: str, profile_id: int,
+                        placement: Placement) -> int:
+    """Create a GI at an explicit placement (never driver auto-placement); return its id."""
+    c_placement = session.nvml.c_nvmlGpuInstancePlacement_t(placement.start, placement.size)
+    gi = session.call("nvmlDeviceCreateGpuInstanceWithPlacement", handle, profile_id,
+                      ctypes.byref(c_placement), gpu=uuid)
+    return int(session.call("nvmlGpuInstanceGetInfo", gi, gpu=uuid).id)
+
+
+def create_compute_instance(session: NvmlSession, handle: Any, uuid: str, gi_id: int,
+                            ci_profile_id: int | None = None) -> ComputeInstanceState:
+    """Create a CI in GI ``gi_id``: the given CI profile, or the one with the most SMs (not the
+    first listed: on an H100 1g.20gb that is 26 SMs instead of 16, go-nvlib #85)."""
+    gi = session.call("nvmlDeviceGetGpuInstanceById", handle, gi_id, gpu=uuid)
+    if ci_profile_id is None:
+        offered = _ci_profiles(session, gi, uuid)
+        if not offered:
+            raise NvmlError(function="nvmlGpuInstanceGetComputeInstanceProfileInfo", code=3,
+                            name="NVML_ERROR_NOT_SUPPORTED", gpu=uuid)
+        best = max(offered, key=lambda p: (int(p.multiprocessorCount), int(p.sliceCount)))
+        ci_profile_id = int(best.id)
+    ci = session.call("nvmlGpuInstanceCreateComputeInstance", gi, ci_profile_id, gpu=uuid)
+    info = session.call("nvmlComputeInstanceGetInfo", ci, gpu=uuid)
+    return ComputeInstanceState(int(info.id), int(info.profileId),
+                                Placement(int(info.placement.start), int(info.placement.size)))
+
+
+def destroy_compute_instances(session: NvmlSession, handle: Any, uuid: str, gi_id: int) -> None:
+    """Destroy every CI of GI ``gi_id`` (``IN_USE`` while a process runs on one)."""
+    gi = session.call("nvmlDeviceGetGpuInstanceById", handle, gi_id, gpu=uuid)
+    for ci, _ in _compute_instances(session, gi, uuid):
+        session.call("nvmlComputeInstanceDestroy", ci, gpu=uuid)
+
+
+def destroy_gpu_instance(session: NvmlSession, handle: Any, uuid: str, gi_id: int) -> None:
+    """Destroy GI ``gi_id``; its CIs must be gone first (NVML answers ``IN_USE`` otherwise)."""
+    gi = session.call("nvmlDeviceGetGpuInstanceById", handle, gi_id, gpu=uuid)
+    session.call("nvmlGpuInstanceDestroy", gi, gpu=uuid)
+
+
+def set_mig_mode(session: NvmlSession, handle: Any, uuid: str, enabled: bool) -> tuple[MigMode,
+                                                                                         int]:
+    """Ask for MIG on or off; return the mode NVML then reports and the activation status
+    (0, or e.g. ``IN_USE`` when the change stays pending until the GPU is idle or reset)."""
+    nvml = session.nvml
+    wanted = nvml.NVML_DEVICE_MIG_ENABLE if enabled else nvml.NVML_DEVICE_MIG_DISABLE
+    status = int(session.call("nvmlDeviceSetMigMode", handle, wanted, gpu=uuid))
+    current, pending = session.call("nvmlDeviceGetMigMode", handle, gpu=uuid)
+    return MigMode(current=bool(current), pending=bool(pending)), status
+
+
+def running_processes(session: NvmlSession, handle: Any, uuid: str) -> tuple[GpuProcess, ...]:
+    """Compute processes on the GPU, with the MIG instance each runs on."""
+    found = []
+    for proc in session.call("nvmlDeviceGetComputeRunningProcesses", handle, gpu=uuid):
+        gi = int(getattr(proc, "gpuInstanceId", _NO_INSTANCE))
+        ci = int(getattr(proc, "computeInstanceId", _NO_INSTANCE))
+        used = proc.usedGpuMemory
+        found.append(GpuProcess(
+            pid=int(proc.pid), used_memory_mib=int(used) // 2**20 if used is not None else 0,
+            gi_id=None if gi == _NO_INSTANCE else gi, ci_id=None if ci == _NO_INSTANCE else ci))
+    return tuple(found)

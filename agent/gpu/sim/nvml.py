@@ -1,0 +1,897 @@
+"""A stand-in for the ``pynvml`` module: same function names, arguments, return types and
+``NVMLError`` codes, backed by :class:`~agent.gpu.sim.hardware.SimulatedHardware`.
+
+Handles are real ctypes pointers (``c_nvmlDevice_t`` and friends) holding fake addresses that
+are never reused, so the real pynvml structs can carry them exactly as the C library fills
+them. Anything not implemented here resolves to the ``pynvml`` attribute of the same name
+(constants, struct classes, ``NVMLError``) or, for an NVML call, to a function that fails with
+``NVML_ERROR_FUNCTION_NOT_FOUND`` as pynvml does when the driver lacks the symbol.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import signal
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
+
+import pynvml
+
+from agent.gpu.sim.faults import CRASH, NVML_FUNCTIONS
+from agent.gpu.sim.hardware import (
+    MIG_DEVICES_PER_GPU,
+    NO_INSTANCE,
+    EventSet,
+    SimulatedHardware,
+    fail,
+)
+from agent.gpu.sim.presets import CiProfile, GiProfile
+from agent.gpu.sim.state import CiState, GiState, GpuState
+from agent.gpu.sim.telemetry import memory_utilization, sm_clock_mhz, temperature_c
+
+P = ParamSpec("P")
+R = TypeVar("R")
+Kind = Literal["gpu", "mig", "gi", "ci", "event_set"]
+
+DRIVER_VERSION = "570.133.20"
+NVML_VERSION = "12.570.133.20"
+CUDA_DRIVER_VERSION = 12080
+_MIB = 1024 * 1024
+# Fake addresses look like heap pointers and step by 64 bytes; they are never dereferenced.
+_FIRST_ADDRESS = 0x7F3A_5000_0000
+_ADDRESS_STEP = 0x40
+_ARCHITECTURES = {"ampere": pynvml.NVML_DEVICE_ARCH_AMPERE,
+                  "hopper": pynvml.NVML_DEVICE_ARCH_HOPPER, "ada": pynvml.NVML_DEVICE_ARCH_ADA}
+_HANDLE_TYPES = {"gpu": pynvml.c_nvmlDevice_t, "mig": pynvml.c_nvmlDevice_t,
+                 "gi": pynvml.c_nvmlGpuInstance_t, "ci": pynvml.c_nvmlComputeInstance_t,
+                 "event_set": pynvml.c_nvmlEventSet_t}
+_WITHOUT_INIT = frozenset({"nvmlInit", "nvmlInitWithFlags", "nvmlErrorString"})
+_LOOKUP_CALLS = frozenset({"nvmlDeviceGetHandleByIndex", "nvmlDeviceGetHandleByUUID",
+                           "nvmlDeviceGetHandleByPciBusId"})
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """What a fake address points at. The objects stay referenced after destruction so a
+    stale handle still names its GPU (for faults) and reads as INVALID_ARGUMENT."""
+
+    kind: Kind
+    gpu: GpuState | None = None
+    gi: GiState | None = None
+    ci: CiState | None = None
+    event_set: EventSet | None = None
+
+
+Method = Callable[Concatenate["SimulatedNvml", P], R]
+
+
+def _nvml(fn: Method[P, R]) -> Method[P, R]:
+    """Make a method an NVML call: counted, subject to faults and latency, needing nvmlInit,
+    and run under the hardware lock."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def call(self: SimulatedNvml, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        self._enter(name, args)
+        with self._hw.lock:
+            if name not in _WITHOUT_INIT and self._inits == 0:
+                fail(pynvml.NVML_ERROR_UNINITIALIZED)
+            return fn(self, *args, **kwargs)
+    return call
+
+
+def _alias(name: str, target: str) -> Callable[..., Any]:
+    """An NVML call that pynvml implements by calling another (counted as both, like there)."""
+    def call(self: SimulatedNvml, /, *args: Any, **kwargs: Any) -> Any:
+        self._enter(name, args)
+        return getattr(self, target)(*args, **kwargs)
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = f"Alias of :meth:`{target}`, as in pynvml."
+    return call
+
+
+def _text(value: str | bytes) -> str:
+    # pynvml's convertStrBytes encodes str arguments; accept either.
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _cell(ref: Any) -> Any:
+    """The ctypes integer behind a count argument: ``byref(c_uint)``, ``pointer(c_uint)`` or
+    the ``c_uint`` itself."""
+    if isinstance(ref, ctypes._SimpleCData):
+        return ref
+    if hasattr(ref, "_obj"):  # ctypes.byref(...)
+        return ref._obj
+    if isinstance(ref, ctypes._Pointer):
+        return ref.contents
+    fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+
+def _buffer(ref: Any) -> tuple[Any, int | None]:
+    """The array a caller passed for results, and its length when ctypes knows it."""
+    target = ref._obj if hasattr(ref, "_obj") else ref
+    if isinstance(target, ctypes.Array):
+        return target, len(target)
+    if isinstance(target, ctypes._Pointer):
+        return target, None
+    fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+
+def _struct(ref: Any) -> Any:
+    """A placement argument: the struct, ``byref`` of it, or a pointer to it."""
+    target = ref._obj if hasattr(ref, "_obj") else ref
+    if isinstance(target, ctypes._Pointer):
+        target = target.contents if target else None
+    if not isinstance(target, ctypes.Structure) or not hasattr(target, "start"):
+        fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+    return target
+
+
+class SimulatedNvml:
+    """The ``pynvml`` call surface over simulated GPUs (see the module docstring)."""
+
+    def __init__(self, hardware: SimulatedHardware) -> None:
+        self._hw = hardware
+        self._inits = 0
+        self._next_address = _FIRST_ADDRESS
+        self._refs: dict[int, _Ref] = {}
+        self._addresses: dict[tuple[Kind, object], int] = {}
+
+    # -- machinery -------------------------------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        value = getattr(pynvml, name)
+        if name in NVML_FUNCTIONS:
+            return self._missing(name)
+        return value
+
+    def _missing(self, name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._enter(name, args)
+            fail(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND if self._inits
+                 else pynvml.NVML_ERROR_UNINITIALIZED)
+        call.__name__ = name
+        return call
+
+    def _enter(self, name: str, args: tuple[Any, ...]) -> None:
+        """Count the call, then fire a matching fault or sleep the configured latency."""
+        hw = self._hw
+        with hw.lock:
+            hw.calls[name] += 1
+            gpu = self._fault_gpu(name, args) if hw.faults.wants_gpu(name) else None
+            fault = hw.faults.match(name, gpu)
+            latency = hw.latencies.get(name, 0.0)
+        if fault is not None:
+            if fault.error == CRASH:
+                os.kill(os.getpid(), signal.SIGKILL)
+            fail(fault.code)
+        if latency > 0:
+            time.sleep(latency)
+
+    def _fault_gpu(self, name: str, args: tuple[Any, ...]) -> str | None:
+        """UUID of the GPU a call concerns, for faults limited to one GPU."""
+        if not args:
+            return None
+        first = args[0]
+        if name in _LOOKUP_CALLS:
+            try:
+                if name == "nvmlDeviceGetHandleByIndex":
+                    gpus = self._hw.state.gpus
+                    return gpus[int(first)].uuid if 0 <= int(first) < len(gpus) else None
+                if name == "nvmlDeviceGetHandleByUUID":
+                    return self._hw.find_device(_text(first))[0].uuid
+                return next(g.uuid for g in self._hw.state.gpus
+                            if self._hw.bus_id(g) == _bus_id(_text(first)))
+            except (IndexError, KeyError, StopIteration, ValueError, TypeError):
+                return None
+        ref = self._refs.get(_address(first) or 0)
+        return ref.gpu.uuid if ref is not None and ref.gpu is not None else None
+
+    def _handle(self, kind: Kind, obj: object, **ref: Any) -> Any:
+        """The handle of ``obj`` (one address per object, for as long as the process runs)."""
+        address = self._addresses.get((kind, obj))
+        if address is None:
+            address = self._next_address
+            self._next_address += _ADDRESS_STEP
+            self._addresses[(kind, obj)] = address
+            self._refs[address] = _Ref(kind=kind, **ref)
+        return ctypes.cast(ctypes.c_void_p(address), _HANDLE_TYPES[kind])
+
+    def _gpu_handle(self, gpu: GpuState) -> Any:
+        return self._handle("gpu", gpu, gpu=gpu)
+
+    def _mig_handle(self, gpu: GpuState, gi: GiState, ci: CiState) -> Any:
+        return self._handle("mig", ci, gpu=gpu, gi=gi, ci=ci)
+
+    def _gi_handle(self, gpu: GpuState, gi: GiState) -> Any:
+        return self._handle("gi", gi, gpu=gpu, gi=gi)
+
+    def _ci_handle(self, gpu: GpuState, gi: GiState, ci: CiState) -> Any:
+        return self._handle("ci", ci, gpu=gpu, gi=gi, ci=ci)
+
+    def _resolve(self, handle: Any, *kinds: Kind) -> _Ref:
+        """The live object behind a handle of one of ``kinds``: INVALID_ARGUMENT for anything
+        else (including a destroyed instance), GPU_IS_LOST for any handle of a lost GPU."""
+        ref = self._refs.get(_address(handle) or 0)
+        if ref is None or ref.kind not in kinds:
+            fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        gpu, gi, ci = ref.gpu, ref.gi, ref.ci
+        if gi is not None and gpu is not None and all(g is not gi for g in gpu.gpu_instances):
+            fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if ci is not None and gi is not None and all(c is not ci for c in gi.compute_instances):
+            fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if gpu is not None and gpu.lost:
+            fail(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return ref
+
+    def _device(self, handle: Any) -> tuple[GpuState, GiState | None, CiState | None]:
+        """A GPU or MIG device handle."""
+        ref = self._resolve(handle, "gpu", "mig")
+        assert ref.gpu is not None
+        return ref.gpu, ref.gi, ref.ci
+
+    def _whole_gpu(self, handle: Any, *, mig_handle_error: int) -> GpuState:
+        """A GPU handle; a MIG device handle fails with ``mig_handle_error``."""
+        gpu, gi, _ = self._device(handle)
+        if gi is not None:
+            fail(mig_handle_error)
+        return gpu
+
+    def _mig_gpu(self, handle: Any) -> GpuState:
+        """A GPU handle of a MIG-capable GPU whose current MIG mode is enabled."""
+        gpu = self._whole_gpu(handle, mig_handle_error=pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if not self._hw.model.mig_capable or not gpu.mig_current:
+            fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return gpu
+
+    def _gpu_instance(self, handle: Any) -> tuple[GpuState, GiState]:
+        ref = self._resolve(handle, "gi")
+        assert ref.gpu is not None and ref.gi is not None
+        return ref.gpu, ref.gi
+
+    def _compute_instance(self, handle: Any) -> tuple[GpuState, GiState, CiState]:
+        ref = self._resolve(handle, "ci")
+        assert ref.gpu is not None and ref.gi is not None and ref.ci is not None
+        return ref.gpu, ref.gi, ref.ci
+
+    def _gi_profile(self, profile_id: int) -> GiProfile:
+        """A device profile ID (19, 14, 9 ...) this SKU has; INVALID_ARGUMENT otherwise."""
+        profile = self._hw.model.gi_profile(int(profile_id))
+        if profile is None:
+            fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return profile
+
+    def _ci_profile(self, gi: GiState, profile_id: int) -> CiProfile:
+        profile = self._hw.model.ci_profile(self._hw.gi_profile(gi), int(profile_id))
+        if profile is None:
+            fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return profile
+
+    def _event_set(self, handle: Any) -> EventSet:
+        ref = self._refs.get(_address(handle) or 0)
+        if ref is None or ref.event_set is None or ref.event_set.freed:
+            fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return ref.event_set
+
+    # -- initialisation and system ---------------------------------------------------------
+
+    @_nvml
+    def nvmlInitWithFlags(self, flags: int) -> None:
+        self._inits += 1
+
+    def nvmlInit(self) -> None:
+        """``nvmlInitWithFlags(0)``, as in pynvml (counted as both)."""
+        self._enter("nvmlInit", ())
+        self.nvmlInitWithFlags(0)
+
+    @_nvml
+    def nvmlShutdown(self) -> None:
+        self._inits -= 1
+
+    @_nvml
+    def nvmlErrorString(self, result: int) -> str:
+        return str(pynvml.NVMLError._errcode_to_string.get(int(result), "Unknown Error"))
+
+    @_nvml
+    def nvmlSystemGetDriverVersion(self) -> str:
+        return DRIVER_VERSION
+
+    @_nvml
+    def nvmlSystemGetNVMLVersion(self) -> str:
+        return NVML_VERSION
+
+    @_nvml
+    def nvmlSystemGetCudaDriverVersion(self) -> int:
+        return CUDA_DRIVER_VERSION
+
+    @_nvml
+    def nvmlSystemGetCudaDriverVersion_v2(self) -> int:
+        return CUDA_DRIVER_VERSION
+
+    # -- devices ---------------------------------------------------------------------------
+
+    @_nvml
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self._hw.state.gpus)
+
+    @_nvml
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> Any:
+        if not 0 <= int(index) < len(self._hw.state.gpus):
+            fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        gpu = self._hw.gpu(int(index))
+        if gpu.lost:
+            fail(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return self._gpu_handle(gpu)
+
+    @_nvml
+    def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> Any:
+        try:
+            gpu, gi, ci = self._hw.find_device(_text(uuid))
+        except KeyError:
+            fail(pynvml.NVML_ERROR_NOT_FOUND)
+        if gpu.lost:
+            fail(pynvml.NVML_ERROR_GPU_IS_LOST)
+        if gi is not None and ci is not None:
+            return self._mig_handle(gpu, gi, ci)
+        return self._gpu_handle(gpu)
+
+    @_nvml
+    def nvmlDeviceGetHandleByPciBusId(self, pciBusId: str | bytes) -> Any:
+        try:
+            wanted = _bus_id(_text(pciBusId))
+        except ValueError:
+            fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        for gpu in self._hw.state.gpus:
+            if self._hw.bus_id(gpu) == wanted:
+                if gpu.lost:
+                    fail(pynvml.NVML_ERROR_GPU_IS_LOST)
+                return self._gpu_handle(gpu)
+        fail(pynvml.NVML_ERROR_NOT_FOUND)
+
+    @_nvml
+    def nvmlDeviceGetIndex(self, handle: Any) -> int:
+        return self._whole_gpu(handle, mig_handle_error=pynvml.NVML_ERROR_NOT_SUPPORTED).index
+
+    @_nvml
+    def nvmlDeviceGetMinorNumber(self, handle: Any) -> int:
+        return self._whole_gpu(handle, mig_handle_error=pynvml.NVML_ERROR_NOT_SUPPORTED).index
+
+    @_nvml
+    def nvmlDeviceGetUUID(self, handle: Any) -> str:
+        gpu, _, ci = self._device(handle)
+        return ci.uuid if ci is not None else gpu.uuid
+
+    @_nvml
+    def nvmlDeviceGetName(self, handle: Any) -> str:
+        _, gi, ci = self._device(handle)
+        if gi is None or ci is None:
+            return self._hw.model.name
+        return f"{self._hw.model.name} MIG {self._hw.ci_profile(gi, ci).name}"
+
+    @_nvml
+    def nvmlDeviceGetBrand(self, handle: Any) -> int:
+        self._device(handle)
+        return int(pynvml.NVML_BRAND_NVIDIA)
+
+    @_nvml
+    def nvmlDeviceGetArchitecture(self, device: Any) -> int:
+        self._device(device)
+        return int(_ARCHITECTURES[self._hw.model.architecture])
+
+    @_nvml
+    def nvmlDeviceGetCudaComputeCapability(self, handle: Any) -> tuple[int, int]:
+        self._device(handle)
+        return self._hw.model.cuda_capability
+
+    @_nvml
+    def nvmlDeviceGetPciInfo_v3(self, handle: Any) -> Any:
+        gpu, _, _ = self._device(handle)  # a MIG device reports its parent's PCI location
+        info = pynvml.nvmlPciInfo_t()
+        bus = self._hw.preset.bus_numbers[gpu.index]
+        info.busIdLegacy = f"0000:{bus:02X}:00.0".encode()
+        info.busId = self._hw.bus_id(gpu).encode()
+        info.domain, info.bus, info.device = 0, bus, 0
+        info.pciDeviceId = self._hw.model.pci_device_id
+        info.pciSubSystemId = self._hw.model.pci_subsystem_id
+        return info
+
+    nvmlDeviceGetPciInfo = _alias("nvmlDeviceGetPciInfo", "nvmlDeviceGetPciInfo_v3")
+
+    @_nvml
+    def nvmlDeviceGetMemoryInfo(self, handle: Any, version: int | None = None) -> Any:
+        gpu, gi, _ = self._device(handle)
+        if gi is None:
+            total, used = self._hw.model.memory_mib, self._hw.memory_used_mib(gpu)
+        else:
+            total, used = self._hw.gi_profile(gi).memory_mib, self._hw.memory_used_mib(gpu, gi)
+        if not version:
+            memory = pynvml.c_nvmlMemory_t()
+            memory.total, memory.used = total * _MIB, used * _MIB
+            memory.free = memory.total - memory.used
+            return memory
+        memory = pynvml.c_nvmlMemory_v2_t()
+        memory.version = version
+        reserved = 0 if gi is not None else _reserved_mib(total)
+        memory.total, memory.reserved, memory.used = total * _MIB, reserved * _MIB, used * _MIB
+        memory.free = max(0, memory.total - memory.reserved - memory.used)
+        return memory
+
+    @_nvml
+    def nvmlDeviceGetNumaNodeId(self, handle: Any) -> int:
+        gpu, _, _ = self._device(handle)
+        return self._hw.preset.numa_nodes[gpu.index]
+
+    @_nvml
+    def nvmlDeviceGetCpuAffinity(self, handle: Any, cpuSetSize: int) -> Any:
+        gpu, _, _ = self._device(handle)
+        words = (ctypes.c_ulonglong * int(cpuSetSize))()
+        for cpu in self._hw.preset.cpus.numa_cpus(self._hw.preset.numa_nodes[gpu.index]):
+            if cpu // 64 < len(words):
+                words[cpu // 64] |= 1 << (cpu % 64)
+        return words
+
+    def _processes(self, handle: Any) -> list[Any]:
+        gpu, _, ci = self._device(handle)
+        found = []
+        for placed in self._hw.placed_processes(gpu):
+            if ci is not None and placed.ci is not ci:
+                continue
+            info = pynvml.c_nvmlProcessInfo_v2_t()
+            info.pid = placed.process.pid
+            info.usedGpuMemory = placed.process.used_memory_mib * _MIB
+            info.gpuInstanceId = placed.gi.id if placed.gi is not None else NO_INSTANCE
+            info.computeInstanceId = placed.ci.id if placed.ci is not None else NO_INSTANCE
+            found.append(pynvml.nvmlStructToFriendlyObject(info))
+        return found
+
+    @_nvml
+    def nvmlDeviceGetComputeRunningProcesses_v3(self, handle: Any) -> list[Any]:
+        return self._processes(handle)
+
+    @_nvml
+    def nvmlDeviceGetComputeRunningProcesses_v2(self, handle: Any) -> list[Any]:
+        return self._processes(handle)
+
+    nvmlDeviceGetComputeRunningProcesses = _alias("nvmlDeviceGetComputeRunningProcesses",
+                                                  "nvmlDeviceGetComputeRunningProcesses_v3")
+
+    @_nvml
+    def nvmlDeviceGetAttributes_v2(self, device: Any) -> Any:
+        _, gi, ci = self._device(device)
+        if gi is None or ci is None:
+            fail(pynvml.NVML_ERROR_NOT_SUPPORTED)  # nvml.h: only MIG device handles
+        gi_profile, ci_profile = self._hw.gi_profile(gi), self._hw.ci_profile(gi, ci)
+        attributes = pynvml.c_nvmlDeviceAttributes()
+        attributes.multiprocessorCount = ci_profile.multiprocessors
+        engines = gi_profile.engines
+        attributes.sharedCopyEngineCount = engines.copy
+        attributes.sharedDecoderCount = engines.decoder
+        attributes.sharedEncoderCount = engines.encoder
+        attributes.sharedJpegCount = engines.jpeg
+        attributes.sharedOfaCount = engines.ofa
+        attributes.gpuInstanceSliceCount = gi_profile.slices
+        attributes.computeInstanceSliceCount = ci_profile.slices
+        attributes.memorySizeMB = gi_profile.memory_mib
+        return attributes
+
+    nvmlDeviceGetAttributes = _alias("nvmlDeviceGetAttributes", "nvmlDeviceGetAttributes_v2")
+
+    # -- telemetry (whole GPUs; MIG device handles get NOT_SUPPORTED, as from NVML) ---------
+
+    def _telemetry_gpu(self, handle: Any) -> GpuState:
+        return self._whole_gpu(handle, mig_handle_error=pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    @_nvml
+    def nvmlDeviceGetUtilizationRates(self, handle: Any) -> Any:
+        gpu = self._telemetry_gpu(handle)
+        if gpu.mig_current:
+            fail(pynvml.NVML_ERROR_NOT_SUPPORTED)  # NVML has no utilisation in MIG mode
+        util = self._hw.utilization(gpu)
+        rates = pynvml.c_nvmlUtilization_t()
+        rates.gpu, rates.memory = util, memory_utilization(util)
+        return rates
+
+    @_nvml
+    def nvmlDeviceGetPowerUsage(self, handle: Any) -> int:
+        return self._hw.power_mw(self._telemetry_gpu(handle))
+
+    @_nvml
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle: Any) -> int:
+        self._telemetry_gpu(handle)
+        return self._hw.model.tdp_w * 1000
+
+    @_nvml
+    def nvmlDeviceGetTemperature(self, handle: Any, sensor: int) -> int:
+        gpu = self._telemetry_gpu(handle)
+        if sensor != pynvml.NVML_TEMPERATURE_GPU:
+            fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return temperature_c(self._hw.model, self._hw.utilization(gpu))
+
+    @_nvml
+    def nvmlDeviceGetClockInfo(self, handle: Any, type: int) -> int:
+        gpu = self._telemetry_gpu(handle)
+        model = self._hw.model
+        if type in (pynvml.NVML_CLOCK_GRAPHICS, pynvml.NVML_CLOCK_SM):
+            return sm_clock_mhz(model, self._hw.utilization(gpu))
+        if type == pynvml.NVML_CLOCK_MEM:
+            return model.mem_clock_mhz
+        if type == pynvml.NVML_CLOCK_VIDEO:
+            return sm_clock_mhz(model, self._hw.utilization(gpu)) * 9 // 10
+        fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+    @_nvml
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: Any) -> int:
+        return self._hw.energy_mj(self._telemetry_gpu(handle))
+
+    # -- MIG mode --------------------------------------------------------------------------
+
+    def _mig_capable_gpu(self, handle: Any) -> GpuState:
+        gpu = self._whole_gpu(handle, mig_handle_error=pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if not self._hw.model.mig_capable:
+            fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return gpu
+
+    @_nvml
+    def nvmlDeviceGetMigMode(self, device: Any) -> list[int]:
+        gpu = self._mig_capable_gpu(device)
+        return [gpu.mig_current, gpu.mig_pending]
+
+    @_nvml
+    def nvmlDeviceSetMigMode(self, device: Any, mode: int) -> int:
+        return self._hw.set_mig_mode(self._mig_capable_gpu(device), int(mode))
+
+    # -- GPU instances ---------------------------------------------------------------------
+
+    def _gi_profile_info(self, profile: GiProfile, version: int) -> Any:
+        info = (pynvml.c_nvmlGpuInstanceProfileInfo_v2_t() if version == 2
+                else pynvml.c_nvmlGpuInstanceProfileInfo_t())
+        model = self._hw.model
+        info.id = profile.id
+        info.isP2pSupported = int(model.architecture == "hopper")
+        info.sliceCount = profile.slices
+        info.instanceCount = profile.instance_count
+        info.multiprocessorCount = profile.multiprocessors
+        info.copyEngineCount = profile.engines.copy
+        info.decoderCount = profile.engines.decoder
+        info.encoderCount = profile.engines.encoder
+        info.jpegCount = profile.engines.jpeg
+        info.ofaCount = profile.engines.ofa
+        info.memorySizeMB = profile.memory_mib
+        if version == 2:
+            info.name = f"MIG {profile.name(model.memory_mib)}".encode()
+        return info
+
+    @_nvml
+    def nvmlDeviceGetGpuInstanceProfileInfo(self, device: Any, profile: int,
+                                            version: int = 2) -> Any:
+        if version not in (1, 2):
+            fail(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)  # pynvml refuses other versions
+        gpu = self._mig_capable_gpu(device)
+        if not 0 <= int(profile) < pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT:
+            fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        found = self._hw.model.gi_profile_by_index(int(profile))
+        if not gpu.mig_current or found is None:
+            fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return self._gi_profile_info(found, version)
+
+    nvmlDeviceGetGpuInstanceProfileInfoV = _alias("nvmlDeviceGetGpuInstanceProfileInfoV",
+                                                  "nvmlDeviceGetGpuInstanceProfileInfo")
+
+    @_nvml
+    def nvmlDeviceGetGpuInstanceProfileInfoById(self, device: Any, profileId: int) -> Any:
+        self._mig_gpu(device)
+        return self._gi_profile_info(self._gi_profile(profileId), 2)
+
+    nvmlDeviceGetGpuInstanceProfileInfoByIdV = _alias(
+        "nvmlDeviceGetGpuInstanceProfileInfoByIdV", "nvmlDeviceGetGpuInstanceProfileInfoById")
+
+    @_nvml
+    def nvmlDeviceGetGpuInstancePossiblePlacements(self, device: Any, profileId: int,
+                                                   placementsRef: Any, countRef: Any) -> int:
+        # nvml.h: "returns all the possible placements ... regardless of whether MIG is
+        # enabled or not", so this one needs a MIG-capable GPU but not MIG mode.
+        self._mig_capable_gpu(device)
+        profile = self._gi_profile(profileId)
+
+        def put(array: Any, i: int, start: int) -> None:
+            array[i].start, array[i].size = start, profile.size
+        _fill(placementsRef, countRef, profile.starts, put)
+        return int(pynvml.NVML_SUCCESS)
+
+    @_nvml
+    def nvmlDeviceGetGpuInstanceRemainingCapacity(self, device: Any, profileId: int) -> int:
+        gpu = self._mig_gpu(device)
+        return self._hw.gi_remaining(gpu, self._gi_profile(profileId))
+
+    @_nvml
+    def nvmlDeviceCreateGpuInstance(self, device: Any, profileId: int) -> Any:
+        gpu = self._mig_gpu(device)
+        gi = self._hw.create_gi(gpu, self._gi_profile(profileId), None)
+        return self._gi_handle(gpu, gi)
+
+    @_nvml
+    def nvmlDeviceCreateGpuInstanceWithPlacement(self, device: Any, profileId: int,
+                                                 placement: Any) -> Any:
+        gpu = self._mig_gpu(device)
+        profile = self._gi_profile(profileId)
+        wanted = _struct(placement)
+        start, size = int(wanted.start), int(wanted.size)
+        if start not in profile.starts or size != profile.size:
+            fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        gi = self._hw.create_gi(gpu, profile, start)
+        return self._gi_handle(gpu, gi)
+
+    @_nvml
+    def nvmlGpuInstanceDestroy(self, gpuInstance: Any) -> int:
+        gpu, gi = self._gpu_instance(gpuInstance)
+        self._hw.destroy_gi(gpu, gi)
+        return int(pynvml.NVML_SUCCESS)
+
+    @_nvml
+    def nvmlDeviceGetGpuInstances(self, device: Any, profileId: int, gpuInstancesRef: Any,
+                                  countRef: Any) -> int:
+        gpu = self._mig_gpu(device)
+        profile = self._gi_profile(profileId)
+        found = [gi for gi in gpu.gpu_instances if gi.profile_id == profile.id]
+
+        def put(array: Any, i: int, gi: GiState) -> None:
+            array[i] = self._gi_handle(gpu, gi)
+        _fill(gpuInstancesRef, countRef, found, put)
+        return int(pynvml.NVML_SUCCESS)
+
+    @_nvml
+    def nvmlDeviceGetGpuInstanceById(self, device: Any, gpuInstanceId: int) -> Any:
+        gpu = self._mig_gpu(device)
+        gi = next((g for g in gpu.gpu_instances if g.id == int(gpuInstanceId)), None)
+        if gi is None:
+            fail(pynvml.NVML_ERROR_NOT_FOUND)
+        return self._gi_handle(gpu, gi)
+
+    @_nvml
+    def nvmlGpuInstanceGetInfo(self, gpuInstance: Any) -> Any:
+        gpu, gi = self._gpu_instance(gpuInstance)
+        info = pynvml.c_nvmlGpuInstanceInfo_t()
+        info.device = self._gpu_handle(gpu)
+        info.id, info.profileId = gi.id, gi.profile_id
+        info.placement.start, info.placement.size = gi.start, gi.size
+        return info
+
+    # -- compute instances -----------------------------------------------------------------
+
+    @_nvml
+    def nvmlGpuInstanceGetComputeInstanceProfileInfo(self, device: Any, profile: int,
+                                                     engProfile: int, version: int = 2) -> Any:
+        if version not in (1, 2):
+            fail(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        _, gi = self._gpu_instance(device)
+        if (not 0 <= int(profile) < pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT
+                or engProfile != pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED):
+            fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        gi_profile = self._hw.gi_profile(gi)
+        found = self._hw.model.ci_profile(gi_profile, int(profile))
+        if found is None:
+            fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        info = (pynvml.c_nvmlComputeInstanceProfileInfo_v2_t() if version == 2
+                else pynvml.c_nvmlComputeInstanceProfileInfo_t())
+        info.id = found.id
+        info.sliceCount = found.slices
+        info.instanceCount = found.instance_count
+        info.multiprocessorCount = found.multiprocessors
+        info.sharedCopyEngineCount = gi_profile.engines.copy
+        info.sharedDecoderCount = gi_profile.engines.decoder
+        info.sharedEncoderCount = gi_profile.engines.encoder
+        info.sharedJpegCount = gi_profile.engines.jpeg
+        info.sharedOfaCount = gi_profile.engines.ofa
+        if version == 2:
+            info.name = f"MIG {found.name}".encode()
+        return info
+
+    nvmlGpuInstanceGetComputeInstanceProfileInfoV = _alias(
+        "nvmlGpuInstanceGetComputeInstanceProfileInfoV",
+        "nvmlGpuInstanceGetComputeInstanceProfileInfo")
+
+    @_nvml
+    def nvmlGpuInstanceGetComputeInstanceRemainingCapacity(self, gpuInstance: Any,
+                                                           profileId: int) -> int:
+        _, gi = self._gpu_instance(gpuInstance)
+        return self._hw.ci_remaining(gi, self._ci_profile(gi, profileId))
+
+    @_nvml
+    def nvmlGpuInstanceGetComputeInstancePossiblePlacements(
+            self, gpuInstance: Any, profileId: int, placementsRef: Any, countRef: Any) -> int:
+        _, gi = self._gpu_instance(gpuInstance)
+        profile = self._ci_profile(gi, profileId)
+
+        def put(array: Any, i: int, placement: tuple[int, int]) -> None:
+            array[i].start, array[i].size = placement
+        _fill(placementsRef, countRef, profile.placements, put)
+        return int(pynvml.NVML_SUCCESS)
+
+    @_nvml
+    def nvmlGpuInstanceCreateComputeInstance(self, gpuInstance: Any, profileId: int) -> Any:
+        gpu, gi = self._gpu_instance(gpuInstance)
+        ci = self._hw.create_ci(gpu, gi, self._ci_profile(gi, profileId), None)
+        return self._ci_handle(gpu, gi, ci)
+
+    @_nvml
+    def nvmlGpuInstanceCreateComputeInstanceWithPlacement(self, gpuInstance: Any,
+                                                          profileId: int, placement: Any) -> Any:
+        gpu, gi = self._gpu_instance(gpuInstance)
+        profile = self._ci_profile(gi, profileId)
+        wanted = _struct(placement)
+        where = (int(wanted.start), int(wanted.size))
+        if where not in profile.placements:
+            fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        ci = self._hw.create_ci(gpu, gi, profile, where)
+        return self._ci_handle(gpu, gi, ci)
+
+    @_nvml
+    def nvmlComputeInstanceDestroy(self, computeInstance: Any) -> int:
+        gpu, gi, ci = self._compute_instance(computeInstance)
+        self._hw.destroy_ci(gpu, gi, ci)
+        return int(pynvml.NVML_SUCCESS)
+
+    @_nvml
+    def nvmlGpuInstanceGetComputeInstances(self, gpuInstance: Any, profileId: int,
+                                           computeInstancesRef: Any, countRef: Any) -> int:
+        gpu, gi = self._gpu_instance(gpuInstance)
+        profile = self._ci_profile(gi, profileId)
+        found = [ci for ci in gi.compute_instances if ci.profile_id == profile.id]
+
+        def put(array: Any, i: int, ci: CiState) -> None:
+            array[i] = self._ci_handle(gpu, gi, ci)
+        _fill(computeInstancesRef, countRef, found, put)
+        return int(pynvml.NVML_SUCCESS)
+
+    @_nvml
+    def nvmlGpuInstanceGetComputeInstanceById(self, gpuInstance: Any,
+                                              computeInstanceId: int) -> Any:
+        gpu, gi = self._gpu_instance(gpuInstance)
+        ci = next((c for c in gi.compute_instances if c.id == int(computeInstanceId)), None)
+        if ci is None:
+            fail(pynvml.NVML_ERROR_NOT_FOUND)
+        return self._ci_handle(gpu, gi, ci)
+
+    @_nvml
+    def nvmlComputeInstanceGetInfo_v2(self, computeInstance: Any) -> Any:
+        gpu, gi, ci = self._compute_instance(computeInstance)
+        info = pynvml.c_nvmlComputeInstanceInfo_t()
+        info.device = self._gpu_handle(gpu)
+        info.gpuInstance = self._gi_handle(gpu, gi)
+        info.id, info.profileId = ci.id, ci.profile_id
+        info.placement.start, info.placement.size = ci.start, ci.size
+        return info
+
+    nvmlComputeInstanceGetInfo = _alias("nvmlComputeInstanceGetInfo",
+                                        "nvmlComputeInstanceGetInfo_v2")
+
+    # -- MIG devices -----------------------------------------------------------------------
+
+    @_nvml
+    def nvmlDeviceGetMaxMigDeviceCount(self, device: Any) -> int:
+        gpu = self._whole_gpu(device, mig_handle_error=pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return MIG_DEVICES_PER_GPU if self._hw.model.mig_capable and gpu.mig_current else 0
+
+    @_nvml
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, device: Any, index: int) -> Any:
+        gpu = self._mig_gpu(device)
+        if not 0 <= int(index) < MIG_DEVICES_PER_GPU:
+            fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        devices = list(self._hw.mig_devices(gpu))
+        if int(index) >= len(devices):
+            fail(pynvml.NVML_ERROR_NOT_FOUND)
+        gi, ci = devices[int(index)]
+        return self._mig_handle(gpu, gi, ci)
+
+    @_nvml
+    def nvmlDeviceIsMigDeviceHandle(self, device: Any) -> Any:
+        _, gi, _ = self._device(device)
+        # pynvml returns the c_uint itself, not its value.
+        return ctypes.c_uint(int(gi is not None))
+
+    def _mig_device(self, handle: Any) -> tuple[GpuState, GiState, CiState]:
+        gpu, gi, ci = self._device(handle)
+        if gi is None or ci is None:
+            fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return gpu, gi, ci
+
+    @_nvml
+    def nvmlDeviceGetGpuInstanceId(self, device: Any) -> int:
+        return self._mig_device(device)[1].id
+
+    @_nvml
+    def nvmlDeviceGetComputeInstanceId(self, device: Any) -> int:
+        return self._mig_device(device)[2].id
+
+    @_nvml
+    def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, migDevice: Any) -> Any:
+        return self._gpu_handle(self._mig_device(migDevice)[0])
+
+    # -- events ----------------------------------------------------------------------------
+
+    @_nvml
+    def nvmlEventSetCreate(self) -> Any:
+        event_set = EventSet()
+        self._hw.event_sets.append(event_set)
+        return self._handle("event_set", event_set, event_set=event_set)
+
+    @_nvml
+    def nvmlDeviceGetSupportedEventTypes(self, handle: Any) -> int:
+        self._whole_gpu(handle, mig_handle_error=pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return self._hw.supported_events()
+
+    @_nvml
+    def nvmlDeviceRegisterEvents(self, handle: Any, eventTypes: int, eventSet: Any) -> None:
+        gpu = self._whole_gpu(handle, mig_handle_error=pynvml.NVML_ERROR_NOT_SUPPORTED)
+        event_set = self._event_set(eventSet)
+        if int(eventTypes) & ~self._hw.supported_events():
+            fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        event_set.registrations[gpu.index] = (
+            event_set.registrations.get(gpu.index, 0) | int(eventTypes))
+
+    @_nvml
+    def nvmlEventSetWait_v2(self, eventSet: Any, timeoutms: int) -> Any:
+        event_set = self._event_set(eventSet)
+        event = self._hw.wait_event(event_set, max(0, int(timeoutms)) / 1000)
+        if event is None:
+            fail(pynvml.NVML_ERROR_TIMEOUT)
+        data = pynvml.c_nvmlEventData_t()
+        data.device = self._gpu_handle(self._hw.gpu(event.gpu_index))
+        data.eventType, data.eventData = event.event_type, event.data
+        data.gpuInstanceId, data.computeInstanceId = event.gi_id, event.ci_id
+        return data
+
+    nvmlEventSetWait = _alias("nvmlEventSetWait", "nvmlEventSetWait_v2")
+
+    @_nvml
+    def nvmlEventSetFree(self, eventSet: Any) -> None:
+        event_set = self._event_set(eventSet)
+        event_set.freed = True
+        self._hw.event_sets.remove(event_set)
+        self._hw.changed.notify_all()
+
+
+def _address(handle: Any) -> int | None:
+    """The address a handle holds, or None for anything that is not a pointer."""
+    if isinstance(handle, ctypes._Pointer | ctypes.c_void_p):
+        return ctypes.cast(handle, ctypes.c_void_p).value
+    return None
+
+
+def _bus_id(text: str) -> str:
+    """A PCI bus id in NVML's form (``00000000:1B:00.0``) from any common spelling."""
+    domain, bus, rest = text.strip().split(":")
+    device, function = rest.split(".")
+    return f"{int(domain, 16):08X}:{int(bus, 16):02X}:{int(device, 16):02X}.{int(function, 16)}"
+
+
+def _reserved_mib(total_mib: int) -> int:
+    """What nvmlMemory_v2 reports as reserved for the driver (about 0.6 % of the GPU)."""
+    return total_mib // 160
+
+
+T = TypeVar("T")
+
+
+def _fill(array_ref: Any, count_ref: Any, items: Sequence[T],
+          put: Callable[[Any, int, T], None]) -> None:
+    """Return ``items`` the way NVML's array calls do: a NULL array asks for the count; the
+    count passed in is the capacity; too small -> INSUFFICIENT_SIZE with the count needed."""
+    count = _cell(count_ref)
+    if array_ref is None:
+        count.value = len(items)
+        return
+    array, length = _buffer(array_ref)
+    capacity = int(count.value) if length is None else min(int(count.value), length)
+    if len(items) > capacity:
+        count.value = len(items)
+        fail(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
+    for i, item in enumerate(items):
+        put(array, i, item)
+    count.value = len(items)

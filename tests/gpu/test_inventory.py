@@ -1,0 +1,132 @@
+"""The hardware layer reads exactly what the preset's hardware has."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.errors import NotFound
+from agent.gpu import mig
+from agent.gpu.inventory import GpuInventory
+from agent.gpu.sim.presets import PRESETS
+from agent.gpu.types import Placement
+from tests.gpu.conftest import SessionFactory
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+async def test_inventory_equals_the_preset(open_session: SessionFactory, preset: str) -> None:
+    node, session = open_session(preset)
+    await session.initialise()
+    inventory = GpuInventory(session)
+    await inventory.load()
+    spec = PRESETS[preset]
+    gpus = inventory.gpus
+    assert [g.uuid for g in gpus] == list(node.gpu_uuids())
+    for i, gpu in enumerate(gpus):
+        s = gpu.static
+        assert (s.index, s.minor, s.name) == (i, i, spec.gpu.name)
+        assert s.memory_total_mib == spec.gpu.memory_mib
+        assert s.pci_bus_id == f"00000000:{spec.bus_numbers[i]:02X}:00.0"
+        assert s.numa_node == spec.numa_nodes[i]
+        cpus = spec.cpus.numa_cpus(spec.numa_nodes[i])
+        assert s.cpu_affinity == f"{cpus[0]}-{cpus[len(cpus) // 2 - 1]}," \
+                                 f"{cpus[len(cpus) // 2]}-{cpus[-1]}"
+        assert s.architecture == spec.gpu.architecture
+        assert s.cuda_compute_capability == "{}.{}".format(*spec.gpu.cuda_capability)
+        assert s.mig_capable == spec.gpu.mig_capable
+        assert gpu.health.healthy
+        assert gpu.mig_devices == ()
+        assert (gpu.mig_mode is None) == (not spec.gpu.mig_capable)
+    driver = inventory.driver
+    assert driver.driver_version.count(".") == 2
+    assert driver.cuda_driver_version == "12.8"
+
+
+async def test_gi_profiles_and_placements_from_nvml(open_session: SessionFactory) -> None:
+    node, session = open_session("dgx-h100")
+    await session.initialise()
+    handle = node.nvml.nvmlDeviceGetHandleByIndex(0)
+    mig.set_mig_mode(session, handle, node.gpu_uuids()[0], True)
+    inventory = GpuInventory(session)
+    await inventory.load()
+    profiles = {p.name: p for p in inventory.gpus[0].profiles}
+    assert sorted(profiles) == ["1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb",
+                                "4g.40gb", "7g.80gb"]
+    assert [p.id for p in inventory.gpus[0].profiles] == [19, 14, 9, 5, 0, 20, 15]
+    assert profiles["3g.40gb"].placements == (Placement(0, 4), Placement(4, 4))
+    assert profiles["7g.80gb"].placements == (Placement(0, 8),)
+    assert profiles["1g.20gb"].placements == tuple(Placement(s, 2) for s in (0, 2, 4, 6))
+    assert profiles["1g.10gb+me"].media_extensions
+    assert profiles["1g.20gb"].multiprocessors == 26
+
+
+async def test_mig_devices_carry_profile_placement_and_max_sm_ci(
+        open_session: SessionFactory) -> None:
+    node, session = open_session("dgx-h100")
+    await session.initialise()
+    uuid = node.gpu_uuids()[1]
+    handle = node.nvml.nvmlDeviceGetHandleByIndex(1)
+    mig.set_mig_mode(session, handle, uuid, True)
+    three = mig.create_gpu_instance(session, handle, uuid, 9, Placement(4, 4))
+    mig.create_compute_instance(session, handle, uuid, three)
+    rev2 = mig.create_gpu_instance(session, handle, uuid, 15, Placement(0, 2))
+    ci = mig.create_compute_instance(session, handle, uuid, rev2)
+    assert ci.profile_id == 7  # the REV1 CI: all 26 SMs, not the first listed (16)
+    bare = mig.create_gpu_instance(session, handle, uuid, 19, Placement(2, 1))
+    inventory = GpuInventory(session)
+    await inventory.load()
+    gpu = inventory.find(uuid)
+    assert {(d.profile, d.placement, d.multiprocessors) for d in gpu.mig_devices} == {
+        ("3g.40gb", Placement(4, 4), 60), ("1g.20gb", Placement(0, 2), 26)}
+    # The GI without a CI is no MIG device, but the per-profile walk sees it.
+    instances = mig.read_instances(session, handle, uuid, gpu.profiles)
+    assert {(g.id, g.placement, len(g.compute_instances)) for g in instances} == {
+        (three, Placement(4, 4), 1), (rev2, Placement(0, 2), 1), (bare, Placement(2, 1), 0)}
+    assert inventory.find("1") is gpu
+    with pytest.raises(NotFound):
+        inventory.find("9")
+
+
+async def test_destroy_order_and_in_use(open_session: SessionFactory) -> None:
+    node, session = open_session("dgx-h100")
+    await session.initialise()
+    uuid = node.gpu_uuids()[0]
+    handle = node.nvml.nvmlDeviceGetHandleByIndex(0)
+    mig.set_mig_mode(session, handle, uuid, True)
+    gi = mig.create_gpu_instance(session, handle, uuid, 14, Placement(0, 2))
+    mig.create_compute_instance(session, handle, uuid, gi)
+    with pytest.raises(Exception, match="NVML_ERROR_IN_USE"):
+        mig.destroy_gpu_instance(session, handle, uuid, gi)
+    device = node.nvml.nvmlDeviceGetUUID(node.nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, 0))
+    node.add_process(device, pid=4242, used_memory_mib=2048)
+    assert mig.running_processes(session, handle, uuid)[0].gi_id == gi
+    with pytest.raises(Exception, match="NVML_ERROR_IN_USE"):
+        mig.destroy_compute_instances(session, handle, uuid, gi)
+    node.remove_process(4242)
+    mig.destroy_compute_instances(session, handle, uuid, gi)
+    mig.destroy_gpu_instance(session, handle, uuid, gi)
+    assert mig.read_instances(session, handle, uuid, ()) == ()
+
+
+async def test_a_lost_gpu_is_unhealthy_and_the_rest_are_not(open_session: SessionFactory) -> None:
+    node, session = open_session("dgx-h100")
+    await session.initialise()
+    inventory = GpuInventory(session)
+    await inventory.load()
+    node.inject_xid(node.gpu_uuids()[5], 79)
+    gpus = await inventory.refresh()
+    assert [g.health.healthy for g in gpus] == [True] * 5 + [False] + [True] * 2
+    assert "GPU_IS_LOST" in gpus[5].health.reasons[0]
+    # Static attributes survive, so operators still see which GPU it was.
+    assert gpus[5].static.pci_bus_id.endswith(":C3:00.0")
+
+
+async def test_a_gpu_lost_before_start_is_listed_unhealthy(open_session: SessionFactory) -> None:
+    node, session = open_session("dgx-h100")
+    node.inject_xid(node.gpu_uuids()[0], 79)
+    await session.initialise()
+    inventory = GpuInventory(session)
+    await inventory.load()
+    lost = inventory.gpus[0]
+    assert not lost.health.healthy
+    assert lost.static.uuid == "GPU-LOST-0"
+    assert all(g.health.healthy for g in inventory.gpus[1:])
