@@ -84,7 +84,8 @@ def read_static(session: NvmlSession, index: int) -> GpuStatic:
                                        "NVML_ERROR_GPU_IS_LOST at start-up")
         return GpuStatic(index=index, minor=-1, uuid=placeholder, name="unknown (GPU is lost)",
                          brand="unknown", architecture="unknown", cuda_compute_capability="",
-                         pci_bus_id="", memory_total_mib=0, numa_node=None, cpu_affinity="",
+                         pci_bus_id="", pci_device_id=0, pci_subsystem_id=0,
+                         memory_total_mib=0, numa_node=None, cpu_affinity="",
                          mig_capable=False)
     uuid = _text(call("nvmlDeviceGetUUID", handle))
     major, minor = call("nvmlDeviceGetCudaComputeCapability", handle, gpu=uuid)
@@ -114,6 +115,8 @@ def read_static(session: NvmlSession, index: int) -> GpuStatic:
                                         "unknown"),
         cuda_compute_capability=f"{major}.{minor}",
         pci_bus_id=_text(pci.busId),
+        pci_device_id=int(pci.pciDeviceId),
+        pci_subsystem_id=int(pci.pciSubSystemId),
         memory_total_mib=int(memory.total) // (1024 * 1024),
         numa_node=numa,
         cpu_affinity=cpu_list([int(w) for w in affinity]),
@@ -202,9 +205,9 @@ def read_gpu(session: NvmlSession, static: GpuStatic,
         if static.mig_capable:
             current, pending = session.call("nvmlDeviceGetMigMode", handle, gpu=static.uuid)
             mig_mode = MigMode(current=bool(current), pending=bool(pending))
+            if not profiles:
+                profiles = read_gi_profiles(session, handle, static)
             if mig_mode.current:
-                if not profiles:
-                    profiles = read_gi_profiles(session, handle, static)
                 devices = read_mig_devices(session, handle, static.uuid, profiles)
     except NvmlError as err:
         reasons.append(err.detail)

@@ -78,6 +78,8 @@ class GpuStatic:
     architecture: str
     cuda_compute_capability: str
     pci_bus_id: str
+    pci_device_id: int
+    pci_subsystem_id: int
     memory_total_mib: int
     numa_node: int | None
     cpu_affinity: str

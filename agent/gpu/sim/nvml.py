@@ -575,8 +575,11 @@ class SimulatedNvml:
         gpu = self._mig_capable_gpu(device)
         if not 0 <= int(profile) < pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT:
             fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        # Profile info answers with MIG off too: the placements call, which nvml.h documents
+        # as working "regardless of whether MIG is enabled", takes the id this returns.
+        del gpu
         found = self._hw.model.gi_profile_by_index(int(profile))
-        if not gpu.mig_current or found is None:
+        if found is None:
             fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return self._gi_profile_info(found, version)
 
@@ -585,7 +588,7 @@ class SimulatedNvml:
 
     @_nvml
     def nvmlDeviceGetGpuInstanceProfileInfoById(self, device: Any, profileId: int) -> Any:
-        self._mig_gpu(device)
+        self._mig_capable_gpu(device)
         return self._gi_profile_info(self._gi_profile(profileId), 2)
 
     nvmlDeviceGetGpuInstanceProfileInfoByIdV = _alias(

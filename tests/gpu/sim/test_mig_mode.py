@@ -18,14 +18,13 @@ ENABLE, DISABLE = pynvml.NVML_DEVICE_MIG_ENABLE, pynvml.NVML_DEVICE_MIG_DISABLE
 
 
 def test_mig_calls_are_not_supported_while_mig_is_off(h100: SimulatedNode) -> None:
-    """Profile, capacity, create, enumeration calls answer NOT_SUPPORTED with MIG disabled;
-    MaxMigDeviceCount is 0 and possible placements are still listed (nvml.h)."""
+    """Capacity, create and enumeration calls answer NOT_SUPPORTED with MIG disabled;
+    MaxMigDeviceCount is 0, while profile info and possible placements are still listed
+    (nvml.h: placements "regardless of whether MIG is enabled", which needs the profile id)."""
     nvml = h100.nvml
     handle = nvml.nvmlDeviceGetHandleByIndex(0)
     assert nvml.nvmlDeviceGetMigMode(handle) == [DISABLE, DISABLE]
     calls: list[Callable[[], object]] = [
-        lambda: nvml.nvmlDeviceGetGpuInstanceProfileInfo(handle, 0),
-        lambda: nvml.nvmlDeviceGetGpuInstanceProfileInfoById(handle, 19),
         lambda: nvml.nvmlDeviceGetGpuInstanceRemainingCapacity(handle, 19),
         lambda: nvml.nvmlDeviceCreateGpuInstance(handle, 19),
         lambda: nvml.nvmlDeviceCreateGpuInstanceWithPlacement(
@@ -38,6 +37,8 @@ def test_mig_calls_are_not_supported_while_mig_is_off(h100: SimulatedNode) -> No
         with pytest.raises(pynvml.NVMLError_NotSupported):
             call()
     assert nvml.nvmlDeviceGetMaxMigDeviceCount(handle) == 0
+    assert nvml.nvmlDeviceGetGpuInstanceProfileInfo(handle, 0).id == 19
+    assert nvml.nvmlDeviceGetGpuInstanceProfileInfoById(handle, 9).sliceCount == 3
     count = ctypes.c_uint()
     nvml.nvmlDeviceGetGpuInstancePossiblePlacements(handle, 9, None, ctypes.byref(count))
     assert count.value == 2
