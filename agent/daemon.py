@@ -27,6 +27,7 @@ from agent.events import EventLog, Severity
 from agent.gpu.inventory import GpuInventory
 from agent.gpu.session import NvmlSession
 from agent.metrics.agent import AgentMetrics
+from agent.mig.service import MigService
 from agent.settings import Listener, Settings
 
 log = logging.getLogger("agent.daemon")
@@ -119,17 +120,34 @@ async def _become_ready(ctx: AgentContext) -> None:
                                                   "error": str(err)})
 
     ctx.readiness.set("initialising NVML")
+    assert ctx.mig is not None
     async for attempt in AsyncRetrying(retry=retry_if_exception_type(NvmlError),
-                                       wait=wait_exponential_jitter(initial=0.5, max=30),
+                                       wait=wait_exponential_jitter(multiplier=0.5, max=30),
                                        before_sleep=before_sleep, reraise=True):
         with attempt:
             await ctx.session.initialise()
             ctx.readiness.set("loading inventory")
             await ctx.inventory.load()
+            ctx.readiness.set("resolving open MIG transitions")
+            await ctx.mig.recover()
+            ctx.readiness.set("reconciling MIG geometry")
+            await ctx.mig.reconcile()
     ctx.readiness.set(None)
     ctx.metrics.ready.set(1)
     ctx.events.append("agent.ready", f"agent ready with {len(ctx.inventory.gpus)} GPUs",
                       details={"backend": ctx.backend})
+
+
+async def _watch_drift(ctx: AgentContext) -> None:
+    """Report MIG geometries changed behind the agent's back (nvidia-smi, mig-parted)."""
+    assert ctx.mig is not None
+    while True:
+        await asyncio.sleep(ctx.settings.drift_check_interval_s)
+        try:
+            await ctx.inventory.refresh()
+            await ctx.mig.check_drift()
+        except AgentError as err:
+            log.warning("drift check failed", extra={"error": err.detail})
 
 
 async def serve(settings: Settings) -> int:
@@ -151,9 +169,14 @@ async def _run(settings: Settings, backend: Backend) -> int:
     metrics.set_build(version=agent.__version__, backend=backend.name)
     session = NvmlSession(backend.nvml, on_error=lambda e: metrics.nvml_errors.labels(
         e.function, e.name).inc())
-    ctx = AgentContext(settings=settings, session=session, inventory=GpuInventory(session),
-                       events=EventLog(), tokens=load_tokens(settings), metrics=metrics,
-                       backend=backend.name, sim=backend.sim)
+    inventory = GpuInventory(session)
+    events = EventLog()
+    service = MigService(session=session, inventory=inventory, events=events, metrics=metrics,
+                         state_dir=settings.state_dir, proc_root=settings.proc_root,
+                         reset_command=settings.gpu_reset_command, reapply=settings.reapply_mig)
+    ctx = AgentContext(settings=settings, session=session, inventory=inventory,
+                       events=events, tokens=load_tokens(settings), metrics=metrics,
+                       backend=backend.name, mig=service, sim=backend.sim)
     runner = web.AppRunner(build_app(ctx), handle_signals=False, access_log=None,
                            shutdown_timeout=settings.shutdown_timeout_s)
     await runner.setup()
@@ -162,6 +185,7 @@ async def _run(settings: Settings, backend: Backend) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     startup: asyncio.Task[None] | None = None
+    drift: asyncio.Task[None] | None = None
     try:
         bound = await _start_sites(runner, settings.listen)
         write_atomic(settings.state_dir / "listeners.json",
@@ -174,16 +198,20 @@ async def _run(settings: Settings, backend: Backend) -> int:
         await asyncio.wait({startup, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if startup.done() and startup.exception() is not None:
             raise startup.exception()  # type: ignore[misc]
+        if startup.done():
+            drift = asyncio.create_task(_watch_drift(ctx))
         await stopped
         log.info("stopping", extra={"reason": "signal"})
         ctx.readiness.set("shutting down")
         ctx.metrics.ready.set(0)
         return 0
     finally:
-        if startup is not None and not startup.done():
-            startup.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await startup
+        for task in (startup, drift):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        await service.close()
         # Stops accepting, lets in-flight requests finish (up to shutdown_timeout), closes.
         await runner.cleanup()
         session.close()

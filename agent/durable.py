@@ -10,10 +10,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import json
 import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from agent.errors import StateLocked
 
@@ -100,3 +102,47 @@ class ExclusiveLock:
             yield
         finally:
             self.release()
+
+
+class DurableMap:
+    """A small JSON object on disk (key → JSON value), rewritten atomically on every change.
+
+    For records the agent keeps across restarts (desired MIG geometries, quarantined GPUs).
+    A file that does not parse is kept aside and the map starts empty; ``problem`` says so,
+    for the caller to report loudly.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.problem: str | None = None
+        self._data: dict[str, Any] = {}
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return
+        try:
+            loaded = json.loads(raw)
+            if not isinstance(loaded, dict) or not isinstance(loaded.get("items"), dict):
+                raise ValueError("not a {'items': {...}} object")
+            self._data = loaded["items"]
+        except (ValueError, UnicodeDecodeError) as err:
+            kept = keep_aside(path, "unreadable")
+            self.problem = f"{path} was unreadable ({err}); kept aside as {kept}"
+
+    def get(self, key: str) -> Any:
+        return self._data.get(key)
+
+    def items(self) -> list[tuple[str, Any]]:
+        return sorted(self._data.items())
+
+    def set(self, key: str, value: Any) -> None:
+        self._data[key] = value
+        self._flush()
+
+    def delete(self, key: str) -> None:
+        if self._data.pop(key, None) is not None:
+            self._flush()
+
+    def _flush(self) -> None:
+        write_atomic(self.path, json.dumps({"schema_version": 1, "items": self._data},
+                                           indent=1, sort_keys=True).encode())

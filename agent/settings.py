@@ -56,6 +56,9 @@ class Settings:
     log_level: str
     proc_root: Path
     node_name: str
+    gpu_reset_command: str | None = None
+    reapply_mig: bool = True
+    drift_check_interval_s: float = 30.0
     max_body_bytes: int = 1 << 20
     shutdown_timeout_s: float = 10.0
 
@@ -64,7 +67,8 @@ class Settings:
 _FLAG_TYPES: dict[str, str] = {
     "simulate": "str", "state_dir": "path", "cdi_dir": "path", "listen": "list",
     "token_file": "path", "auth_read": "bool", "log_format": "str", "log_level": "str",
-    "proc_root": "path", "node_name": "str", "config": "path",
+    "proc_root": "path", "node_name": "str", "config": "path", "gpu_reset_command": "str",
+    "reapply_mig": "bool",
 }
 
 
@@ -154,5 +158,7 @@ def resolve(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> S
         proc_root=Path(merged.get("proc_root") or
                        (state_dir / "proc" if simulate else Path("/proc"))).absolute(),
         node_name=str(merged.get("node_name") or env.get("NODE_NAME") or socket.gethostname()),
+        gpu_reset_command=merged.get("gpu_reset_command"),
+        reapply_mig=bool(merged.get("reapply_mig", True)),
     )
 

@@ -1,17 +1,29 @@
-"""Run every benchmark and print its table (``make bench``)."""
+"""Run the benchmarks and print their tables (``make bench``); ``--only NAME`` runs one."""
 
 from __future__ import annotations
 
 import argparse
 
-from bench import startup
+from bench import mig_disruption, startup
+
+BENCHMARKS = ("startup", "mig-disruption")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench")
-    parser.add_argument("--runs", type=int, default=5, help="agent starts per preset")
+    parser.add_argument("--only", choices=BENCHMARKS, help="run this benchmark alone")
+    parser.add_argument("--runs", type=int, default=5, help="agent starts per preset (startup)")
+    parser.add_argument("--pairs", type=int, default=mig_disruption.DEFAULT_PAIRS,
+                        help="(current, desired) pairs per preset (mig-disruption)")
+    parser.add_argument("--seed", type=int, default=mig_disruption.DEFAULT_SEED,
+                        help="RNG seed of the pairs (mig-disruption)")
     args = parser.parse_args()
-    startup.main(runs=args.runs)
+    if args.only in (None, "startup"):
+        startup.main(runs=args.runs)
+    if args.only is None:
+        print()
+    if args.only in (None, "mig-disruption"):
+        mig_disruption.main(pairs=args.pairs, seed=args.seed)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,18 @@ from __future__ import annotations
 from aiohttp import web
 
 import agent
-from agent.api import gpus, node, sim
+from agent.api import gpus, mig, node, sim
 from agent.api.context import AGENT, MAX_BODY_BYTES, AgentContext
+from agent.api.mig_models import (
+    ApplyModel,
+    ApplyRequest,
+    MigChange,
+    MigGeometryModel,
+    MigRequest,
+    ProfileList,
+    TransitionList,
+    TransitionModel,
+)
 from agent.api.models import (
     EventList,
     GpuList,
@@ -41,6 +51,33 @@ CORE_ROUTES = [
           errors=(503,)),
     Route("GET", "/v1/gpus/{gpu}", gpus.get_gpu, "One GPU, by index or UUID", GpuModel,
           tag="gpus", errors=(503,)),
+    Route("GET", "/v1/gpus/{gpu}/mig/profiles", mig.get_profiles,
+          "MIG profiles of a GPU with placements and the capacity still free", ProfileList,
+          tag="mig", errors=(409, 503)),
+    Route("GET", "/v1/gpus/{gpu}/mig", mig.get_geometry,
+          "Current MIG geometry from a fresh NVML walk, drain marks, drift", MigGeometryModel,
+          tag="mig", errors=(409, 503)),
+    Route("PUT", "/v1/gpus/{gpu}/mig", mig.put_geometry,
+          "Desired MIG geometry: 202 and a transition, or 200 when already applied "
+          "(?dry_run=true: the plan only)", MigChange, body=MigRequest, status=200,
+          scope="geometry", tag="mig", errors=(409, 503),
+          extra_responses={202: MigChange},
+          query=(QueryParam("dry_run", {"type": "boolean"}, "Only plan"),)),
+    Route("GET", "/v1/transitions", mig.list_transitions, "MIG transitions, newest first",
+          TransitionList, tag="mig", errors=(503,)),
+    Route("GET", "/v1/transitions/{id}", mig.get_transition,
+          "One transition: state, steps with timings, blockers, error", TransitionModel,
+          tag="mig", errors=(503,)),
+    Route("POST", "/v1/transitions/{id}/cancel", mig.cancel_transition,
+          "Cancel a transition that is still draining (ends aborted, nothing changed)",
+          TransitionModel, scope="geometry", tag="mig", errors=(409, 503)),
+    Route("POST", "/v1/mig/apply", mig.apply_config,
+          "Apply a mig-parted v1 config (JSON or YAML) by label to the matching GPUs",
+          ApplyModel, body=ApplyRequest, status=202, scope="geometry", tag="mig",
+          errors=(409, 503)),
+    Route("GET", "/v1/mig/apply/{apply_id}", mig.get_apply,
+          "A node-wide apply: each GPU's transition and the overall state", ApplyModel,
+          tag="mig", errors=(503,)),
     Route("GET", "/v1/events", node.list_events, "Recent events (bounded ring)", EventList,
           query=(QueryParam("since", {"type": "integer", "minimum": 0},
                             "Only events with a larger sequence number"),), errors=(422,)),

@@ -13,6 +13,7 @@ from agent.events import EventLog
 from agent.gpu.inventory import GpuInventory
 from agent.gpu.session import NvmlSession
 from agent.metrics.agent import AgentMetrics
+from agent.mig.service import MigService
 from agent.settings import Settings
 
 
@@ -43,6 +44,7 @@ class AgentContext:
     metrics: AgentMetrics
     backend: str
     readiness: Readiness = field(default_factory=Readiness)
+    mig: MigService | None = None
     #: The simulated node's controls (``agent.gpu.sim.node.SimulatedNode``) with --simulate.
     sim: Any = None
 

@@ -88,8 +88,10 @@ class GpuModel(BaseModel):
     health: HealthModel
 
     @classmethod
-    def of(cls, gpu: Gpu) -> GpuModel:
+    def of(cls, gpu: Gpu, *, draining: frozenset[int] = frozenset(),
+           reasons: tuple[str, ...] = ()) -> GpuModel:
         s = gpu.static
+        all_reasons = list(gpu.health.reasons) + list(reasons)
         return cls(
             index=s.index, minor=s.minor, uuid=s.uuid, name=s.name, brand=s.brand,
             architecture=s.architecture, cuda_compute_capability=s.cuda_compute_capability,
@@ -97,8 +99,9 @@ class GpuModel(BaseModel):
             cpu_affinity=s.cpu_affinity, mig_capable=s.mig_capable,
             mig_mode=MigModeModel(current=gpu.mig_mode.current, pending=gpu.mig_mode.pending)
             if gpu.mig_mode else None,
-            mig_devices=[MigDeviceModel.of(d) for d in gpu.mig_devices],
-            health=HealthModel(healthy=gpu.health.healthy, reasons=list(gpu.health.reasons)),
+            mig_devices=[MigDeviceModel.of(d, draining=d.gi_id in draining)
+                         for d in gpu.mig_devices],
+            health=HealthModel(healthy=not all_reasons, reasons=all_reasons),
         )
 
 

@@ -28,6 +28,8 @@ def _serve(args: argparse.Namespace) -> int:
             "auth_read": True if args.auth_read else None, "log_format": args.log_format,
             "log_level": args.log_level, "proc_root": args.proc_root,
             "node_name": args.node_name, "config": args.config,
+            "gpu_reset_command": args.gpu_reset_command,
+            "reapply_mig": False if args.no_reapply_mig else None,
         })
         logs.configure(settings.log_format, settings.log_level)
         return asyncio.run(daemon.serve(settings))
@@ -120,6 +122,12 @@ def _add_serve(sub: Any) -> None:
     serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     serve.add_argument("--proc-root", help="where /proc is (the simulator writes its own)")
     serve.add_argument("--node-name", help="node name (default $NODE_NAME or the hostname)")
+    serve.add_argument("--gpu-reset-command", metavar="CMD",
+                       help="command that resets one idle GPU, run only when a request allows "
+                            "it, e.g. 'nvidia-smi -r -i {pci_bus_id}' ({uuid}, {index} too)")
+    serve.add_argument("--no-reapply-mig", action="store_true",
+                       help="do not re-apply the last MIG geometry after a reboot or driver "
+                            "reload (default: re-apply)")
     serve.add_argument("--config", help="TOML file with any of these settings")
 
 

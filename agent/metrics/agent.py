@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 NAMESPACE = "gpu_agent"
+# The terminal transition states (agent.mig.transition.TERMINAL), the closed label set.
+TRANSITION_RESULTS = ("succeeded", "aborted", "rolled_back", "failed", "pending_reset")
 
 
 class AgentMetrics:
@@ -20,6 +22,21 @@ class AgentMetrics:
         self.http_requests = Counter("http_requests", "HTTP requests served",
                                      ["method", "route", "code"], namespace=NAMESPACE,
                                      registry=self.registry)
+        self.mig_transitions = Counter("mig_transitions", "MIG transitions by terminal state",
+                                       ["result"], namespace=NAMESPACE, registry=self.registry)
+        for result in TRANSITION_RESULTS:
+            self.mig_transitions.labels(result)
+        self.mig_transition_duration = Histogram(
+            "mig_transition_duration_seconds", "Time from request to terminal state",
+            namespace=NAMESPACE, registry=self.registry,
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
+        self.mig_instances_destroyed = Counter(
+            "mig_instances_destroyed", "MIG GPU instances destroyed by transitions",
+            namespace=NAMESPACE, registry=self.registry)
+        self.mig_geometry_drift = Gauge(
+            "mig_geometry_drift", "1 while a GPU's MIG geometry differs from the one last "
+            "applied through the agent (changed behind its back)", ["gpu"], namespace=NAMESPACE,
+            registry=self.registry)
         self.ready.set(0)
 
     def set_build(self, *, version: str, backend: str) -> None:

@@ -1,0 +1,281 @@
+"""Request and response models of the MIG endpoints."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+from agent.api.models import MigModeModel, PlacementModel, Strict
+from agent.gpu.types import GiProfile, Placement
+from agent.mig.geometry import (
+    Desired,
+    DesiredDisabled,
+    DesiredInstances,
+    DesiredProfiles,
+    Geometry,
+    Instance,
+    Plan,
+)
+from agent.mig.service import ApplyRecord
+from agent.mig.transition import DrainPolicy, Transition
+
+PROFILE_NAME = r"^[0-9]+g\.[0-9]+gb(\+[a-z.]+)?$"
+
+
+class PlacementIn(Strict):
+    start: int = Field(ge=0, le=7, description="First memory slice")
+    size: int = Field(ge=1, le=8, description="Number of memory slices")
+
+
+class InstanceIn(Strict):
+    profile: str = Field(pattern=PROFILE_NAME, max_length=32)
+    placement: PlacementIn
+
+
+class DrainIn(Strict):
+    policy: Literal["fail", "wait"] = Field(
+        default="fail", description="fail: 409 with the blockers at once; wait: up to timeout_s")
+    timeout_s: float = Field(default=60.0, ge=0, le=3600)
+
+    def policy_value(self) -> DrainPolicy:
+        return DrainPolicy(self.policy, self.timeout_s)
+
+
+class MigRequest(Strict):
+    """Exactly one of: ``profiles`` (placed by the agent), ``instances`` (explicit placements),
+    ``mig_enabled: false``; ``mig_enabled: true`` alone enables MIG with no instances."""
+
+    profiles: list[str] | None = Field(default=None, max_length=7,
+                                       description="Profile names, one per instance")
+    instances: list[InstanceIn] | None = Field(default=None, max_length=7)
+    mig_enabled: bool | None = Field(
+        default=None, description="Required to change the MIG mode of pre-Hopper GPUs")
+    drain: DrainIn = Field(default_factory=DrainIn)
+    allow_reset: bool = Field(default=False, description="Let the agent run its configured "
+                                                         "GPU reset command on an idle GPU")
+
+    @model_validator(mode="after")
+    def _one_form(self) -> MigRequest:
+        if self.profiles is not None and self.instances is not None:
+            raise ValueError("give either profiles or instances, not both")
+        if self.mig_enabled is False and (self.profiles or self.instances):
+            raise ValueError("mig_enabled false cannot have profiles or instances")
+        if self.mig_enabled is None and self.profiles is None and self.instances is None:
+            raise ValueError("give profiles, instances or mig_enabled")
+        for name in self.profiles or ():
+            if len(name) > 32 or not name[:1].isdigit():
+                raise ValueError(f"profiles: {name!r} is not a MIG profile name like 1g.10gb")
+        return self
+
+    def desired(self) -> Desired:
+        if self.mig_enabled is False:
+            return DesiredDisabled()
+        if self.instances is not None:
+            return DesiredInstances(tuple(
+                (i.profile, Placement(i.placement.start, i.placement.size))
+                for i in self.instances))
+        return DesiredProfiles.of(self.profiles or ())
+
+
+class InstanceModel(BaseModel):
+    profile: str
+    placement: PlacementModel
+    gi_id: int | None
+    held: bool = Field(description="A prepared claim or a running process uses it")
+
+    @classmethod
+    def of(cls, i: Instance) -> InstanceModel:
+        return cls(profile=i.profile, placement=PlacementModel(start=i.placement.start,
+                                                               size=i.placement.size),
+                   gi_id=i.gi_id, held=i.held)
+
+
+class PlanModel(BaseModel):
+    summary: str
+    mig_enabled_before: bool
+    mig_enabled_after: bool
+    keep: list[InstanceModel]
+    destroy: list[InstanceModel]
+    create: list[InstanceModel]
+
+    @classmethod
+    def of(cls, plan: Plan) -> PlanModel:
+        return cls(summary=plan.summary(), mig_enabled_before=plan.mig_enabled_before,
+                   mig_enabled_after=plan.mig_enabled_after,
+                   keep=[InstanceModel.of(i) for i in plan.keep],
+                   destroy=[InstanceModel.of(i) for i in plan.destroy],
+                   create=[InstanceModel.of(i) for i in plan.create])
+
+
+class StepModel(BaseModel):
+    name: str
+    started_at: float
+    finished_at: float | None
+    duration_s: float | None
+    result: str | None
+    error: str | None
+
+
+class BlockerModel(BaseModel):
+    instance: str
+    kind: Literal["process", "claim"]
+    id: str
+
+
+class StateChange(BaseModel):
+    state: str
+    at: float
+
+
+class TransitionModel(BaseModel):
+    id: str
+    gpu: str
+    gpu_index: int
+    state: Literal["requested", "planned", "draining", "applying", "verifying", "rolling_back",
+                   "succeeded", "aborted", "rolled_back", "failed", "pending_reset"]
+    terminal: bool
+    requested: str
+    plan: PlanModel
+    drain: dict[str, Any]
+    steps: list[StepModel]
+    blockers: list[BlockerModel]
+    error: str | None
+    created_at: float
+    finished_at: float | None
+    duration_s: float | None
+    apply_id: str | None
+    history: list[StateChange]
+
+    @classmethod
+    def of(cls, t: Transition) -> TransitionModel:
+        return cls(
+            id=t.id, gpu=t.gpu, gpu_index=t.gpu_index, state=t.state.value,
+            terminal=t.state.terminal, requested=t.requested, plan=PlanModel.of(t.plan),
+            drain={"policy": t.drain.policy, "timeout_s": t.drain.timeout_s},
+            steps=[StepModel(name=s.name, started_at=s.started_at, finished_at=s.finished_at,
+                             duration_s=None if s.finished_at is None
+                             else round(s.finished_at - s.started_at, 6),
+                             result=s.result, error=s.error) for s in t.steps],
+            blockers=[BlockerModel(instance=b.instance, kind=b.kind, id=b.id)
+                      for b in t.blockers],
+            error=t.error, created_at=t.created_at, finished_at=t.finished_at,
+            duration_s=t.duration_s, apply_id=t.apply_id,
+            history=[StateChange(state=s.value, at=at) for s, at in t.history])
+
+
+class TransitionList(BaseModel):
+    transitions: list[TransitionModel]
+
+
+class MigChange(BaseModel):
+    """The answer to PUT .../mig: the plan, and the transition running it (none when the
+    geometry is already applied or for a dry run)."""
+
+    dry_run: bool
+    plan: PlanModel
+    blockers: list[BlockerModel]
+    transition: TransitionModel | None
+
+
+class ComputeInstanceModel(BaseModel):
+    id: int
+    profile_id: int
+
+
+class GpuInstanceModel(BaseModel):
+    profile: str
+    placement: PlacementModel
+    gi_id: int | None
+    held: bool
+    draining: bool
+
+
+class MigGeometryModel(BaseModel):
+    gpu: str
+    index: int
+    mig_mode: MigModeModel | None
+    instances: list[GpuInstanceModel]
+    last_applied: list[str] | None = Field(
+        description="Instances of the geometry last applied through the agent (null: none)")
+    drift: str | None = Field(description="Why the hardware differs from the last applied "
+                                          "geometry, when it does")
+    quarantined: str | None
+    active_transition: str | None
+
+    @classmethod
+    def of(cls, *, gpu: str, index: int, mode: MigModeModel | None, geometry: Geometry,
+           draining: frozenset[int], last: Geometry | None, drift: str | None,
+           quarantined: str | None, active: str | None) -> MigGeometryModel:
+        return cls(
+            gpu=gpu, index=index, mig_mode=mode,
+            instances=[GpuInstanceModel(profile=i.profile, placement=PlacementModel(
+                start=i.placement.start, size=i.placement.size), gi_id=i.gi_id, held=i.held,
+                draining=i.gi_id in draining) for i in geometry.instances],
+            last_applied=None if last is None else
+            [str(i) for i in last.instances] if last.mig_enabled else [],
+            drift=drift, quarantined=quarantined, active_transition=active)
+
+
+class ProfileModel(BaseModel):
+    name: str
+    id: int = Field(description="Device profile ID (what nvidia-smi shows)")
+    slices: int
+    memory_mib: int
+    multiprocessors: int
+    copy_engines: int
+    decoders: int
+    encoders: int
+    jpeg_engines: int
+    ofa_engines: int
+    max_instances: int
+    placements: list[PlacementModel]
+    free: int = Field(description="Instances of this profile that still fit now")
+
+    @classmethod
+    def of(cls, p: GiProfile, free: int) -> ProfileModel:
+        return cls(name=p.name, id=p.id, slices=p.slices, memory_mib=p.memory_mib,
+                   multiprocessors=p.multiprocessors, copy_engines=p.copy_engines,
+                   decoders=p.decoders, encoders=p.encoders, jpeg_engines=p.jpeg_engines,
+                   ofa_engines=p.ofa_engines, max_instances=p.max_instances,
+                   placements=[PlacementModel(start=x.start, size=x.size) for x in p.placements],
+                   free=free)
+
+
+class ProfileList(BaseModel):
+    gpu: str
+    profiles: list[ProfileModel]
+
+
+class ApplyRequest(Strict):
+    config: dict[str, Any] | str = Field(description="A mig-parted v1 config: a JSON object "
+                                                     "or YAML text")
+    label: str = Field(min_length=1, max_length=128)
+    drain: DrainIn = Field(default_factory=DrainIn)
+
+
+class ApplyGpu(BaseModel):
+    gpu: str
+    index: int
+    id: str | None = Field(description="Transition id; null when already applied")
+    state: str
+
+
+class ApplyModel(BaseModel):
+    apply_id: str
+    label: str
+    state: Literal["running", "succeeded", "partial", "failed"]
+    transitions: list[ApplyGpu]
+
+    @classmethod
+    def of(cls, record: ApplyRecord, states: dict[str, tuple[str, bool]]) -> ApplyModel:
+        rows = []
+        for gpu, index, tid in record.gpus:
+            state, _ = states.get(tid or "", ("unchanged", True))
+            rows.append(ApplyGpu(gpu=gpu, index=index, id=tid, state=state))
+        done = all(states.get(t or "", ("", True))[1] for _, _, t in record.gpus)
+        ok = [r.state in ("succeeded", "unchanged") for r in rows]
+        overall: Literal["running", "succeeded", "partial", "failed"] = (
+            "running" if not done else "succeeded" if all(ok) else
+            "partial" if any(ok) else "failed")
+        return cls(apply_id=record.id, label=record.label, state=overall, transitions=rows)

@@ -1,0 +1,550 @@
+"""MIG transitions on a node: one at a time per GPU, GPUs in parallel; draining per instance;
+the journal written before the first mutation; rollback on failure; recovery at start-up;
+the desired geometry remembered and re-applied after a reboot, drift reported, never
+overwritten.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shlex
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Protocol
+
+from agent.durable import DurableMap
+from agent.errors import Conflict, GeometryNotPlaceable, NotFound
+from agent.events import EventLog, Severity
+from agent.gpu import mig
+from agent.gpu.inventory import GpuInventory
+from agent.gpu.session import NvmlSession
+from agent.gpu.types import Gpu, GpuProcess
+from agent.host import boot_id
+from agent.metrics.agent import AgentMetrics
+from agent.mig.catalog import catalog_of
+from agent.mig.executor import GpuMutator, steps_of
+from agent.mig.geometry import Desired, DesiredDisabled, DesiredInstances, Geometry, Plan
+from agent.mig.journal import JournalEntry, TransitionJournal, new_entry
+from agent.mig.planner import plan as make_plan
+from agent.mig.transition import (
+    Blocker,
+    DrainPolicy,
+    StepRecord,
+    Transition,
+    TransitionState,
+)
+
+log = logging.getLogger("agent.mig")
+HISTORY = 500
+DRAIN_POLL_S = 0.1
+# Architectures where a MIG mode change means a GPU reset (and can wedge a VM's GPU), so the
+# agent changes the mode there only when the caller asks for it in so many words.
+_RESET_TO_CHANGE_MODE = frozenset({"ampere"})
+
+
+class ClaimHolders(Protocol):
+    """Who holds which GPU instance (the claims service implements this)."""
+
+    def holders(self, gpu: str) -> Mapping[int, Sequence[str]]: ...
+
+
+class NoClaims:
+    def holders(self, gpu: str) -> Mapping[int, Sequence[str]]:
+        return {}
+
+
+@dataclass
+class ApplyRecord:
+    """A node-wide apply of a mig-parted config: one transition (or none) per GPU."""
+
+    id: str
+    label: str
+    gpus: list[tuple[str, int, str | None]]  # (uuid, index, transition id or None=unchanged)
+    created_at: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a request led to: the plan, and the transition running it (None when the plan is
+    empty or it was a dry run)."""
+
+    plan: Plan
+    transition: Transition | None
+    blockers: tuple[Blocker, ...] = ()
+
+
+class VerifyFailed(Exception):
+    """After applying, the hardware does not show the planned geometry."""
+
+
+class MigService:
+    def __init__(self, *, session: NvmlSession, inventory: GpuInventory, events: EventLog,
+                 metrics: AgentMetrics, state_dir: Path, proc_root: Path,
+                 reset_command: str | None = None, reapply: bool = True,
+                 claims: ClaimHolders | None = None) -> None:
+        self._session = session
+        self._inventory = inventory
+        self._events = events
+        self._metrics = metrics
+        self._proc_root = proc_root
+        self._reset_command = reset_command
+        self._reapply = reapply
+        self.claims: ClaimHolders = claims or NoClaims()
+        self.journal = TransitionJournal(state_dir / "mig" / "journal")
+        self.desired = DurableMap(state_dir / "mig" / "desired.json")
+        self.quarantine = DurableMap(state_dir / "mig" / "quarantine.json")
+        self._planning: dict[str, asyncio.Lock] = {}
+        self._active: dict[str, Transition] = {}
+        self._history: OrderedDict[str, Transition] = OrderedDict()
+        self._draining: dict[str, set[int]] = {}
+        self._drift: dict[str, str] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.applies: OrderedDict[str, ApplyRecord] = OrderedDict()
+        for store in (self.desired, self.quarantine):
+            if store.problem:
+                events.append("mig.state_unreadable", store.problem, severity=Severity.ERROR)
+
+    # -- what other parts of the agent ask ------------------------------------------------
+
+    def draining(self, gpu: str) -> frozenset[int]:
+        """GI ids on ``gpu`` that a transition is draining (no new claims, not advertised)."""
+        return frozenset(self._draining.get(gpu, ()))
+
+    def quarantined(self, gpu: str) -> str | None:
+        record = self.quarantine.get(gpu)
+        return None if record is None else str(record["reason"])
+
+    def drift(self, gpu: str) -> str | None:
+        return self._drift.get(gpu)
+
+    def transitions(self) -> list[Transition]:
+        """Newest first."""
+        return list(reversed(self._history.values()))
+
+    def transition(self, transition_id: str) -> Transition:
+        try:
+            return self._history[transition_id]
+        except KeyError:
+            raise NotFound(f"no transition {transition_id!r}", transition=transition_id) from None
+
+    def active(self, gpu: str) -> Transition | None:
+        return self._active.get(gpu)
+
+    # -- reading the GPU ------------------------------------------------------------------
+
+    def _mutator(self, gpu: Gpu) -> GpuMutator:
+        return GpuMutator(self._session, gpu.uuid, gpu.profiles)
+
+    async def _processes(self, gpu: Gpu) -> tuple[GpuProcess, ...]:
+        def read() -> tuple[GpuProcess, ...]:
+            handle = self._session.call("nvmlDeviceGetHandleByUUID", gpu.uuid, gpu=gpu.uuid)
+            return mig.running_processes(self._session, handle, gpu.uuid)
+        return await self._session.read(read)
+
+    async def current(self, gpu: Gpu) -> tuple[Geometry, tuple[GpuProcess, ...]]:
+        """The GPU's geometry from a fresh walk, instances in use marked held, and its
+        processes."""
+        processes = await self._processes(gpu)
+        held = {p.gi_id for p in processes if p.gi_id is not None}
+        held |= {gi for gi, uids in self.claims.holders(gpu.uuid).items() if uids}
+        mutator = self._mutator(gpu)
+        geometry = await self._session.read(partial(mutator.geometry, sorted(held)))
+        return geometry, processes
+
+    def _blockers(self, gpu: Gpu, plan: Plan,
+                  processes: Sequence[GpuProcess]) -> tuple[Blocker, ...]:
+        found: list[Blocker] = []
+        claims = self.claims.holders(gpu.uuid)
+        for instance in plan.destroy:
+            found += [Blocker(str(instance), "process", str(p.pid)) for p in processes
+                      if p.gi_id is not None and p.gi_id == instance.gi_id]
+            found += [Blocker(str(instance), "claim", uid)
+                      for uid in claims.get(instance.gi_id or -1, ())]
+        if plan.mode_change:
+            found += [Blocker("whole GPU", "process", str(p.pid)) for p in processes
+                      if p.gi_id is None]
+        return tuple(found)
+
+    # -- requests -------------------------------------------------------------------------
+
+    async def request(self, gpu: Gpu, desired: Desired, drain: DrainPolicy, *,
+                      explicit_mode: bool = False, allow_reset: bool = False,
+                      dry_run: bool = False, apply_id: str | None = None) -> Outcome:
+        """Plan the change and, unless it is a dry run or already applied, start it."""
+        if not gpu.static.mig_capable:
+            raise Conflict(f"GPU {gpu.index} ({gpu.static.name}) does not support MIG",
+                           gpu=gpu.uuid)
+        reason = self.quarantined(gpu.uuid)
+        if reason is not None:
+            raise Conflict(f"GPU {gpu.index} is quarantined: {reason}", gpu=gpu.uuid)
+        lock = self._planning.setdefault(gpu.uuid, asyncio.Lock())
+        running = self._active.get(gpu.uuid)
+        if running is not None or lock.locked():
+            raise Conflict(f"GPU {gpu.index} is busy with transition "
+                           f"{running.id if running else '(being planned)'}", gpu=gpu.uuid,
+                           transition=running.id if running else None)
+        async with lock:
+            current, processes = await self.current(gpu)
+            plan = make_plan(catalog_of(gpu.profiles), current, desired)
+            if plan.mode_change and gpu.static.architecture in _RESET_TO_CHANGE_MODE \
+                    and not explicit_mode:
+                raise Conflict(
+                    f"GPU {gpu.index} is {gpu.static.architecture.capitalize()}: its MIG mode "
+                    "changes only when asked explicitly, since the change needs a GPU reset; "
+                    f"send \"mig_enabled\": {str(plan.mig_enabled_after).lower()}",
+                    gpu=gpu.uuid)
+            blockers = self._blockers(gpu, plan, processes)
+            if dry_run or plan.empty:
+                if plan.empty and not dry_run:
+                    self._remember(gpu.uuid, plan.target())
+                return Outcome(plan, None, blockers)
+            if blockers and drain.policy == "fail":
+                raise Conflict(
+                    f"instances the plan destroys are in use: "
+                    f"{', '.join(f'{b.instance} by {b.kind} {b.id}' for b in blockers)}; "
+                    "drain them, or ask with drain policy 'wait'",
+                    gpu=gpu.uuid, blockers=[b.__dict__ for b in blockers])
+            transition = Transition(id=uuid.uuid4().hex[:12], gpu=gpu.uuid,
+                                    gpu_index=gpu.index, requested=_describe(desired),
+                                    plan=plan, drain=drain, apply_id=apply_id)
+            transition.advance(TransitionState.PLANNED)
+            transition.blockers = list(blockers)
+            self._active[gpu.uuid] = transition
+            self._remember_transition(transition)
+        self._events.append("mig.transition.planned", f"GPU {gpu.index}: {plan.summary()}",
+                            gpu=gpu.uuid, details={"transition": transition.id})
+        self._spawn(self._run(transition, gpu, current, allow_reset=allow_reset))
+        return Outcome(plan, transition, blockers)
+
+    async def cancel(self, transition_id: str) -> Transition:
+        """Cancel a transition still draining (it then ends ``aborted``, nothing changed)."""
+        transition = self.transition(transition_id)
+        if transition.state.terminal:
+            return transition
+        if transition.state not in (TransitionState.PLANNED, TransitionState.DRAINING):
+            raise Conflict(f"transition {transition_id} is {transition.state.value}: it can be "
+                           "cancelled only before it starts changing the GPU; it will finish "
+                           "or roll back", transition=transition_id)
+        transition.cancel_requested.set()
+        await transition.finished.wait()
+        return transition
+
+    # -- running a transition --------------------------------------------------------------
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _remember_transition(self, transition: Transition) -> None:
+        self._history[transition.id] = transition
+        while len(self._history) > HISTORY:
+            self._history.popitem(last=False)
+
+    def _remember(self, gpu: str, target: Geometry) -> None:
+        self.desired.set(gpu, {"geometry": target.to_dict(),
+                               "boot_id": boot_id(self._proc_root)})
+        self._clear_drift(gpu)
+
+    async def _run(self, t: Transition, gpu: Gpu, current: Geometry, *,
+                   allow_reset: bool) -> None:
+        """Drive one transition to its terminal state. The terminal state is entered last,
+        after the journal is closed and the GPU released, so whoever waits for it may start
+        the next transition at once."""
+        mutator = self._mutator(gpu)
+        final: TransitionState | None = None
+        try:
+            self._draining[gpu.uuid] = {i.gi_id for i in t.plan.destroy if i.gi_id is not None}
+            if not await self._drain(t, gpu):
+                final = TransitionState.ABORTED
+                return
+            t.advance(TransitionState.APPLYING)
+            try:
+                ci_profiles = await self._session.mutate(gpu.uuid, mutator.ci_profiles)
+                entry = new_entry(transition_id=t.id, gpu=gpu.uuid, old=current,
+                                  old_ci_profiles=ci_profiles, plan=t.plan)
+                await asyncio.to_thread(self.journal.write, entry)
+            except Exception as err:  # nothing touched yet: no journal, no mutation
+                t.error = f"could not start: {err}"
+                final = TransitionState.ABORTED
+                return
+            try:
+                if await self._apply(t, gpu, mutator, entry, allow_reset=allow_reset):
+                    t.advance(TransitionState.VERIFYING)
+                    problem = await self._session.mutate(gpu.uuid, partial(
+                        mutator.verify, t.plan.target()))
+                    if problem is not None:
+                        raise VerifyFailed(problem)
+                    final = TransitionState.SUCCEEDED
+                else:
+                    final = TransitionState.PENDING_RESET
+                self._remember(gpu.uuid, t.plan.target())
+            except Exception as err:  # the one failure exit: whatever went wrong, roll back
+                final = await self._roll_back(t, gpu, mutator, entry, err)
+            await asyncio.to_thread(self.journal.close, gpu.uuid)
+        finally:
+            self._draining.pop(gpu.uuid, None)
+            self._active.pop(gpu.uuid, None)
+            if final is not None:
+                t.advance(final)
+            self._finish(t)
+
+    async def _drain(self, t: Transition, gpu: Gpu) -> bool:
+        """Wait until nothing holds an instance the plan destroys; False when aborted."""
+        deadline = time.monotonic() + t.drain.timeout_s
+        while True:
+            blockers = self._blockers(gpu, t.plan, await self._processes(gpu))
+            t.blockers = list(blockers)
+            if not blockers:
+                return True
+            if t.state != TransitionState.DRAINING:
+                t.advance(TransitionState.DRAINING)
+            if t.cancel_requested.is_set() or time.monotonic() >= deadline:
+                why = "cancelled" if t.cancel_requested.is_set() else \
+                    f"drain timed out after {t.drain.timeout_s:g}s"
+                t.error = f"{why}; still in use: " + ", ".join(
+                    f"{b.instance} by {b.kind} {b.id}" for b in blockers)
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(t.cancel_requested.wait(),
+                                       min(DRAIN_POLL_S, max(deadline - time.monotonic(), 0)))
+
+    async def _step(self, t: Transition, gpu: Gpu, entry: JournalEntry,
+                    name: str, action: Callable[[], str]) -> str:
+        """Run one mutation with its journal records around it."""
+        record = StepRecord(name=name, started_at=time.time())
+        t.steps.append(record)
+        entry.next_step = name
+        await asyncio.to_thread(self.journal.write, entry)
+        try:
+            record.result = await self._session.mutate(gpu.uuid, action)
+        except Exception as err:
+            record.error = str(err)
+            raise
+        finally:
+            record.finished_at = time.time()
+        entry.done.append(name)
+        entry.next_step = None
+        await asyncio.to_thread(self.journal.write, entry)
+        return record.result
+
+    async def _apply(self, t: Transition, gpu: Gpu, mutator: GpuMutator, entry: JournalEntry,
+                     *, allow_reset: bool) -> bool:
+        """Every step of the plan; False when the transition ended ``pending_reset``."""
+        for step in steps_of(t.plan):
+            await self._step(t, gpu, entry, step.name, partial(mutator.run, step))
+            if step.kind == "destroy_gi":
+                self._metrics.mig_instances_destroyed.inc()
+            if step.kind == "set_mode" and not await self._mode_took_effect(
+                    t, gpu, mutator, bool(step.enable), allow_reset=allow_reset):
+                return False
+        return True
+
+    async def _mode_took_effect(self, t: Transition, gpu: Gpu, mutator: GpuMutator,
+                                wanted: bool, *, allow_reset: bool) -> bool:
+        if await self._session.mutate(gpu.uuid, mutator.mig_enabled) == wanted:
+            return True
+        reason = (f"MIG mode change to {'on' if wanted else 'off'} is pending: the GPU must be "
+                  "reset (it was not idle, or it is an Ampere GPU)")
+        if allow_reset and self._reset_command:
+            if await self._processes(gpu):
+                reason += "; not reset because processes run on it"
+            else:
+                await self._reset(t, gpu)
+                if await self._session.mutate(gpu.uuid, mutator.mig_enabled) == wanted:
+                    return True
+                reason += "; still pending after the reset"
+        elif not self._reset_command:
+            reason += "; no --gpu-reset-command is configured: run 'nvidia-smi -r -i " \
+                      f"{gpu.static.pci_bus_id}' on the idle GPU or reboot, and the agent " \
+                      "re-applies the geometry at start-up"
+        else:
+            reason += "; ask with allow_reset to let the agent reset the idle GPU"
+        t.error = reason
+        return False
+
+    async def _reset(self, t: Transition, gpu: Gpu) -> None:
+        assert self._reset_command is not None
+        argv = [part.format(pci_bus_id=gpu.static.pci_bus_id, uuid=gpu.uuid, index=gpu.index)
+                for part in shlex.split(self._reset_command)]
+        record = StepRecord(name="reset GPU", started_at=time.time())
+        t.steps.append(record)
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), 120)
+        except TimeoutError:
+            proc.kill()
+            out = b"timed out after 120 s"
+        record.finished_at = time.time()
+        record.result = f"exit {proc.returncode}: {out.decode(errors='replace')[-300:]}"
+        self._events.append("mig.gpu_reset", f"GPU {gpu.index} reset: {record.result}",
+                            gpu=gpu.uuid)
+
+    async def _roll_back(self, t: Transition, gpu: Gpu, mutator: GpuMutator,
+                         entry: JournalEntry, err: Exception) -> TransitionState:
+        """Restore the recorded old geometry; the terminal state it leads to."""
+        t.error = str(err)
+        t.advance(TransitionState.ROLLING_BACK)
+        entry.phase = "rolling_back"
+        old = entry.old_geometry()
+        try:
+            await self._step(t, gpu, entry, f"restore {_layout(old)}", partial(
+                _restore, mutator, old, entry.old_ci_profiles))
+            return TransitionState.ROLLED_BACK
+        except Exception as failure:
+            self._quarantine(gpu.uuid, gpu.index, f"rollback of transition {t.id} failed: "
+                             f"{failure} (after: {err})")
+            t.error = f"{err}; rollback failed: {failure}"
+            return TransitionState.FAILED
+
+    def _quarantine(self, gpu: str, index: int, reason: str) -> None:
+        self.quarantine.set(gpu, {"reason": reason, "since": time.time()})
+        self._events.append(
+            "mig.quarantined",
+            f"GPU {index} quarantined: {reason}. Operator: compare 'nvidia-smi mig -lgi' with "
+            "GET /v1/gpus/{gpu}/mig, restore or clear the layout by hand, then clear the "
+            "quarantine", severity=Severity.ERROR, gpu=gpu)
+
+    def _finish(self, t: Transition) -> None:
+        result = t.state.value
+        if t.state.terminal:
+            self._metrics.mig_transitions.labels(result).inc()
+            if t.duration_s is not None:
+                self._metrics.mig_transition_duration.observe(t.duration_s)
+        severity = Severity.INFO if t.state in (TransitionState.SUCCEEDED,
+                                                TransitionState.ABORTED) else Severity.ERROR
+        self._events.append(f"mig.transition.{result}",
+                            f"GPU {t.gpu_index}: transition {t.id} {result}"
+                            + (f": {t.error}" if t.error else ""), severity=severity,
+                            gpu=t.gpu, details={"transition": t.id, "plan": t.plan.summary()})
+
+    # -- start-up -------------------------------------------------------------------------
+
+    async def recover(self) -> None:
+        """Resolve every open journal entry before the agent reports ready: finish when the
+        hardware already shows the target, else roll back to the recorded old geometry."""
+        entries, corrupt = await asyncio.to_thread(self.journal.open_entries)
+        for bad in corrupt:
+            gpu = self._gpu_or_none(bad.gpu)
+            self._quarantine(bad.gpu, gpu.index if gpu else -1,
+                             f"journal entry unreadable ({bad.reason}), kept at {bad.kept_at}; "
+                             "the geometry may be half-changed")
+        for entry in entries:
+            await self._recover_entry(entry)
+
+    def _gpu_or_none(self, uuid_: str) -> Gpu | None:
+        return next((g for g in self._inventory.gpus if g.uuid == uuid_), None)
+
+    async def _recover_entry(self, entry: JournalEntry) -> None:
+        gpu = self._gpu_or_none(entry.gpu)
+        if gpu is None:
+            self._events.append("mig.recovery", f"journal entry for unknown GPU {entry.gpu} "
+                                "dropped", severity=Severity.WARNING, gpu=entry.gpu)
+            await asyncio.to_thread(self.journal.close, entry.gpu)
+            return
+        plan = entry.the_plan()
+        t = Transition(id=entry.transition_id, gpu=gpu.uuid, gpu_index=gpu.index,
+                       requested="recovery after restart", plan=plan, drain=DrainPolicy())
+        self._remember_transition(t)
+        mutator = self._mutator(gpu)
+        problem = await self._session.mutate(gpu.uuid, partial(mutator.verify, plan.target()))
+        if problem is None:
+            self._remember(gpu.uuid, plan.target())
+            t.error = "finished at start-up: the hardware already showed the target"
+            final = TransitionState.SUCCEEDED
+        else:
+            final = await self._roll_back(t, gpu, mutator, entry, VerifyFailed(
+                f"interrupted at {entry.next_step or 'a step boundary'} "
+                f"(phase {entry.phase}); {problem}"))
+        await asyncio.to_thread(self.journal.close, gpu.uuid)
+        t.advance(final)
+        self._finish(t)
+
+    async def reconcile(self) -> None:
+        """Compare each GPU with the geometry last applied: re-apply after a reboot or driver
+        reload emptied it; report (never overwrite) a change made behind the agent's back."""
+        for gpu in self._inventory.gpus:
+            record = self.desired.get(gpu.uuid)
+            if not gpu.static.mig_capable or record is None or self.quarantined(gpu.uuid):
+                continue
+            want = Geometry.from_dict(record["geometry"])
+            actual, _ = await self.current(gpu)
+            if actual.mig_enabled == want.mig_enabled and actual.same_layout(want):
+                self._clear_drift(gpu.uuid)
+                continue
+            rebooted = record.get("boot_id") != boot_id(self._proc_root)
+            if rebooted and not actual.instances and self._reapply:
+                self._events.append("mig.reapply", f"GPU {gpu.index}: the node rebooted or "
+                                    f"the driver reloaded; re-applying {_layout(want)}",
+                                    gpu=gpu.uuid)
+                desired = DesiredInstances(tuple((i.profile, i.placement)
+                                                 for i in want.instances))
+                try:
+                    await self.request(gpu, desired, DrainPolicy("fail"), explicit_mode=True)
+                except (Conflict, GeometryNotPlaceable) as err:
+                    self._set_drift(gpu, f"re-applying failed: {err.detail}")
+                continue
+            self._set_drift(gpu, f"hardware shows {_layout(actual)}, the agent last applied "
+                                 f"{_layout(want)}; left as it is")
+
+    async def check_drift(self) -> None:
+        """The periodic part of :meth:`reconcile`: report GPUs changed behind our back."""
+        for gpu in self._inventory.gpus:
+            record = self.desired.get(gpu.uuid)
+            if record is None or gpu.uuid in self._active or not gpu.static.mig_capable:
+                continue
+            want = Geometry.from_dict(record["geometry"])
+            actual, _ = await self.current(gpu)
+            if actual.mig_enabled == want.mig_enabled and actual.same_layout(want):
+                self._clear_drift(gpu.uuid)
+            else:
+                self._set_drift(gpu, f"hardware shows {_layout(actual)}, the agent last "
+                                     f"applied {_layout(want)}; left as it is")
+
+    def _set_drift(self, gpu: Gpu, reason: str) -> None:
+        self._metrics.mig_geometry_drift.labels(gpu.uuid).set(1)
+        if self._drift.get(gpu.uuid) != reason:
+            self._drift[gpu.uuid] = reason
+            self._events.append("mig.drift", f"GPU {gpu.index}: MIG geometry changed behind "
+                                f"the agent's back: {reason}", severity=Severity.WARNING,
+                                gpu=gpu.uuid)
+
+    def _clear_drift(self, gpu: str) -> None:
+        self._metrics.mig_geometry_drift.labels(gpu).set(0)
+        self._drift.pop(gpu, None)
+
+    async def close(self) -> None:
+        """Stop background work (transitions in flight are abandoned; the journal resolves
+        them at the next start)."""
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+def _restore(mutator: GpuMutator, old: Geometry, ci_profiles: dict[str, list[int]]) -> str:
+    mutator.restore(old, ci_profiles)
+    return f"restored {_layout(old)}"
+
+
+def _layout(geometry: Geometry) -> str:
+    if not geometry.mig_enabled:
+        return "MIG off"
+    return "MIG on with " + (", ".join(str(i) for i in geometry.instances) or "no instances")
+
+
+def _describe(desired: Desired) -> str:
+    if isinstance(desired, DesiredInstances):
+        return ", ".join(f"{name}@{p.start}:{p.size}" for name, p in desired.instances) or \
+            "MIG on, no instances"
+    return "MIG off" if isinstance(desired, DesiredDisabled) else str(desired)
+
