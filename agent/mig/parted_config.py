@@ -358,6 +358,8 @@ def _path(loc: tuple[int | str, ...], *, known: bool = True) -> str:
     return out or "config"
 
 
+# pydantic's error types for a key the model does not have.
+_UNKNOWN = ("extra_forbidden", "invalid_key")
 _ENTRY_FIELDS = "devices, device-filter, mig-enabled and mig-devices"
 
 
@@ -367,7 +369,7 @@ def _reason(error: Any) -> str:
         return str(error["ctx"]["error"])
     if kind == "missing":
         return "required"
-    if kind == "extra_forbidden":
+    if kind in _UNKNOWN:
         allowed = "version and mig-configs" if len(loc) == 1 else _ENTRY_FIELDS
         return f"unknown field; allowed: {allowed}"
     if kind == "too_short":
@@ -393,7 +395,7 @@ def parse_config(source: Mapping[str, Any] | str) -> MigConfigFile:
     try:
         return MigConfigFile.model_validate(dict(data))
     except ValidationError as err:
-        errors = [{"field": _path(e["loc"], known=e["type"] != "extra_forbidden"),
+        errors = [{"field": _path(e["loc"], known=e["type"] not in _UNKNOWN),
                    "reason": _reason(e)} for e in err.errors()]
         listed = "; ".join(f"{e['field']}: {e['reason']}" for e in errors)
         raise InvalidRequest(f"invalid mig-parted config: {listed}", errors=errors) from None

@@ -616,3 +616,13 @@ def test_standard_balanced_of_the_a100_and_a_4_slice_gpu() -> None:
 
 def test_parse_gives_a_config_model() -> None:
     assert isinstance(parse_config(standard_configs(H100_80GB)), MigConfigFile)
+
+
+def test_non_string_keys_are_unknown_fields() -> None:
+    """A number as a key (YAML ``1: 2``) is an unknown field at its place, not a crash."""
+    source: Any = {**config(entry(**{"1": ...})), 7: 1}
+    source["mig-configs"]["x"][0][1] = 2
+    with pytest.raises(InvalidRequest) as caught:
+        parse_config(source)
+    assert {(e["field"], e["reason"].split(";")[0]) for e in caught.value.extra["errors"]} == {
+        ("mig-configs.x[0].1", "unknown field"), ("7", "unknown field")}

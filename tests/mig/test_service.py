@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,7 +114,7 @@ async def test_the_same_request_twice_makes_no_mutation(node: Node) -> None:
 
 
 async def test_impossible_geometry_is_rejected_and_changes_nothing(node: Node) -> None:
-    with pytest.raises(GeometryNotPlaceable, match="no slice is left for 1g.10gb"):
+    with pytest.raises(GeometryNotPlaceable, match=r"no slice is left for 1g\.10gb"):
         await node.change(DesiredProfiles.of(["3g.40gb", "3g.40gb", "1g.10gb"]))
     assert not (await node.geometry()).mig_enabled
     assert node.calls().get("nvmlDeviceSetMigMode", 0) == 0
@@ -284,7 +285,6 @@ async def test_driver_reload_reapplies_and_drift_is_reported(tmp_path: Path) -> 
         victim = next(i for i in (await node.geometry()).instances if i.profile == "1g.10gb")
         gi = node.sim.nvml.nvmlDeviceGetGpuInstanceById(handle, victim.gi_id)
         cis = (node.sim.nvml.c_nvmlComputeInstance_t * 1)()
-        import ctypes
         count = ctypes.c_uint(1)
         node.sim.nvml.nvmlGpuInstanceGetComputeInstances(gi, 0, cis, ctypes.byref(count))
         node.sim.nvml.nvmlComputeInstanceDestroy(cis[0])
