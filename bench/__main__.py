@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from bench import mig_disruption, startup
+from bench import mig_disruption, mig_transition, startup
 
-BENCHMARKS = ("startup", "mig-disruption")
+BENCHMARKS = ("startup", "mig-disruption", "mig-transition")
 
 
 def main() -> None:
@@ -24,6 +24,10 @@ def main() -> None:
         print()
     if args.only in (None, "mig-disruption"):
         mig_disruption.main(pairs=args.pairs, seed=args.seed)
+    if args.only is None:
+        print()
+    if args.only in (None, "mig-transition"):
+        mig_transition.main()
 
 
 if __name__ == "__main__":

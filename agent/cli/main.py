@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import agent
+from agent.cli import mig
 from agent.cli.client import AgentClient, ClientError, discover
 from agent.cli.tables import gpu_table, node_lines
 from agent.errors import AgentError
@@ -176,12 +177,14 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("node", parents=[client_opts], help="node identity and versions")
     sub.add_parser("gpus", parents=[client_opts], help="the node's GPUs")
     _add_sim(sub)
+    mig.add_parsers(sub, client_opts)
     sub.choices["sim"].add_argument("--url")
     sub.choices["sim"].add_argument("--token-file")
     return top
 
 
-COMMANDS: dict[str, Command] = {"node": _node, "gpus": _gpus, "sim": _sim}
+COMMANDS: dict[str, Command] = {"node": _node, "gpus": _gpus, "sim": _sim, "mig": mig.run,
+                                "transitions": mig.run}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

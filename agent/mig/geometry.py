@@ -130,7 +130,7 @@ class Catalog:
             known = ", ".join(self.names)
             raise InvalidRequest(
                 f"unknown MIG profile {name!r}; this GPU offers {known}",
-                errors=[{"field": "profile", "message": f"must be one of: {known}"}],
+                errors=[{"field": "profile", "reason": f"must be one of: {known}"}],
             ) from None
 
     def knows(self, name: str) -> bool:
@@ -382,12 +382,12 @@ class DesiredProfiles:
         given: list[tuple[object, object]] = list(self.counts.items())  # unchecked input
         for name, n in given:
             if not isinstance(name, str):
-                errors.append({"field": "profiles", "message": f"profile {name!r} is not a name"})
+                errors.append({"field": "profiles", "reason": f"profile {name!r} is not a name"})
             elif not isinstance(n, int) or isinstance(n, bool) or n < 0:
                 errors.append({"field": f"profiles.{name}",
-                               "message": f"count must be a whole number ≥ 0, got {n!r}"})
+                               "reason": f"count must be a whole number ≥ 0, got {n!r}"})
         if errors:
-            raise InvalidRequest("; ".join(e["message"] for e in errors), errors=errors)
+            raise InvalidRequest("; ".join(e["reason"] for e in errors), errors=errors)
         object.__setattr__(self, "counts", MappingProxyType(dict(sorted(self.counts.items()))))
 
     def __hash__(self) -> int:
