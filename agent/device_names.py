@@ -1,0 +1,47 @@
+"""Stable device names shared by the ResourceSlices and the claims API (a claim passes the
+cluster's allocation result straight through): ``gpu-<minor>`` for a full GPU and
+``gpu-<minor>-mig-<profile>-<profile id>-<start>`` for a MIG device, as NVIDIA's DRA driver
+names them (the minor is more stable than the index; the profile id keeps ``1g.10gb`` and
+``1g.10gb+me`` apart). Names are DNS labels, so the profile loses its dots and ``+``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_MIG = re.compile(r"^gpu-(\d+)-mig-([a-z0-9]+)-(\d+)-(\d+)$")
+_GPU = re.compile(r"^gpu-(\d+)$")
+
+
+def profile_label(profile: str) -> str:
+    """``1g.10gb+me`` → ``1g10gbme``."""
+    return re.sub(r"[^a-z0-9]", "", profile.lower())
+
+
+def gpu_device_name(minor: int) -> str:
+    return f"gpu-{minor}"
+
+
+def mig_device_name(minor: int, profile: str, profile_id: int, start: int) -> str:
+    return f"gpu-{minor}-mig-{profile_label(profile)}-{profile_id}-{start}"
+
+
+@dataclass(frozen=True)
+class ParsedName:
+    """A parsed device name: ``profile`` (DNS form), ``profile_id`` and ``start`` are set for
+    MIG devices only."""
+
+    minor: int
+    profile: str | None = None
+    profile_id: int | None = None
+    start: int | None = None
+
+
+def parse_device_name(name: str) -> ParsedName | None:
+    """The parts of a device name, or None when it is not one of ours."""
+    if match := _GPU.match(name):
+        return ParsedName(int(match[1]))
+    if match := _MIG.match(name):
+        return ParsedName(int(match[1]), match[2], int(match[3]), int(match[4]))
+    return None

@@ -1,0 +1,32 @@
+"""Device names round-trip and are DNS labels."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from agent.device_names import (
+    ParsedName,
+    gpu_device_name,
+    mig_device_name,
+    parse_device_name,
+)
+
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+@pytest.mark.parametrize(("name", "parsed"), [
+    (gpu_device_name(3), ParsedName(3)),
+    (mig_device_name(2, "1g.24gb", 19, 0), ParsedName(2, "1g24gb", 19, 0)),
+    (mig_device_name(0, "1g.10gb+me", 20, 6), ParsedName(0, "1g10gbme", 20, 6)),
+    (mig_device_name(7, "7g.141gb", 0, 0), ParsedName(7, "7g141gb", 0, 0)),
+])
+def test_names_round_trip_and_are_dns_labels(name: str, parsed: ParsedName) -> None:
+    assert DNS_LABEL.match(name)
+    assert parse_device_name(name) == parsed
+
+
+@pytest.mark.parametrize("name", ["gpu", "gpu-a", "GPU-0", "gpu-0-mig-1g.10gb-19-0", "mig-1"])
+def test_other_strings_are_not_device_names(name: str) -> None:
+    assert parse_device_name(name) is None
