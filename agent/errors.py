@@ -118,3 +118,27 @@ class GeometryNotPlaceable(AgentError):
     status = 422
     type_name = "geometry-not-placeable"
     title = "MIG geometry cannot be placed"
+
+
+class DeviceBusy(Conflict):
+    """A device another claim holds, or one being drained or unhealthy."""
+
+    type_name = "device-busy"
+    title = "Device busy"
+
+
+class ClaimUnprepared(Conflict):
+    """A prepare for a claim UID that was unprepared moments ago: a stale retry, refused so it
+    cannot resurrect the claim (Kubernetes never reuses a claim UID)."""
+
+    type_name = "claim-unprepared"
+    title = "Claim was unprepared"
+
+
+class CheckpointUnusable(AgentError):
+    """The claims checkpoint was corrupt and kept aside; claims stay frozen until an operator
+    acts."""
+
+    status = 503
+    type_name = "checkpoint-corrupt"
+    title = "Claims checkpoint unusable"

@@ -145,3 +145,20 @@ def running_processes(session: NvmlSession, handle: Any, uuid: str) -> tuple[Gpu
             pid=int(proc.pid), used_memory_mib=int(used) // 2**20 if used is not None else 0,
             gi_id=None if gi == _NO_INSTANCE else gi, ci_id=None if ci == _NO_INSTANCE else ci))
     return tuple(found)
+
+
+def mig_device_uuid(session: NvmlSession, handle: Any, uuid: str, gi_id: int,
+                    ci_id: int) -> str | None:
+    """The UUID of the MIG device of (GI, CI), from a fresh enumeration."""
+    for index in range(int(session.call("nvmlDeviceGetMaxMigDeviceCount", handle, gpu=uuid))):
+        try:
+            mig = session.call("nvmlDeviceGetMigDeviceHandleByIndex", handle, index, gpu=uuid)
+        except NvmlError as err:
+            if err.name == "NVML_ERROR_NOT_FOUND":
+                continue
+            raise
+        if int(session.call("nvmlDeviceGetGpuInstanceId", mig, gpu=uuid)) == gi_id and \
+                int(session.call("nvmlDeviceGetComputeInstanceId", mig, gpu=uuid)) == ci_id:
+            value = session.call("nvmlDeviceGetUUID", mig, gpu=uuid)
+            return value.decode() if isinstance(value, bytes) else str(value)
+    return None

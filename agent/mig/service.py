@@ -25,7 +25,7 @@ from agent.events import EventLog, Severity
 from agent.gpu import mig
 from agent.gpu.inventory import GpuInventory
 from agent.gpu.session import NvmlSession
-from agent.gpu.types import Gpu, GpuProcess
+from agent.gpu.types import Gpu, GpuProcess, Placement
 from agent.host import boot_id
 from agent.metrics.agent import AgentMetrics
 from agent.mig.catalog import catalog_of
@@ -50,14 +50,31 @@ _RESET_TO_CHANGE_MODE = frozenset({"ampere"})
 
 
 class ClaimHolders(Protocol):
-    """Who holds which GPU instance (the claims service implements this)."""
+    """What the claims service tells the MIG service (it implements this)."""
 
-    def holders(self, gpu: str) -> Mapping[int, Sequence[str]]: ...
+    def holders(self, gpu: str) -> Mapping[int, Sequence[str]]:
+        """Claim UIDs holding each GPU instance (by GI id)."""
+        ...
+
+    def dynamic_slices(self, gpu: str) -> frozenset[tuple[str, Placement]]:
+        """Instances made on demand for claims: not part of the node's geometry, so they are
+        neither remembered as desired nor reported as drift."""
+        ...
+
+    def geometry_changed(self) -> None:
+        """A transition changed a GPU: derived state (CDI specs) must be rebuilt."""
+        ...
 
 
 class NoClaims:
     def holders(self, gpu: str) -> Mapping[int, Sequence[str]]:
         return {}
+
+    def dynamic_slices(self, gpu: str) -> frozenset[tuple[str, Placement]]:
+        return frozenset()
+
+    def geometry_changed(self) -> None:
+        return None
 
 
 @dataclass
@@ -248,8 +265,16 @@ class MigService:
         while len(self._history) > HISTORY:
             self._history.popitem(last=False)
 
+    def _static(self, gpu: str, geometry: Geometry) -> Geometry:
+        """The geometry without the claims' on-demand slices."""
+        dynamic = self.claims.dynamic_slices(gpu)
+        if not dynamic:
+            return geometry
+        return Geometry(mig_enabled=geometry.mig_enabled, instances=tuple(
+            i for i in geometry.instances if (i.profile, i.placement) not in dynamic))
+
     def _remember(self, gpu: str, target: Geometry) -> None:
-        self.desired.set(gpu, {"geometry": target.to_dict(),
+        self.desired.set(gpu, {"geometry": self._static(gpu, target).to_dict(),
                                "boot_id": boot_id(self._proc_root)})
         self._clear_drift(gpu)
 
@@ -415,6 +440,9 @@ class MigService:
 
     def _finish(self, t: Transition) -> None:
         result = t.state.value
+        if t.state not in (TransitionState.ABORTED, TransitionState.PLANNED,
+                           TransitionState.DRAINING):
+            self.claims.geometry_changed()
         if t.state.terminal:
             self._metrics.mig_transitions.labels(result).inc()
             if t.duration_s is not None:
@@ -476,7 +504,7 @@ class MigService:
             if not gpu.static.mig_capable or record is None or self.quarantined(gpu.uuid):
                 continue
             want = Geometry.from_dict(record["geometry"])
-            actual, _ = await self.current(gpu)
+            actual = self._static(gpu.uuid, (await self.current(gpu))[0])
             if actual.mig_enabled == want.mig_enabled and actual.same_layout(want):
                 self._clear_drift(gpu.uuid)
                 continue
@@ -502,7 +530,7 @@ class MigService:
             if record is None or gpu.uuid in self._active or not gpu.static.mig_capable:
                 continue
             want = Geometry.from_dict(record["geometry"])
-            actual, _ = await self.current(gpu)
+            actual = self._static(gpu.uuid, (await self.current(gpu))[0])
             if actual.mig_enabled == want.mig_enabled and actual.same_layout(want):
                 self._clear_drift(gpu.uuid)
             else:

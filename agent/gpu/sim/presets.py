@@ -99,6 +99,12 @@ class GpuModel:
     rev1_ci_multiprocessors: int = 0
     """Hopper: SMs of the REV1 CI in the 1g REV2 and 2g GIs; 0 on Ampere, where REV1 mirrors
     the 1-slice CI in every GI."""
+    nvlinks: int = 0
+    """NVLink links per GPU (12 on A100, 18 on H100/H200, none on L40S)."""
+    nvlink_version: int = 0
+    """``nvmlNvlinkVersion_t`` the links report (4 = NVLink 3.0 on A100, 6 = 4.0 on Hopper)."""
+    pcie_generation: int = 4
+    pcie_width: int = 16
 
     @property
     def mig_capable(self) -> bool:
@@ -205,7 +211,18 @@ class Preset:
     cpus: CpuLayout
     nvswitch: bool = False
     nvlink_bridges: tuple[tuple[int, int], ...] = ()
-    """GPU index pairs joined by NVLink bridges; read by the topology work, not by NVML yet."""
+    """GPU index pairs joined by NVLink bridges (every link of both GPUs goes to the peer)."""
+    switch_of_link: tuple[int, ...] = ()
+    """With NVSwitch: which switch (index into ``switch_bus_numbers``) each GPU link reaches;
+    the same wiring on every GPU, as on HGX baseboards."""
+    switch_bus_numbers: tuple[int, ...] = ()
+    """PCI bus of each NVSwitch (domain 0, device 0, function 0)."""
+    pcie_switches: tuple[int, ...] = ()
+    """PCIe switch of each GPU; GPUs sharing one meet below the host bridge (PXB). Empty:
+    every GPU has its own."""
+    fabric: tuple[str, int] | None = None
+    """Multi-node NVLink (cluster UUID, clique id) every GPU reports; None: Hopper reports a
+    completed fabric with a zero UUID (no multi-node NVLink), older GPUs NOT_SUPPORTED."""
 
     @property
     def gpu_count(self) -> int:
@@ -279,7 +296,7 @@ A100_SXM4_40GB = GpuModel(
     memory_mib=40960, multiprocessors=108, pci_device_id=0x20B010DE,
     pci_subsystem_id=0x145F10DE, idle_power_w=55, tdp_w=400, sm_clock_idle_mhz=210,
     sm_clock_max_mhz=1410, mem_clock_mhz=1215, idle_temp_c=30, load_temp_c=68,
-    sm_per_slice=14,
+    sm_per_slice=14, nvlinks=12, nvlink_version=4,
     gi_profiles=_ampere_profiles(4864, 9856, 19968, 40192),
 )
 
@@ -288,7 +305,7 @@ A100_80GB_PCIE = GpuModel(
     memory_mib=81920, multiprocessors=108, pci_device_id=0x20B510DE,
     pci_subsystem_id=0x153310DE, idle_power_w=45, tdp_w=300, sm_clock_idle_mhz=210,
     sm_clock_max_mhz=1410, mem_clock_mhz=1512, idle_temp_c=34, load_temp_c=74,
-    sm_per_slice=14,
+    sm_per_slice=14, nvlinks=12, nvlink_version=4,
     gi_profiles=_ampere_profiles(_gib(9.75), _gib(19.62), _gib(39.25), _gib(79.12)),
 )
 
@@ -297,7 +314,8 @@ H100_80GB_HBM3 = GpuModel(
     memory_mib=81559, multiprocessors=132, pci_device_id=0x233010DE,
     pci_subsystem_id=0x16C110DE, idle_power_w=70, tdp_w=700, sm_clock_idle_mhz=345,
     sm_clock_max_mhz=1980, mem_clock_mhz=2619, idle_temp_c=32, load_temp_c=71,
-    sm_per_slice=16, rev1_ci_multiprocessors=26,
+    sm_per_slice=16, rev1_ci_multiprocessors=26, nvlinks=18, nvlink_version=6,
+    pcie_generation=5,
     # 3g/4g.40gb: the MIG guide's 40448 MiB (39.50 GiB).
     gi_profiles=_hopper_profiles(_gib(9.75), _gib(19.62), 40448, _gib(79.25)),
 )
@@ -307,7 +325,8 @@ H200 = GpuModel(
     memory_mib=143771, multiprocessors=132, pci_device_id=0x233510DE,
     pci_subsystem_id=0x18A410DE, idle_power_w=75, tdp_w=700, sm_clock_idle_mhz=345,
     sm_clock_max_mhz=1980, mem_clock_mhz=3201, idle_temp_c=31, load_temp_c=70,
-    sm_per_slice=16, rev1_ci_multiprocessors=26,
+    sm_per_slice=16, rev1_ci_multiprocessors=26, nvlinks=18, nvlink_version=6,
+    pcie_generation=5,
     gi_profiles=_hopper_profiles(_gib(16.00), _gib(32.25), _gib(69.50), _gib(139.75)),
 )
 
@@ -319,23 +338,33 @@ L40S = GpuModel(
 )
 
 _DGX_NUMA = (0, 0, 0, 0, 1, 1, 1, 1)
+# DGX A100: six NVSwitches, two links of every GPU to each; GPU pairs share a PCIe switch.
+_A100_SWITCH_OF_LINK = (0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5)
+_A100_SWITCH_BUSES = (0xC4, 0xC5, 0xC6, 0xC7, 0xC8, 0xC9)
+# HGX H100/H200: four NVSwitches; GPU0's links 0,1,4,5,10 / 2,3,6,7,11 / 8,9,14,15 /
+# 12,13,16,17 reach them (nvidia-smi nvlink -R, reference topology.md 2.3).
+_HOPPER_SWITCH_OF_LINK = (0, 0, 1, 1, 0, 0, 1, 1, 2, 2, 0, 1, 3, 3, 2, 2, 3, 3)
+_HOPPER_SWITCH_BUSES = (0x07, 0x06, 0x05, 0x08)
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset(name="dgx-a100", description="DGX A100: 8x A100-SXM4-40GB on NVSwitch (NV12)",
            gpu=A100_SXM4_40GB,
            bus_numbers=(0x07, 0x0F, 0x47, 0x4E, 0x87, 0x90, 0xB7, 0xBD),
            numa_nodes=_DGX_NUMA, cpus=CpuLayout(sockets=2, cores_per_socket=64),
-           nvswitch=True),
+           nvswitch=True, switch_of_link=_A100_SWITCH_OF_LINK,
+           switch_bus_numbers=_A100_SWITCH_BUSES, pcie_switches=(0, 0, 1, 1, 2, 2, 3, 3)),
     Preset(name="dgx-h100", description="DGX H100: 8x H100 80GB HBM3 on NVSwitch (NV18)",
            gpu=H100_80GB_HBM3,
            bus_numbers=(0x1B, 0x43, 0x52, 0x61, 0x9D, 0xC3, 0xD1, 0xDF),
            numa_nodes=_DGX_NUMA, cpus=CpuLayout(sockets=2, cores_per_socket=56),
-           nvswitch=True),
+           nvswitch=True, switch_of_link=_HOPPER_SWITCH_OF_LINK,
+           switch_bus_numbers=_HOPPER_SWITCH_BUSES),
     Preset(name="hgx-h200", description="HGX H200: 8x H200 141GB on NVSwitch (NV18)",
            gpu=H200,
            bus_numbers=(0x1B, 0x43, 0x52, 0x61, 0x9D, 0xC3, 0xD1, 0xDF),
            numa_nodes=_DGX_NUMA, cpus=CpuLayout(sockets=2, cores_per_socket=56),
-           nvswitch=True),
+           nvswitch=True, switch_of_link=_HOPPER_SWITCH_OF_LINK,
+           switch_bus_numbers=_HOPPER_SWITCH_BUSES),
     Preset(name="a100-pcie-bridged",
            description="8x A100 80GB PCIe, NVLink bridges on pairs 0-2, 1-3, 4-5, 6-7",
            gpu=A100_80GB_PCIE,

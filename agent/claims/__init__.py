@@ -1,0 +1,1 @@
+"""Resource claims: prepare/unprepare, the checkpoint, CDI specs for claimed devices."""

@@ -1,0 +1,115 @@
+"""The CDI specs the agent maintains: one transient spec per prepared claim and the node-wide
+spec naming every device by index and UUID. Derived state: rebuilt at start-up from the
+checkpoint and the hardware, rewritten after every MIG change."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+from agent.claims.checkpoint import PreparedDevice
+from agent.gpu.types import Gpu
+from cdi.build import CLAIM_KIND, NODE_KIND, NamedEdits, build_spec, claim_device
+from cdi.names import qualified, spec_file_name, transient_file_name
+from cdi.nvidia import (
+    DriverFiles,
+    HostDevices,
+    common_edits,
+    gpu_edits,
+    mig_edits,
+    parse_mig_minors,
+    parse_proc_devices,
+)
+from cdi.spec import ContainerEdits
+from cdi.store import SpecStore
+
+log = logging.getLogger("agent.claims.cdi")
+_LIBRARIES = ("libcuda.so.*", "libnvidia-ml.so.*", "libnvidia-ptxjitcompiler.so.*",
+              "libnvidia-nvvm.so.*", "libcudadebugger.so.*")
+_LIB_DIRS = ("usr/lib/x86_64-linux-gnu", "usr/lib64", "lib/x86_64-linux-gnu", "usr/lib")
+_BINARIES = ("nvidia-smi", "nvidia-debugdump", "nvidia-persistenced")
+
+
+def read_host_devices(proc_root: Path) -> HostDevices:
+    """Device majors and MIG capability minors from ``/proc`` (or the simulator's)."""
+    def read(rel: str) -> str:
+        try:
+            return (proc_root / rel).read_text()
+        except OSError:
+            return ""
+    return HostDevices(majors=parse_proc_devices(read("devices")),
+                       mig_minors=parse_mig_minors(read("driver/nvidia-caps/mig-minors")))
+
+
+def find_driver_files(driver_root: Path) -> DriverFiles:
+    """The versioned driver libraries and binaries under a driver root, to bind-mount."""
+    libraries: list[Path] = []
+    for lib_dir in _LIB_DIRS:
+        for pattern in _LIBRARIES:
+            libraries += sorted((driver_root / lib_dir).glob(pattern))
+    binaries = [p for name in _BINARIES for p in (driver_root / "usr/bin" / name,) if p.exists()]
+    return DriverFiles(libraries=tuple(p for p in libraries if not p.is_symlink()),
+                       binaries=tuple(binaries))
+
+
+class CdiWriter:
+    def __init__(self, spec_dir: Path, proc_root: Path, driver_root: Path | None = None) -> None:
+        self.store = SpecStore(spec_dir, (NODE_KIND, CLAIM_KIND))
+        self._proc_root = proc_root
+        self._driver_root = driver_root
+        self._host: HostDevices | None = None
+
+    @property
+    def host(self) -> HostDevices:
+        if self._host is None:
+            self._host = read_host_devices(self._proc_root)
+        return self._host
+
+    def _common(self) -> ContainerEdits:
+        driver = find_driver_files(self._driver_root) if self._driver_root else None
+        return common_edits(self.host, driver)
+
+    def device_edits(self, device: PreparedDevice, parent_minor: int) -> ContainerEdits:
+        if device.kind == "gpu":
+            return gpu_edits(parent_minor)
+        assert device.gi_id is not None and device.ci_id is not None
+        return mig_edits(self.host, parent_minor, device.gi_id, device.ci_id)
+
+    def write_claim(self, uid: str, devices: Sequence[tuple[PreparedDevice, int]]) -> Path:
+        """The claim's transient spec (``k8s.gpu.nodeagent.dev-claim_<uid>.json``)."""
+        spec = build_spec(CLAIM_KIND, [
+            NamedEdits((claim_device(uid, d.device_name),), self.device_edits(d, minor))
+            for d, minor in devices], self._common())
+        return self.store.write(spec, spec_id=uid)
+
+    @staticmethod
+    def qualified_name(uid: str, device_name: str) -> str:
+        return qualified(CLAIM_KIND, claim_device(uid, device_name))
+
+    def claim_path(self, uid: str) -> Path:
+        return self.store.directory / transient_file_name(CLAIM_KIND, uid)
+
+    def claim_specs(self) -> list[Path]:
+        """Every claim spec file in the directory (ours, by kind)."""
+        prefix = transient_file_name(CLAIM_KIND, "x")[: -len("x.json")]
+        return [p for p in self.store.owned() if p.name.startswith(prefix)]
+
+    def write_node(self, gpus: Sequence[Gpu]) -> Path | None:
+        """Every device by index and UUID, MIG devices as ``<gpu>:<mig>`` and ``MIG-<uuid>``,
+        and ``all``; MIG-enabled GPUs get no full-GPU entry (as nvidia-ctk does)."""
+        devices: list[NamedEdits] = []
+        for gpu in gpus:
+            if not gpu.health.healthy and gpu.static.minor < 0:
+                continue
+            if gpu.mig_mode is not None and gpu.mig_mode.current:
+                devices += [NamedEdits((f"{gpu.index}:{d.index}", d.uuid), mig_edits(
+                    self.host, gpu.static.minor, d.gi_id, d.ci_id)) for d in gpu.mig_devices]
+            else:
+                devices.append(NamedEdits((str(gpu.index), gpu.uuid),
+                                          gpu_edits(gpu.static.minor)))
+        path = self.store.directory / spec_file_name(NODE_KIND)
+        if not devices:
+            self.store.remove(path)
+            return None
+        return self.store.write(build_spec(NODE_KIND, devices, self._common(), with_all=True))

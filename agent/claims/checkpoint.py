@@ -1,0 +1,180 @@
+"""The claims checkpoint: who owns what, the one source of truth for prepared claims.
+
+One file, replaced atomically (temp, fsync, rename, fsync dir). Its first line carries a
+SHA-256 over the payload bytes *as written*, so a newer agent adding fields never makes an
+older one see a checksum mismatch on re-marshalling (dra-driver #1080). Readers ignore unknown
+fields. A file that fails the check is moved aside and reported; it is never silently replaced.
+
+Writes are group-committed: concurrent callers of :meth:`ClaimCheckpoint.commit` share one
+write that covers all of their changes, and each returns only once its change is durable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from agent.durable import keep_aside, write_atomic
+
+log = logging.getLogger("agent.claims.checkpoint")
+SCHEMA_VERSION = 1
+_MAGIC = "gpu-agent-claims-checkpoint"
+
+ClaimState = Literal["prepare_started", "prepare_completed", "unprepare_started", "lost"]
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class SliceRecord(_Record):
+    """A MIG instance the agent creates for a claim (recorded before it is created)."""
+
+    gpu: str
+    profile: str
+    profile_id: int
+    start: int
+    size: int
+    gi_id: int | None = None
+    ci_id: int | None = None
+
+
+class PreparedDevice(_Record):
+    request: str
+    kind: Literal["gpu", "mig"]
+    gpu: str = Field(description="UUID of the GPU (the parent, for a MIG device)")
+    uuid: str | None = Field(default=None, description="GPU or MIG UUID once known")
+    gi_id: int | None = None
+    ci_id: int | None = None
+    device_name: str
+    cdi_device: str
+    slice: SliceRecord | None = None
+
+
+class ClaimRecord(_Record):
+    uid: str
+    state: ClaimState
+    devices: list[PreparedDevice]
+    request_digest: str
+    metadata: dict[str, str] = {}
+    cdi_spec: str | None = None
+    created_at: float
+    updated_at: float
+    lost_reason: str | None = None
+
+
+class CheckpointData(_Record):
+    schema_version: int = SCHEMA_VERSION
+    boot_id: str
+    claims: dict[str, ClaimRecord] = {}
+    tombstones: dict[str, float] = Field(
+        default={}, description="Claim UIDs unprepared in this boot, with the time")
+
+
+class CheckpointCorrupt(Exception):
+    """The checkpoint failed its check; it was moved to ``kept_at``."""
+
+    def __init__(self, kept_at: Path, reason: str) -> None:
+        super().__init__(f"claims checkpoint unreadable ({reason}); kept aside as {kept_at}")
+        self.kept_at = kept_at
+        self.reason = reason
+
+
+def encode(data: CheckpointData) -> bytes:
+    payload = data.model_dump_json(indent=1).encode()
+    header = json.dumps({"format": _MAGIC, "sha256": hashlib.sha256(payload).hexdigest()})
+    return header.encode() + b"\n" + payload
+
+
+def decode(raw: bytes) -> CheckpointData:
+    """Parse and verify; :class:`ValueError` says what is wrong."""
+    header_line, sep, payload = raw.partition(b"\n")
+    if not sep:
+        raise ValueError("no header line")
+    try:
+        header = json.loads(header_line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"header is not JSON: {err}") from err
+    if not isinstance(header, dict) or header.get("format") != _MAGIC:
+        raise ValueError("not a gpu-agent claims checkpoint")
+    if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+        raise ValueError("checksum mismatch")
+    try:
+        data = CheckpointData.model_validate_json(payload)
+    except ValidationError as err:
+        raise ValueError(f"payload does not parse: {err.errors()[0]['msg']}") from err
+    if data.schema_version > SCHEMA_VERSION:
+        log.warning("checkpoint written by a newer agent; unknown fields are ignored",
+                    extra={"schema_version": data.schema_version})
+    return data
+
+
+class ClaimCheckpoint:
+    """The in-memory checkpoint and its durable copy."""
+
+    def __init__(self, path: Path, boot_id: str) -> None:
+        self.path = path
+        self.data = CheckpointData(boot_id=boot_id)
+        self.fsyncs = 0
+        self._version = 0
+        self._durable = 0
+        self._writing: asyncio.Future[None] | None = None
+
+    def load(self) -> str | None:
+        """Read the file. Returns the previous boot id when the node rebooted since it was
+        written (the caller marks those claims lost); raises :class:`CheckpointCorrupt`."""
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            data = decode(raw)
+        except (ValueError, UnicodeDecodeError) as err:
+            reason = "checksum" if "checksum" in str(err) else "unreadable"
+            kept = keep_aside(self.path, reason)
+            log.error("claims checkpoint corrupt, kept aside",
+                      extra={"kept_at": str(kept), "error": str(err)})
+            raise CheckpointCorrupt(kept, str(err)) from err
+        previous = data.boot_id if data.boot_id != self.data.boot_id else None
+        if previous is not None:
+            data.boot_id = self.data.boot_id
+            data.tombstones = {}  # they belong to one boot
+        self.data = data
+        return previous
+
+    def changed(self) -> None:
+        """Note an in-memory change; :meth:`commit` makes it durable."""
+        self._version += 1
+
+    async def commit(self) -> None:
+        """Return once every change noted so far is on disk, sharing writes with concurrent
+        callers (group commit)."""
+        self.changed()
+        target = self._version
+        while self._durable < target:
+            if self._writing is None or self._writing.done():
+                self._writing = asyncio.ensure_future(self._write())
+            await asyncio.shield(self._writing)
+
+    async def _write(self) -> None:
+        version = self._version
+        data = encode(self.data)
+        await asyncio.to_thread(write_atomic, self.path, data, mode=0o600)
+        self.fsyncs += 1
+        self._durable = max(self._durable, version)
+
+    def prune_tombstones(self, window_s: float) -> None:
+        cutoff = time.time() - window_s
+        for uid, at in list(self.data.tombstones.items()):
+            if at < cutoff:
+                del self.data.tombstones[uid]
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.data.model_dump(mode="json")
