@@ -21,11 +21,15 @@ import agent
 from agent.api.app import build_app
 from agent.api.auth import TokenStore, generate_token_file
 from agent.api.context import AgentContext
+from agent.claims.cdi_writer import CdiWriter
+from agent.claims.checkpoint import ClaimCheckpoint
+from agent.claims.service import ClaimService
 from agent.durable import ExclusiveLock, write_atomic
 from agent.errors import AgentError, NvmlError
 from agent.events import EventLog, Severity
 from agent.gpu.inventory import GpuInventory
 from agent.gpu.session import NvmlSession
+from agent.host import boot_id
 from agent.metrics.agent import AgentMetrics
 from agent.mig.service import MigService
 from agent.settings import Listener, Settings
@@ -120,7 +124,7 @@ async def _become_ready(ctx: AgentContext) -> None:
                                                   "error": str(err)})
 
     ctx.readiness.set("initialising NVML")
-    assert ctx.mig is not None
+    assert ctx.mig is not None and ctx.claims is not None
     async for attempt in AsyncRetrying(retry=retry_if_exception_type(NvmlError),
                                        wait=wait_exponential_jitter(multiplier=0.5, max=30),
                                        before_sleep=before_sleep, reraise=True):
@@ -130,8 +134,14 @@ async def _become_ready(ctx: AgentContext) -> None:
             await ctx.inventory.load()
             ctx.readiness.set("resolving open MIG transitions")
             await ctx.mig.recover()
+            ctx.readiness.set("reconciling claims and CDI specs")
+            await ctx.claims.reconcile()
             ctx.readiness.set("reconciling MIG geometry")
             await ctx.mig.reconcile()
+    if ctx.claims.corrupt is not None:
+        # Reported here and in /readyz; the GPU and MIG endpoints keep serving, claims do not.
+        ctx.readiness.set(f"{ctx.claims.corrupt}; an operator must act before claims work")
+        return
     ctx.readiness.set(None)
     ctx.metrics.ready.set(1)
     ctx.events.append("agent.ready", f"agent ready with {len(ctx.inventory.gpus)} GPUs",
@@ -174,9 +184,15 @@ async def _run(settings: Settings, backend: Backend) -> int:
     service = MigService(session=session, inventory=inventory, events=events, metrics=metrics,
                          state_dir=settings.state_dir, proc_root=settings.proc_root,
                          reset_command=settings.gpu_reset_command, reapply=settings.reapply_mig)
+    claims = ClaimService(
+        session=session, inventory=inventory, mig_service=service, events=events,
+        checkpoint=ClaimCheckpoint(settings.state_dir / "claims.checkpoint",
+                                   boot_id(settings.proc_root)),
+        cdi=CdiWriter(settings.cdi_dir, settings.proc_root, settings.driver_root),
+        tombstone_s=settings.claim_tombstone_s)
     ctx = AgentContext(settings=settings, session=session, inventory=inventory,
                        events=events, tokens=load_tokens(settings), metrics=metrics,
-                       backend=backend.name, mig=service, sim=backend.sim)
+                       backend=backend.name, mig=service, claims=claims, sim=backend.sim)
     runner = web.AppRunner(build_app(ctx), handle_signals=False, access_log=None,
                            shutdown_timeout=settings.shutdown_timeout_s)
     await runner.setup()

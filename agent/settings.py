@@ -57,6 +57,8 @@ class Settings:
     proc_root: Path
     node_name: str
     gpu_reset_command: str | None = None
+    driver_root: Path | None = None
+    claim_tombstone_s: float = 600.0
     reapply_mig: bool = True
     drift_check_interval_s: float = 30.0
     max_body_bytes: int = 1 << 20
@@ -68,7 +70,7 @@ _FLAG_TYPES: dict[str, str] = {
     "simulate": "str", "state_dir": "path", "cdi_dir": "path", "listen": "list",
     "token_file": "path", "auth_read": "bool", "log_format": "str", "log_level": "str",
     "proc_root": "path", "node_name": "str", "config": "path", "gpu_reset_command": "str",
-    "reapply_mig": "bool",
+    "reapply_mig": "bool", "driver_root": "path", "claim_tombstone_s": "float",
 }
 
 
@@ -90,6 +92,15 @@ def _coerce(name: str, value: Any) -> Any:
         return [str(v) for v in value]
     if kind == "path":
         return Path(str(value))
+    if kind == "float":
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = -1.0
+        if number < 0:
+            raise InvalidRequest(f"{name}: {value!r} is not a non-negative number",
+                                 [{"field": name, "reason": "not a non-negative number"}])
+        return number
     return str(value)
 
 
@@ -160,5 +171,7 @@ def resolve(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> S
         node_name=str(merged.get("node_name") or env.get("NODE_NAME") or socket.gethostname()),
         gpu_reset_command=merged.get("gpu_reset_command"),
         reapply_mig=bool(merged.get("reapply_mig", True)),
+        driver_root=merged.get("driver_root"),
+        claim_tombstone_s=float(merged.get("claim_tombstone_s", 600.0)),
     )
 

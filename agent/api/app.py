@@ -5,7 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 import agent
-from agent.api import gpus, mig, node, sim
+from agent.api import claims, gpus, mig, node, sim
 from agent.api.context import AGENT, MAX_BODY_BYTES, AgentContext
 from agent.api.mig_models import (
     ApplyModel,
@@ -78,6 +78,19 @@ CORE_ROUTES = [
     Route("GET", "/v1/mig/apply/{apply_id}", mig.get_apply,
           "A node-wide apply: each GPU's transition and the overall state", ApplyModel,
           tag="mig", errors=(503,)),
+    Route("PUT", "/v1/claims/{uid}", claims.prepare_claim,
+          "Prepare a claim: existing GPUs/MIG devices or MIG slices made on demand; "
+          "idempotent", claims.ClaimModel, body=claims.ClaimRequest, scope="claims",
+          tag="claims", errors=(409, 422, 503)),
+    Route("DELETE", "/v1/claims/{uid}", claims.unprepare_claim,
+          "Unprepare a claim (an unknown claim is a success)", None, status=204,
+          scope="claims", tag="claims", errors=(422, 503)),
+    Route("GET", "/v1/claims", claims.list_claims, "Prepared claims", claims.ClaimList,
+          tag="claims", errors=(503,)),
+    Route("GET", "/v1/claims/{uid}", claims.get_claim, "One claim", claims.ClaimModel,
+          tag="claims", errors=(422, 503)),
+    Route("GET", "/v1/cdi", claims.list_cdi, "The CDI specs the agent maintains",
+          claims.CdiList, tag="claims", errors=(503,)),
     Route("GET", "/v1/events", node.list_events, "Recent events (bounded ring)", EventList,
           query=(QueryParam("since", {"type": "integer", "minimum": 0},
                             "Only events with a larger sequence number"),), errors=(422,)),

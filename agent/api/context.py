@@ -9,6 +9,7 @@ from typing import Any
 from aiohttp import web
 
 from agent.api.auth import TokenStore
+from agent.claims.service import ClaimService
 from agent.events import EventLog
 from agent.gpu.inventory import GpuInventory
 from agent.gpu.session import NvmlSession
@@ -45,6 +46,7 @@ class AgentContext:
     backend: str
     readiness: Readiness = field(default_factory=Readiness)
     mig: MigService | None = None
+    claims: ClaimService | None = None
     #: The simulated node's controls (``agent.gpu.sim.node.SimulatedNode``) with --simulate.
     sim: Any = None
 

@@ -31,6 +31,7 @@ def _serve(args: argparse.Namespace) -> int:
             "node_name": args.node_name, "config": args.config,
             "gpu_reset_command": args.gpu_reset_command,
             "reapply_mig": False if args.no_reapply_mig else None,
+            "driver_root": args.driver_root, "claim_tombstone_s": args.claim_tombstone_s,
         })
         logs.configure(settings.log_format, settings.log_level)
         return asyncio.run(daemon.serve(settings))
@@ -129,6 +130,11 @@ def _add_serve(sub: Any) -> None:
     serve.add_argument("--no-reapply-mig", action="store_true",
                        help="do not re-apply the last MIG geometry after a reboot or driver "
                             "reload (default: re-apply)")
+    serve.add_argument("--driver-root", help="where the host's NVIDIA driver files are (the "
+                                             "claims' CDI specs then bind-mount its libraries)")
+    serve.add_argument("--claim-tombstone-s", type=float, metavar="SECONDS",
+                       help="refuse a prepare this long after the same claim was unprepared "
+                            "(default 600)")
     serve.add_argument("--config", help="TOML file with any of these settings")
 
 

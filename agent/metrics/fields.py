@@ -60,10 +60,12 @@ FIELDS: tuple[Field, ...] = (
           "Total energy consumption since boot (in mJ)."),
     # PCIe
     Field("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", C, "Total number of PCIe retries."),
-    Field("DCGM_FI_DEV_PCIE_TX_THROUGHPUT", G,
-          "PCIe TX throughput over the last 20 ms sample (in KB/s) via NVML.", default=False),
-    Field("DCGM_FI_DEV_PCIE_RX_THROUGHPUT", G,
-          "PCIe RX throughput over the last 20 ms sample (in KB/s) via NVML.", default=False),
+    # dcgm-exporter's type and help; the value is NVML's throughput sample (KB/s over 20 ms),
+    # as DCGM serves it.
+    Field("DCGM_FI_DEV_PCIE_TX_THROUGHPUT", C,
+          "Total number of bytes transmitted through PCIe TX (in KB) via NVML.", default=False),
+    Field("DCGM_FI_DEV_PCIE_RX_THROUGHPUT", C,
+          "Total number of bytes received through PCIe RX (in KB) via NVML.", default=False),
     # Utilization (NVML has none for MIG devices; use the DCGM_FI_PROF_* ratios there)
     Field("DCGM_FI_DEV_GPU_UTIL", G, "GPU utilization (in %)."),
     Field("DCGM_FI_DEV_MEM_COPY_UTIL", G, "Memory utilization (in %)."),

@@ -21,6 +21,7 @@ from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
 
 import pynvml
 
+from agent.gpu.sim import links
 from agent.gpu.sim.faults import CRASH, NVML_FUNCTIONS
 from agent.gpu.sim.hardware import (
     MIG_DEVICES_PER_GPU,
@@ -435,6 +436,132 @@ class SimulatedNvml:
             if cpu // 64 < len(words):
                 words[cpu // 64] |= 1 << (cpu % 64)
         return words
+
+    # -- interconnect: NVLink, PCIe topology, P2P, fabric ---------------------------------
+
+    def _link(self, handle: Any, link: int) -> tuple[GpuState, links.LinkEnd]:
+        """A GPU handle and one of its wired links: INVALID_ARGUMENT past NVML's link limit,
+        NOT_SUPPORTED for a link the GPU does not have (what NVML answers there)."""
+        gpu = self._whole_gpu(handle, mig_handle_error=pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if isinstance(link, bool) or not isinstance(link, int) or not (
+                0 <= link < pynvml.NVML_NVLINK_MAX_LINKS):
+            fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        end = links.link_end(self._hw.preset, gpu.index, link)
+        if end is None:
+            fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return gpu, end
+
+    @_nvml
+    def nvmlDeviceGetNvLinkState(self, device: Any, link: int) -> int:
+        self._link(device, link)
+        return int(pynvml.NVML_FEATURE_ENABLED)
+
+    @_nvml
+    def nvmlDeviceGetNvLinkVersion(self, device: Any, link: int) -> int:
+        self._link(device, link)
+        return self._hw.model.nvlink_version
+
+    @_nvml
+    def nvmlDeviceGetNvLinkCapability(self, device: Any, link: int, capability: int) -> int:
+        self._link(device, link)
+        if not 0 <= int(capability) < pynvml.NVML_NVLINK_CAP_COUNT:
+            fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return int(int(capability) != pynvml.NVML_NVLINK_CAP_SLI_BRIDGE)
+
+    @_nvml
+    def nvmlDeviceGetNvLinkRemotePciInfo_v2(self, device: Any, link: int) -> Any:
+        _, end = self._link(device, link)
+        info = pynvml.nvmlPciInfo_t()  # nvml.h: pciSubSystemId is not filled
+        info.busIdLegacy = f"0000:{end.remote_bus:02X}:00.0".encode()
+        info.busId = f"00000000:{end.remote_bus:02X}:00.0".encode()
+        info.domain, info.bus, info.device = 0, end.remote_bus, 0
+        if end.remote_gpu is not None:
+            info.pciDeviceId = self._hw.model.pci_device_id
+        return info
+
+    nvmlDeviceGetNvLinkRemotePciInfo = _alias("nvmlDeviceGetNvLinkRemotePciInfo",
+                                              "nvmlDeviceGetNvLinkRemotePciInfo_v2")
+
+    @_nvml
+    def nvmlDeviceGetNvLinkRemoteDeviceType(self, handle: Any, link: int) -> int:
+        return self._link(handle, link)[1].remote_type
+
+    def _gpu_pair(self, device1: Any, device2: Any) -> tuple[GpuState, GpuState]:
+        error = pynvml.NVML_ERROR_INVALID_ARGUMENT
+        a = self._whole_gpu(device1, mig_handle_error=error)
+        b = self._whole_gpu(device2, mig_handle_error=error)
+        if a is b:
+            fail(error)
+        return a, b
+
+    @_nvml
+    def nvmlDeviceGetTopologyCommonAncestor(self, device1: Any, device2: Any) -> int:
+        a, b = self._gpu_pair(device1, device2)
+        return links.common_ancestor(self._hw.preset, a.index, b.index)
+
+    @_nvml
+    def nvmlDeviceGetP2PStatus(self, device1: Any, device2: Any, p2pIndex: int) -> int:
+        a, b = self._gpu_pair(device1, device2)
+        if not 0 <= int(p2pIndex) < pynvml.NVML_P2P_CAPS_INDEX_UNKNOWN:
+            fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return links.p2p_status(self._hw.preset, a.index, b.index, int(p2pIndex))
+
+    def _fabric(self, device: Any, info: Any, *, versioned: bool) -> int:
+        self._whole_gpu(device, mig_handle_error=pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if self._hw.model.architecture not in ("hopper",):
+            fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        target = info._obj if hasattr(info, "_obj") else info
+        if isinstance(target, ctypes._Pointer):
+            target = target.contents
+        if not isinstance(target, ctypes.Structure) or not hasattr(target, "cliqueId"):
+            fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if versioned and int(getattr(target, "version", 0)) not in (
+                pynvml.nvmlGpuFabricInfo_v2, pynvml.nvmlGpuFabricInfo_v3):
+            fail(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+        fabric = self._hw.preset.fabric
+        raw = uuid_bytes(fabric[0]) if fabric else bytes(16)
+        for i, byte in enumerate(raw):
+            target.clusterUuid[i] = byte
+        target.status = pynvml.NVML_SUCCESS
+        target.cliqueId = fabric[1] if fabric else 0
+        target.state = pynvml.NVML_GPU_FABRIC_STATE_COMPLETED
+        if hasattr(target, "healthMask"):
+            target.healthMask = 0
+        if hasattr(target, "healthSummary"):
+            target.healthSummary = pynvml.NVML_GPU_FABRIC_HEALTH_SUMMARY_HEALTHY
+        return int(pynvml.NVML_SUCCESS)
+
+    @_nvml
+    def nvmlDeviceGetGpuFabricInfoV(self, device: Any, gpuFabricInfo: Any) -> int:
+        return self._fabric(device, gpuFabricInfo, versioned=True)
+
+    @_nvml
+    def nvmlDeviceGetGpuFabricInfo(self, device: Any, gpuFabricInfo: Any) -> int:
+        return self._fabric(device, gpuFabricInfo, versioned=False)
+
+    @_nvml
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, handle: Any) -> int:
+        self._telemetry_gpu(handle)
+        return self._hw.model.pcie_generation
+
+    nvmlDeviceGetGpuMaxPcieLinkGeneration = _alias("nvmlDeviceGetGpuMaxPcieLinkGeneration",
+                                                   "nvmlDeviceGetMaxPcieLinkGeneration")
+
+    @_nvml
+    def nvmlDeviceGetMaxPcieLinkWidth(self, handle: Any) -> int:
+        self._telemetry_gpu(handle)
+        return self._hw.model.pcie_width
+
+    @_nvml
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, handle: Any) -> int:
+        gpu = self._telemetry_gpu(handle)
+        # An idle GPU trains its link down to save power; under load it runs at the maximum.
+        return self._hw.model.pcie_generation if self._hw.utilization(gpu) else 1
+
+    @_nvml
+    def nvmlDeviceGetCurrPcieLinkWidth(self, handle: Any) -> int:
+        self._telemetry_gpu(handle)
+        return self._hw.model.pcie_width
 
     def _processes(self, handle: Any) -> list[Any]:
         gpu, _, ci = self._device(handle)
@@ -872,6 +999,11 @@ def _bus_id(text: str) -> str:
     domain, bus, rest = text.strip().split(":")
     device, function = rest.split(".")
     return f"{int(domain, 16):08X}:{int(bus, 16):02X}:{int(device, 16):02X}.{int(function, 16)}"
+
+
+def uuid_bytes(text: str) -> bytes:
+    """The 16 bytes of a UUID written as text (dashes optional)."""
+    return bytes.fromhex(text.replace("-", ""))
 
 
 def _reserved_mib(total_mib: int) -> int:

@@ -1,0 +1,177 @@
+"""Claims endpoints (prepare/unprepare/list) and the CDI specs the agent maintains."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Literal
+
+from aiohttp import web
+from pydantic import BaseModel, Field, model_validator
+
+from agent.api.context import AGENT
+from agent.api.models import Strict
+from agent.api.node import require_ready
+from agent.api.problems import parse_body
+from agent.api.routing import json_response
+from agent.claims.checkpoint import ClaimRecord
+from agent.claims.service import ClaimService, DeviceRequest
+from agent.errors import InvalidRequest
+
+_UID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class PlacementStart(Strict):
+    start: int = Field(ge=0, le=7)
+
+
+class DeviceRequestIn(Strict):
+    """``{"request": "gpu", "device": ...}`` for an existing GPU or MIG device;
+    ``{"request": "slice", "profile": ..., "gpu"?, "placement"?}`` or
+    ``{"request": "slice", "device": <dynamic device name>}`` for a slice made on demand.
+    ``name`` is the DRA request name the result echoes (defaults to ``request``)."""
+
+    request: Literal["gpu", "slice"]
+    name: str | None = Field(default=None, max_length=63)
+    device: str | None = Field(default=None, min_length=1, max_length=96)
+    profile: str | None = Field(default=None, max_length=32)
+    gpu: str | None = Field(default=None, max_length=96)
+    placement: PlacementStart | None = None
+
+    @model_validator(mode="after")
+    def _shape(self) -> DeviceRequestIn:
+        if self.request == "gpu":
+            if self.device is None or self.profile or self.gpu or self.placement:
+                raise ValueError("a 'gpu' request names one existing device and nothing else")
+        elif (self.device is None) == (self.profile is None):
+            raise ValueError("a 'slice' request gives a profile or a device name, not both")
+        elif self.device is not None and (self.gpu or self.placement):
+            raise ValueError("a slice device name already fixes GPU and placement")
+        return self
+
+    def value(self) -> DeviceRequest:
+        return DeviceRequest(
+            request=self.name or self.request,
+            kind="gpu" if self.request == "gpu" else "slice", device=self.device,
+            profile=self.profile, gpu=self.gpu,
+            start=self.placement.start if self.placement else None)
+
+
+class ClaimMetadata(Strict):
+    namespace: str | None = Field(default=None, max_length=253)
+    name: str | None = Field(default=None, max_length=253)
+    pod: str | None = Field(default=None, max_length=253)
+    container: str | None = Field(default=None, max_length=253)
+
+
+class ClaimRequest(Strict):
+    devices: list[DeviceRequestIn] = Field(min_length=1, max_length=16)
+    metadata: ClaimMetadata | None = None
+
+
+class PreparedDeviceModel(BaseModel):
+    request: str
+    kind: Literal["gpu", "mig"]
+    uuid: str | None
+    parent_uuid: str | None
+    pool: str
+    device_name: str
+    on_demand: bool = Field(description="A MIG slice made for this claim (destroyed at "
+                                        "unprepare)")
+    cdi_devices: list[str]
+
+
+class ClaimModel(BaseModel):
+    uid: str
+    state: Literal["prepare_started", "prepare_completed", "unprepare_started", "lost"]
+    devices: list[PreparedDeviceModel]
+    cdi_spec: str | None
+    metadata: dict[str, str]
+    created_at: float
+    updated_at: float
+    lost_reason: str | None
+
+    @classmethod
+    def of(cls, record: ClaimRecord, pool: str) -> ClaimModel:
+        return cls(
+            uid=record.uid, state=record.state, cdi_spec=record.cdi_spec,
+            metadata=record.metadata, created_at=record.created_at,
+            updated_at=record.updated_at, lost_reason=record.lost_reason,
+            devices=[PreparedDeviceModel(
+                request=d.request, kind=d.kind, uuid=d.uuid,
+                parent_uuid=d.gpu if d.kind == "mig" else None, pool=pool,
+                device_name=d.device_name, on_demand=d.slice is not None,
+                cdi_devices=[d.cdi_device]) for d in record.devices])
+
+
+class ClaimList(BaseModel):
+    claims: list[ClaimModel]
+
+
+class CdiSpecModel(BaseModel):
+    path: str
+    kind: str
+    cdi_version: str
+    devices: list[str] = Field(description="Qualified device names")
+
+
+class CdiList(BaseModel):
+    spec_dir: str
+    specs: list[CdiSpecModel]
+
+
+def _service(request: web.Request) -> ClaimService:
+    ctx = request.app[AGENT]
+    require_ready(ctx)
+    assert ctx.claims is not None
+    return ctx.claims
+
+
+def _uid(request: web.Request) -> str:
+    uid = request.match_info["uid"]
+    if not _UID.match(uid):
+        raise InvalidRequest(f"uid: {uid!r} is not a claim UID",
+                             [{"field": "uid", "reason": "letters, digits, '.', '_', '-'"}])
+    return uid
+
+
+async def prepare_claim(request: web.Request) -> web.Response:
+    uid = _uid(request)
+    body = await parse_body(request, ClaimRequest)
+    service = _service(request)
+    metadata = {k: v for k, v in (body.metadata.model_dump() if body.metadata else {}).items()
+                if v is not None}
+    record = await service.prepare(uid, [d.value() for d in body.devices], metadata)
+    return json_response(ClaimModel.of(record, request.app[AGENT].settings.node_name))
+
+
+async def unprepare_claim(request: web.Request) -> web.Response:
+    await _service(request).unprepare(_uid(request))
+    return web.Response(status=204)
+
+
+async def list_claims(request: web.Request) -> web.Response:
+    pool = request.app[AGENT].settings.node_name
+    return json_response(ClaimList(claims=[ClaimModel.of(r, pool)
+                                           for r in _service(request).claims()]))
+
+
+async def get_claim(request: web.Request) -> web.Response:
+    record = _service(request).claim(_uid(request))
+    return json_response(ClaimModel.of(record, request.app[AGENT].settings.node_name))
+
+
+async def list_cdi(request: web.Request) -> web.Response:
+    service = _service(request)
+    specs = []
+    for path in service.cdi.store.owned():
+        try:
+            doc = json.loads(path.read_bytes())
+        except (OSError, ValueError):
+            continue
+        kind = str(doc.get("kind", ""))
+        specs.append(CdiSpecModel(path=str(path), kind=kind,
+                                  cdi_version=str(doc.get("cdiVersion", "")),
+                                  devices=[f"{kind}={d.get('name')}"
+                                           for d in doc.get("devices", [])]))
+    return json_response(CdiList(spec_dir=str(service.cdi.store.directory), specs=specs))
