@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
+
+from agent.errors import NvmlError
 
 NAMESPACE = "gpu_agent"
 # The terminal transition states (agent.mig.transition.TERMINAL), the closed label set.
@@ -10,14 +12,15 @@ TRANSITION_RESULTS = ("succeeded", "aborted", "rolled_back", "failed", "pending_
 
 
 class AgentMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, *,
+                 process: bool = True) -> None:
         self.registry = registry or CollectorRegistry()
         self.build = Info("build", "Agent version and backend", namespace=NAMESPACE,
                           registry=self.registry)
         self.ready = Gauge("ready", "1 when the agent serves requests that need NVML",
                            namespace=NAMESPACE, registry=self.registry)
         self.nvml_errors = Counter("nvml_errors", "NVML calls that returned an error",
-                                   ["function", "error"], namespace=NAMESPACE,
+                                   ["function", "code"], namespace=NAMESPACE,
                                    registry=self.registry)
         self.http_requests = Counter("http_requests", "HTTP requests served",
                                      ["method", "route", "code"], namespace=NAMESPACE,
@@ -37,7 +40,30 @@ class AgentMetrics:
             "mig_geometry_drift", "1 while a GPU's MIG geometry differs from the one last "
             "applied through the agent (changed behind its back)", ["gpu"], namespace=NAMESPACE,
             registry=self.registry)
+        # Metrics collection and GPU health (agent/metrics/collector.py, health.py).
+        self.collection_duration = Histogram(
+            "collection_duration_seconds", "Time one metrics collection round took",
+            namespace=NAMESPACE, registry=self.registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+        self.last_collection = Gauge(
+            "last_collection_timestamp_seconds", "Unix time of the last successful metrics "
+            "collection (the DCGM series are as old as this)", namespace=NAMESPACE,
+            registry=self.registry)
+        self.collection_interval = Gauge(
+            "collection_interval_seconds", "Configured metrics collection interval",
+            namespace=NAMESPACE, registry=self.registry)
+        self.gpu_healthy = Gauge(
+            "gpu_healthy", "1 while the GPU is healthy; 0 after a critical XID or when it stops "
+            "answering NVML (GPU_IS_LOST)", ["gpu", "UUID"], namespace=NAMESPACE,
+            registry=self.registry)
+        self.xid_errors = Counter("xid_errors", "XID errors reported by NVML events",
+                                  ["xid"], namespace=NAMESPACE, registry=self.registry)
+        if process:
+            ProcessCollector(registry=self.registry)
         self.ready.set(0)
+
+    def count_nvml_error(self, error: NvmlError) -> None:
+        self.nvml_errors.labels(error.function, error.name).inc()
 
     def set_build(self, *, version: str, backend: str) -> None:
         self.build.info({"version": version, "backend": backend})

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cdi.conftest import cdi_checker  # noqa: F401 - shared with the CDI tests
 from tests.integration.agent_process import AgentProcess, start_agent
 
 

@@ -13,7 +13,7 @@ import pynvml
 
 from agent.durable import ExclusiveLock
 from agent.errors import Conflict, InvalidRequest, NotFound
-from agent.gpu.sim import procfs
+from agent.gpu.sim import procfs, sysfs
 from agent.gpu.sim.faults import check_function
 from agent.gpu.sim.hardware import (
     NO_INSTANCE,
@@ -54,6 +54,8 @@ class SimulatedNode:
         self.state_dir = Path(state_dir)
         self.proc_root = Path(proc_root)
         sim_dir = self.state_dir / "sim"
+        #: Where the simulated node's ``/sys`` is (PCI device links for the PCIe roots).
+        self.sys_root = sim_dir / "sys"
         self._lock = ExclusiveLock(sim_dir / "hardware.lock")
         self._lock.acquire()
         self._closed = False
@@ -68,6 +70,7 @@ class SimulatedNode:
             procfs.write_static(self.proc_root, gpu_count=self.preset.gpu_count,
                                 nvswitch=self.preset.nvswitch)
             procfs.write_boot_id(self.proc_root, state.boot_id)
+            sysfs.write_pci_devices(self.sys_root, self.preset)
         except BaseException:
             self._lock.release()
             raise

@@ -1,0 +1,284 @@
+"""The metrics collector: a timer thread that reads every GPU and MIG GPU instance through
+NVML, renders the DCGM families, and publishes the result as one immutable snapshot.
+
+A scrape serves the latest snapshot and never calls NVML. Each GPU is read on a worker of
+the collector's own pool (one per GPU), never the API's read pool, so a GPU whose NVML calls
+hang delays neither the API nor the other GPUs: its round is abandoned after one interval
+and it is skipped until that read returns. A round succeeds when at least one GPU answered
+(a lost GPU answers too); ``/readyz`` turns unready when none succeeded for three intervals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+from agent.claims.checkpoint import ClaimRecord
+from agent.gpu.inventory import GpuInventory
+from agent.gpu.session import NvmlSession
+from agent.gpu.telemetry import GpuReading, GpuTelemetry
+from agent.gpu.types import Gpu, GpuStatic
+from agent.gpu.xid import XidEvent
+from agent.metrics.agent import AgentMetrics
+from agent.metrics.exposition import (
+    EMPTY,
+    CachedBlock,
+    DeviceSeries,
+    XidSeries,
+    labels_text,
+    render,
+)
+from agent.metrics.fields import DRIVER_VERSION_LABEL, PARENT_FIELDS
+from agent.metrics.health import GpuHealth
+
+log = logging.getLogger("agent.metrics.collector")
+
+#: /readyz fails when no round succeeded for this many intervals.
+STALE_INTERVALS = 3
+# A wake-up (an XID) collects at once, but not sooner than this after the previous round.
+_MIN_GAP_S = 0.25
+HOSTNAME_LABELS = ("Hostname", "hostname")
+
+#: (GPU UUID, GPU instance id or None for the whole GPU) -> attribution labels.
+Attribution = Mapping[tuple[str, int | None], Mapping[str, str]]
+
+
+def claim_attribution(records: Iterable[ClaimRecord]) -> dict[tuple[str, int | None],
+                                                               dict[str, str]]:
+    """Attribution labels of prepared claims: ``namespace``, ``pod``, ``container`` from the
+    claim's metadata when given, and ``claim_uid``. A device held by several claims gets the
+    oldest one's (records come oldest first)."""
+    found: dict[tuple[str, int | None], dict[str, str]] = {}
+    for record in records:
+        if record.state != "prepare_completed":
+            continue
+        labels = {k: record.metadata[k] for k in ("namespace", "pod", "container")
+                  if record.metadata.get(k)}
+        labels["claim_uid"] = record.uid
+        for device in record.devices:
+            key = (device.gpu, device.gi_id if device.kind == "mig" else None)
+            found.setdefault(key, labels)
+    return found
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One collection round. ``block`` is the rendered DCGM families (and their gzip)."""
+
+    taken_at: float
+    duration_s: float
+    block: CachedBlock
+    readings: Mapping[str, GpuReading] = field(default_factory=dict)
+    series: int = 0
+
+
+EMPTY_SNAPSHOT = Snapshot(taken_at=0.0, duration_s=0.0, block=EMPTY)
+
+
+class Collector:
+    """See the module docstring. ``start`` runs the first round before returning, so an
+    agent that reports ready already has metrics."""
+
+    def __init__(self, *, session: NvmlSession, inventory: GpuInventory, metrics: AgentMetrics,
+                 health: GpuHealth, interval_s: float, hostname: str,
+                 hostname_label: str = "Hostname",
+                 attribution: Callable[[], Attribution] | None = None) -> None:
+        if hostname_label not in HOSTNAME_LABELS:
+            raise ValueError(f"hostname label must be one of {HOSTNAME_LABELS}")
+        self._session = session
+        self._inventory = inventory
+        self._metrics = metrics
+        self._health = health
+        self.interval_s = interval_s
+        self._hostname = (hostname_label, hostname)
+        self._attribution = attribution
+        self._readers: dict[str, GpuTelemetry] = {}
+        self._inflight: dict[str, Future[GpuReading]] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._started_at: float | None = None
+        self._last_success: float | None = None
+        self._last_round = 0.0
+        self.snapshot = EMPTY_SNAPSHOT
+        metrics.collection_interval.set(interval_s)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Run the first round (in a thread), then keep collecting on the timer thread."""
+        if self._thread is not None:
+            return
+        self._started_at = time.monotonic()
+        self._pool = ThreadPoolExecutor(max(1, len(self._inventory.gpus)),
+                                        thread_name_prefix="collect")
+        self._health.track(g.static for g in self._inventory.gpus)
+        await asyncio.to_thread(self.collect)
+        self._thread = threading.Thread(target=self._loop, name="collector", daemon=True)
+        self._thread.start()
+        log.info("metrics collector started", extra={"interval_s": self.interval_s,
+                                                     "series": self.snapshot.series})
+
+    def stop(self) -> None:
+        """Stop the timer thread; reads still hung in NVML are abandoned, not joined."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(self.interval_s + 5)
+            self._thread = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        for uuid, reader in self._readers.items():
+            if uuid not in self._inflight:
+                reader.close()
+
+    def wake(self) -> None:
+        """Collect now rather than at the next tick (e.g. after an XID)."""
+        self._wake.set()
+
+    def on_xid(self, event: XidEvent) -> None:
+        """The XID watcher's callback: record the XID and show it without waiting a tick."""
+        self._health.record_xid(event)
+        self.wake()
+
+    def stale_reason(self) -> str | None:
+        """Why the metrics are stale (for /readyz), or None."""
+        if self._started_at is None:
+            return None
+        since = self._last_success if self._last_success is not None else self._started_at
+        age = time.monotonic() - since
+        if age <= STALE_INTERVALS * self.interval_s:
+            return None
+        return (f"no successful metrics collection for {age:.1f}s (more than "
+                f"{STALE_INTERVALS} collect intervals of {self.interval_s:g}s)")
+
+    def _loop(self) -> None:
+        next_at = time.monotonic() + self.interval_s
+        while not self._stop.is_set():
+            woken = self._wake.wait(max(0.0, next_at - time.monotonic()))
+            if self._stop.is_set():
+                return
+            now = time.monotonic()
+            if woken:
+                self._wake.clear()
+                gap = self._last_round + _MIN_GAP_S - now
+                if gap > 0 and self._wake.wait(gap) and self._stop.is_set():
+                    return
+                self._wake.clear()
+            else:
+                next_at += self.interval_s
+                if next_at < now:  # a slow round: skip ticks rather than run back to back
+                    next_at = now + self.interval_s
+            try:
+                self.collect()
+            except Exception:
+                # Never let the timer die: a stale timestamp then tells the story.
+                log.exception("metrics collection failed")
+
+    # -- one round -------------------------------------------------------------------------
+
+    def collect(self) -> Snapshot:
+        """Read every GPU in parallel, render, publish; return the new snapshot."""
+        started = time.perf_counter()
+        self._last_round = time.monotonic()
+        gpus = self._inventory.gpus
+        readings = self._read_all(gpus)
+        self._health.check()
+        attribution = self._current_attribution()
+        devices, xids = self._series(gpus, readings, attribution)
+        block = CachedBlock(render(devices, xids))
+        duration = time.perf_counter() - started
+        snapshot = Snapshot(taken_at=time.time(), duration_s=duration, block=block,
+                            readings=readings,
+                            series=sum(len(d.values) for d in devices) + len(xids))
+        self.snapshot = snapshot
+        self._metrics.collection_duration.observe(duration)
+        if not gpus or any(r.error is None or r.lost for r in readings.values()):
+            self._last_success = time.monotonic()
+            self._metrics.last_collection.set(snapshot.taken_at)
+        return snapshot
+
+    def _read_all(self, gpus: Sequence[Gpu]) -> dict[str, GpuReading]:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max(1, len(gpus)), thread_name_prefix="collect")
+        readings: dict[str, GpuReading] = {}
+        started: dict[str, Future[GpuReading]] = {}
+        for gpu in gpus:
+            busy = self._inflight.get(gpu.uuid)
+            if busy is not None and not busy.done():
+                readings[gpu.uuid] = GpuReading(error="the previous NVML read of this GPU has "
+                                                      "not returned")
+                continue
+            self._inflight.pop(gpu.uuid, None)
+            started[gpu.uuid] = self._pool.submit(self._reader(gpu).read)
+        wait(started.values(), timeout=self.interval_s)
+        for uuid, future in started.items():
+            if not future.done():
+                self._inflight[uuid] = future
+                readings[uuid] = GpuReading(
+                    error=f"NVML read did not return within {self.interval_s:g}s")
+                log.warning("gpu read timed out", extra={"gpu": uuid})
+                continue
+            try:
+                readings[uuid] = future.result()
+            except Exception as err:
+                log.exception("gpu read failed", extra={"gpu": uuid})
+                readings[uuid] = GpuReading(error=str(err))
+        return readings
+
+    def _reader(self, gpu: Gpu) -> GpuTelemetry:
+        reader = self._readers.get(gpu.uuid)
+        if reader is None:
+            reader = GpuTelemetry(self._session, gpu.static, gpu.profiles)
+            self._readers[gpu.uuid] = reader
+        return reader
+
+    def _current_attribution(self) -> Attribution:
+        if self._attribution is None:
+            return {}
+        try:
+            return self._attribution()
+        except Exception:
+            # Claims change on the event loop while this thread reads them; try next round.
+            log.debug("attribution unavailable this round", exc_info=True)
+            return {}
+
+    # -- rendering -------------------------------------------------------------------------
+
+    def _series(self, gpus: Sequence[Gpu], readings: Mapping[str, GpuReading],
+                attribution: Attribution) -> tuple[list[DeviceSeries], list[XidSeries]]:
+        driver = self._inventory.driver.driver_version if self._inventory.loaded else ""
+        tail = [self._hostname, (DRIVER_VERSION_LABEL, driver)]
+        devices: list[DeviceSeries] = []
+        xids: list[XidSeries] = []
+        for gpu in gpus:
+            head = _device_labels(gpu.static)
+            attrs = sorted(attribution.get((gpu.uuid, None), {}).items())
+            gpu_labels = labels_text([*head, *tail, *attrs])
+            last = self._health.last_xid(gpu.uuid)
+            xids.append(XidSeries(gpu_labels, last.xid if last else 0,
+                                  last.message if last else "No Error"))
+            reading = readings.get(gpu.uuid)
+            if reading is None or reading.error is not None:
+                continue
+            devices.append(DeviceSeries(gpu_labels, reading.values))
+            shared = {k: reading.values[k] for k in PARENT_FIELDS if k in reading.values}
+            for mig in reading.mig:
+                mig_attrs = sorted(attribution.get((gpu.uuid, mig.device.gi_id), {}).items())
+                labels = labels_text([*head, ("GPU_I_PROFILE", mig.device.profile),
+                                      ("GPU_I_ID", str(mig.device.gi_id)), *tail, *mig_attrs])
+                devices.append(DeviceSeries(labels, {**shared, **mig.values}))
+        return devices, xids
+
+
+def _device_labels(static: GpuStatic) -> list[tuple[str, str]]:
+    """dcgm-exporter's leading labels; ``gpu`` is the DCGM GPU id, which is NVML's index."""
+    return [("gpu", str(static.index)), ("UUID", static.uuid),
+            ("pci_bus_id", static.pci_bus_id), ("device", f"nvidia{static.index}"),
+            ("modelName", static.name)]

@@ -1,0 +1,289 @@
+"""Claims in-process over a simulated node: idempotence, exclusivity, tombstones, on-demand
+slices, the checkpoint's durability rules and start-up reconciliation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from agent.claims.cdi_writer import CdiWriter
+from agent.claims.checkpoint import ClaimCheckpoint, decode
+from agent.claims.service import ClaimService, DeviceRequest
+from agent.errors import CheckpointUnusable, ClaimUnprepared, Conflict, DeviceBusy, InvalidRequest
+from agent.events import EventLog
+from agent.gpu.inventory import GpuInventory
+from agent.gpu.session import NvmlSession
+from agent.gpu.sim.node import SimulatedNode
+from agent.gpu.types import Gpu
+from agent.host import boot_id
+from agent.metrics.agent import AgentMetrics
+from agent.mig.geometry import DesiredDisabled, DesiredProfiles
+from agent.mig.service import MigService
+from agent.mig.transition import DrainPolicy, TransitionState
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def gpu(ref: str, name: str = "gpu") -> DeviceRequest:
+    return DeviceRequest(request=name, kind="gpu", device=ref)
+
+
+def slice_(profile: str, gpu_ref: str | None = None, start: int | None = None) -> DeviceRequest:
+    return DeviceRequest(request="slice", kind="slice", profile=profile, gpu=gpu_ref, start=start)
+
+
+@dataclass
+class Node:
+    sim: SimulatedNode
+    session: NvmlSession
+    inventory: GpuInventory
+    mig: MigService
+    claims: ClaimService
+    state: Path
+    cdi_dir: Path
+    events: EventLog
+
+    async def gpu(self, index: int) -> Gpu:
+        await self.inventory.refresh()
+        return self.inventory.find(str(index))
+
+    async def mig_to(self, index: int, profiles: list[str]) -> None:
+        outcome = await self.mig.request(await self.gpu(index), DesiredProfiles.of(profiles),
+                                         DrainPolicy())
+        if outcome.transition is not None:
+            await outcome.transition.finished.wait()
+            assert outcome.transition.state == TransitionState.SUCCEEDED
+
+    async def close(self) -> None:
+        await self.mig.close()
+        self.session.close()
+        self.sim.close()
+
+
+async def open_node(tmp_path: Path, *, tombstone_s: float = 600.0) -> Node:
+    state = tmp_path / "state"
+    sim = SimulatedNode("dgx-h100", state, tmp_path / "proc")
+    session = NvmlSession(sim.nvml)
+    await session.initialise()
+    inventory = GpuInventory(session)
+    await inventory.load()
+    events = EventLog()
+    mig = MigService(session=session, inventory=inventory, events=events,
+                     metrics=AgentMetrics(), state_dir=state, proc_root=tmp_path / "proc")
+    claims = ClaimService(session=session, inventory=inventory, mig_service=mig, events=events,
+                          checkpoint=ClaimCheckpoint(state / "claims.checkpoint",
+                                                     boot_id(tmp_path / "proc")),
+                          cdi=CdiWriter(tmp_path / "cdi", tmp_path / "proc"),
+                          tombstone_s=tombstone_s)
+    await claims.reconcile()
+    return Node(sim, session, inventory, mig, claims, state, tmp_path / "cdi", events)
+
+
+@pytest.fixture
+async def node(tmp_path: Path) -> AsyncIterator[Node]:
+    opened = await open_node(tmp_path)
+    yield opened
+    await opened.close()
+
+
+async def test_prepare_is_idempotent_and_exclusive(node: Node) -> None:
+    first = await node.claims.prepare("c1", [gpu("0")], {"namespace": "ns"})
+    again = await node.claims.prepare("c1", [gpu("0")], {"namespace": "ns"})
+    assert again is first
+    assert first.devices[0].device_name == "gpu-0"
+    assert first.devices[0].cdi_device == "k8s.gpu.nodeagent.dev/claim=c1-gpu-0"
+    with pytest.raises(DeviceBusy, match="held by claim c1"):
+        await node.claims.prepare("c2", [gpu((await node.gpu(0)).uuid)], {})
+    with pytest.raises(Conflict, match="other devices"):
+        await node.claims.prepare("c1", [gpu("1")], {})
+    assert (node.cdi_dir / "k8s.gpu.nodeagent.dev-claim_c1.json").exists()
+
+
+async def test_concurrent_prepares_of_one_device_one_wins(node: Node) -> None:
+    results = await asyncio.gather(*(node.claims.prepare(f"c{i}", [gpu("gpu-3")], {})
+                                     for i in range(8)), return_exceptions=True)
+    assert sum(not isinstance(r, BaseException) for r in results) == 1
+    assert all(isinstance(r, DeviceBusy) for r in results if isinstance(r, BaseException))
+
+
+async def test_unprepare_unknown_is_fine_and_stale_retry_is_refused(node: Node) -> None:
+    await node.claims.unprepare("never-prepared")
+    await node.claims.prepare("c1", [gpu("1")], {})
+    await node.claims.unprepare("c1")
+    await node.claims.unprepare("c1")
+    assert not (node.cdi_dir / "k8s.gpu.nodeagent.dev-claim_c1.json").exists()
+    with pytest.raises(ClaimUnprepared):
+        await node.claims.prepare("c1", [gpu("1")], {})
+    # The device itself is free again for other claims.
+    await node.claims.prepare("c2", [gpu("1")], {})
+
+
+async def test_tombstones_expire(tmp_path: Path) -> None:
+    node = await open_node(tmp_path, tombstone_s=0.0)
+    try:
+        await node.claims.prepare("c1", [gpu("1")], {})
+        await node.claims.unprepare("c1")
+        await asyncio.sleep(0.01)
+        await node.claims.prepare("c1", [gpu("1")], {})
+    finally:
+        await node.close()
+
+
+async def test_unknown_devices_and_profiles_are_invalid(node: Node) -> None:
+    for request in (gpu("9"), gpu("MIG-nope"), gpu("gpu-0-mig-1g10gb-19-0"), slice_("9g.9gb")):
+        with pytest.raises(InvalidRequest):
+            await node.claims.prepare("c1", [request], {})
+    assert node.claims.claims() == []
+
+
+async def test_on_demand_slice_is_made_recorded_and_destroyed(node: Node) -> None:
+    await node.mig_to(2, [])  # MIG on, no instances
+    with pytest.raises(DeviceBusy, match="MIG enabled"):
+        await node.claims.prepare("c0", [gpu("2")], {})
+    record = await node.claims.prepare("c1", [slice_("3g.40gb", "2")], {"pod": "p"})
+    device = record.devices[0]
+    assert device.slice is not None and device.uuid and device.uuid.startswith("MIG-")
+    assert device.device_name == f"gpu-2-mig-3g40gb-9-{device.slice.start}"
+    gpu2 = await node.gpu(2)
+    assert [d.uuid for d in gpu2.mig_devices] == [device.uuid]
+    # A geometry change that would destroy the claimed slice is blocked like a held instance.
+    with pytest.raises(Conflict, match="claim c1"):
+        await node.mig.request(gpu2, DesiredDisabled(), DrainPolicy(), explicit_mode=True)
+    # The slice is no part of the remembered geometry: no drift is reported for it.
+    await node.mig.check_drift()
+    assert node.mig.drift(gpu2.uuid) is None
+    await node.claims.unprepare("c1")
+    assert (await node.gpu(2)).mig_devices == ()
+
+
+async def test_slices_pack_to_keep_room_for_large_profiles(node: Node) -> None:
+    await node.mig_to(0, [])
+    placed = []
+    for i in range(3):
+        record = await node.claims.prepare(f"s{i}", [slice_("1g.10gb", "0")], {})
+        assert record.devices[0].slice is not None
+        placed.append(record.devices[0].slice.start)
+    # Packed into one half, so a 3g.40gb (or 4g.40gb) still fits in the other.
+    assert len({p // 4 for p in placed}) == 1
+    big = await node.claims.prepare("big", [slice_("3g.40gb", "0")], {})
+    assert big.devices[0].slice is not None
+
+
+async def test_existing_mig_device_by_every_name(node: Node) -> None:
+    await node.mig_to(4, ["3g.40gb", "2g.20gb"])
+    g = await node.gpu(4)
+    device = next(d for d in g.mig_devices if d.profile == "3g.40gb")
+    name = f"gpu-{g.static.minor}-mig-3g40gb-9-{device.placement.start}"
+    for i, ref in enumerate((device.uuid, f"4:{device.index}", name)):
+        record = await node.claims.prepare(f"m{i}", [gpu(ref)], {})
+        assert record.devices[0].uuid == device.uuid
+        assert record.devices[0].device_name == name
+        await node.claims.unprepare(f"m{i}")
+
+
+async def test_draining_and_unhealthy_devices_are_refused(node: Node) -> None:
+    await node.mig_to(5, ["7g.80gb"])
+    g5 = await node.gpu(5)
+    device = g5.mig_devices[0]
+    node.sim.add_process(device.uuid, pid=777)
+    outcome = await node.mig.request(g5, DesiredProfiles.of(["3g.40gb"]),
+                                     DrainPolicy("wait", 30))
+    assert outcome.transition is not None
+    await asyncio.sleep(0.2)
+    with pytest.raises(DeviceBusy, match="drained"):
+        await node.claims.prepare("d1", [gpu(device.uuid)], {})
+    await node.mig.cancel(outcome.transition.id)
+    node.sim.inject_xid((await node.gpu(6)).uuid, 79)
+    with pytest.raises(DeviceBusy, match="unhealthy"):
+        await node.claims.prepare("d2", [gpu("6")], {})
+
+
+async def test_group_commit_needs_fewer_fsyncs_than_prepares(node: Node) -> None:
+    await node.claims.reconcile()
+    before = node.claims.checkpoint.fsyncs
+    await asyncio.gather(*(node.claims.prepare(f"g{i}", [gpu(str(i))], {}) for i in range(8)))
+    assert node.claims.checkpoint.fsyncs - before < 8
+    on_disk = decode((node.state / "claims.checkpoint").read_bytes())
+    assert sorted(on_disk.claims) == [f"g{i}" for i in range(8)]
+
+
+async def test_restart_rolls_back_half_done_prepares(tmp_path: Path) -> None:
+    node = await open_node(tmp_path)
+    await node.mig_to(1, [])
+    node.sim.add_fault("nvmlGpuInstanceCreateComputeInstance", "NVML_ERROR_UNKNOWN")
+    with pytest.raises(Exception, match="NVML_ERROR_UNKNOWN"):
+        await node.claims.prepare("half", [slice_("2g.20gb", "1")], {})
+    assert (await node.gpu(1)).mig_devices == ()
+    assert node.claims.claims() == []
+    # A crash after the record but before the GI: the record is there, the slice is not.
+    record = await node.claims.prepare("done", [gpu("0")], {})
+    record.state = "prepare_started"
+    await node.claims.checkpoint.commit()
+    (node.cdi_dir / "k8s.gpu.nodeagent.dev-claim_orphan.json").write_text("{}")
+    await node.close()
+    node = await open_node(tmp_path)
+    try:
+        assert node.claims.claims() == []
+        assert sorted(p.name for p in node.cdi_dir.iterdir()) == ["nodeagent.dev-gpu.json"]
+        assert any(e.kind == "claim.recovered" for e in node.events.since(0))
+    finally:
+        await node.close()
+
+
+async def test_a_reboot_marks_claims_lost(tmp_path: Path) -> None:
+    node = await open_node(tmp_path)
+    await node.claims.prepare("c1", [gpu("0")], {})
+    node.sim.reload_driver()  # what a reboot does to the simulated node: a new boot id
+    await node.close()
+    node = await open_node(tmp_path)
+    try:
+        assert node.claims.claim("c1").state == "lost"
+        assert "rebooted" in (node.claims.claim("c1").lost_reason or "")
+        # kubelet prepares it afresh after the reboot.
+        assert (await node.claims.prepare("c1", [gpu("0")], {})).state == "prepare_completed"
+    finally:
+        await node.close()
+
+
+async def test_corrupt_checkpoint_is_kept_and_freezes_claims(tmp_path: Path) -> None:
+    node = await open_node(tmp_path)
+    await node.claims.prepare("c1", [gpu("0")], {})
+    await node.close()
+    path = tmp_path / "state" / "claims.checkpoint"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x20
+    path.write_bytes(bytes(data))
+    node = await open_node(tmp_path)
+    try:
+        kept = list(path.parent.glob("claims.checkpoint.corrupt-*"))
+        assert len(kept) == 1 and kept[0].read_bytes() == bytes(data)
+        with pytest.raises(CheckpointUnusable, match="kept aside"):
+            await node.claims.prepare("c2", [gpu("1")], {})
+        assert any(e.kind == "claims.checkpoint_corrupt" for e in node.events.since(0))
+    finally:
+        await node.close()
+
+
+def test_every_checkpoint_schema_version_loads(tmp_path: Path) -> None:
+    """Fixtures of each schema version that existed, plus one from a newer agent with fields
+    this one does not know: all load."""
+    for fixture in sorted((DATA / "checkpoints").glob("*.checkpoint")):
+        data = decode(fixture.read_bytes())
+        assert data.claims, fixture.name
+        copy = tmp_path / fixture.name
+        shutil.copy(fixture, copy)
+        checkpoint = ClaimCheckpoint(copy, data.boot_id)
+        assert checkpoint.load() is None
+
+
+def test_newer_fields_are_ignored() -> None:
+    raw = (DATA / "checkpoints" / "v2-newer-fields.checkpoint").read_bytes()
+    payload = json.loads(raw.partition(b"\n")[2])
+    assert "future_field" in json.dumps(payload)
+    assert decode(raw).claims["c-new"].state == "prepare_completed"
