@@ -63,6 +63,11 @@ class Settings:
     drift_check_interval_s: float = 30.0
     max_body_bytes: int = 1 << 20
     shutdown_timeout_s: float = 10.0
+    collect_interval_s: float = 5.0
+    #: A dedicated listener for /metrics, /healthz and /readyz (port 9400 in deployments).
+    metrics_listen: Listener | None = None
+    #: ``Hostname`` (dcgm-exporter up to 4.8.2) or ``hostname`` (newer releases).
+    metrics_hostname_label: str = "Hostname"
 
 
 # Flags the environment and the config file may set, with their parsers.
@@ -71,6 +76,7 @@ _FLAG_TYPES: dict[str, str] = {
     "token_file": "path", "auth_read": "bool", "log_format": "str", "log_level": "str",
     "proc_root": "path", "node_name": "str", "config": "path", "gpu_reset_command": "str",
     "reapply_mig": "bool", "driver_root": "path", "claim_tombstone_s": "float",
+    "collect_interval": "float", "metrics_listen": "str", "metrics_hostname_label": "str",
 }
 
 
@@ -152,6 +158,7 @@ def resolve(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> S
         listen = tuple(Listener.parse(t) for t in (merged.get("listen") or default_listen))
     except ValueError as err:
         raise InvalidRequest(f"--listen: {err}", [{"field": "listen", "reason": str(err)}]) from err
+    metrics = _metrics_settings(merged)
     log_format = merged.get("log_format", "text")
     if log_format not in ("text", "json"):
         raise InvalidRequest(f"--log-format must be text or json, not {log_format!r}",
@@ -173,5 +180,33 @@ def resolve(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> S
         reapply_mig=bool(merged.get("reapply_mig", True)),
         driver_root=merged.get("driver_root"),
         claim_tombstone_s=float(merged.get("claim_tombstone_s", 600.0)),
+        **metrics,
     )
+
+
+# Bounds of --collect-interval: faster than 50 ms is a busy loop, slower than an hour is off.
+_COLLECT_INTERVAL_S = (0.05, 3600.0)
+
+
+def _metrics_settings(merged: Mapping[str, Any]) -> dict[str, Any]:
+    """--collect-interval, --metrics-listen and --metrics-hostname-label, validated."""
+    interval = float(merged.get("collect_interval", 5.0))
+    low, high = _COLLECT_INTERVAL_S
+    if not low <= interval <= high:
+        raise InvalidRequest(f"--collect-interval must be {low:g}-{high:g} seconds, not "
+                             f"{interval:g}", [{"field": "collect_interval",
+                                                "reason": f"not within {low:g}-{high:g}"}])
+    label = str(merged.get("metrics_hostname_label", "Hostname"))
+    if label not in ("Hostname", "hostname"):
+        raise InvalidRequest(f"--metrics-hostname-label must be Hostname or hostname, not "
+                             f"{label!r}", [{"field": "metrics_hostname_label",
+                                             "reason": "not Hostname or hostname"}])
+    listen = merged.get("metrics_listen")
+    try:
+        metrics_listen = Listener.parse(str(listen)) if listen else None
+    except ValueError as err:
+        raise InvalidRequest(f"--metrics-listen: {err}",
+                             [{"field": "metrics_listen", "reason": str(err)}]) from err
+    return {"collect_interval_s": interval, "metrics_listen": metrics_listen,
+            "metrics_hostname_label": label}
 

@@ -14,6 +14,8 @@ from agent.events import EventLog
 from agent.gpu.inventory import GpuInventory
 from agent.gpu.session import NvmlSession
 from agent.metrics.agent import AgentMetrics
+from agent.metrics.collector import Collector
+from agent.metrics.health import GpuHealth
 from agent.mig.service import MigService
 from agent.settings import Settings
 
@@ -47,6 +49,9 @@ class AgentContext:
     readiness: Readiness = field(default_factory=Readiness)
     mig: MigService | None = None
     claims: ClaimService | None = None
+    #: The DCGM metrics collector and the GPU health marks (XIDs, lost GPUs).
+    collector: Collector | None = None
+    health: GpuHealth | None = None
     #: The simulated node's controls (``agent.gpu.sim.node.SimulatedNode``) with --simulate.
     sim: Any = None
 

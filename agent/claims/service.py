@@ -252,20 +252,27 @@ class ClaimService:
             raise DeviceBusy("no healthy GPU with MIG enabled to make a slice on"
                              + (f" (GPU {gpu_ref})" if gpu_ref else "")
                              + "; enable MIG with PUT /v1/gpus/{gpu}/mig first")
-        # One slice creation per GPU at a time; choose on a fresh walk under those locks.
-        locks = [self._gpu_locks.setdefault(g.uuid, asyncio.Lock()) for g in usable]
-        for lock in locks:
-            await lock.acquire()
-        try:
-            await self._place_and_create(uid, record, request, profile, start=start,
-                                         usable=usable)
-        finally:
-            for lock in locks:
-                lock.release()
+        # Choose on a fresh walk without locks, then lock only the chosen GPU and check the
+        # choice still holds (another slice may have landed meanwhile); retry if not. No lock
+        # is held across GPUs, so slices on different GPUs are made in parallel.
+        for _ in range(5):
+            choice = await self._choose(profile, start, usable)
+            if choice is None:
+                break
+            gpu, placement = choice
+            async with self._gpu_locks.setdefault(gpu.uuid, asyncio.Lock()):
+                geometry, _ = await self._mig.current(gpu)
+                if any(i.placement.overlaps(placement) for i in geometry.instances):
+                    continue
+                await self._create(uid, record, request, gpu=gpu, profile=profile,
+                                   placement=placement)
+                return
+        raise DeviceBusy(f"no room for a {profile} slice"
+                         + (f" starting at memory slice {start}" if start is not None else "")
+                         + " on the eligible GPUs")
 
-    async def _place_and_create(self, uid: str, record: ClaimRecord, request: DeviceRequest,
-                                profile: str, *, start: int | None,
-                                usable: Sequence[Gpu]) -> None:
+    async def _choose(self, profile: str, start: int | None,
+                      usable: Sequence[Gpu]) -> tuple[Gpu, Placement] | None:
         candidates = []
         for gpu in usable:
             if self._mig.active(gpu.uuid) is not None:
@@ -274,24 +281,25 @@ class ClaimService:
             candidates.append(Candidate(gpu.index, catalog_of(gpu.profiles), geometry))
         choice = choose(candidates, profile, start)
         if choice is None:
-            raise DeviceBusy(f"no room for a {profile} slice"
-                             + (f" starting at memory slice {start}" if start is not None
-                                else "") + " on the eligible GPUs")
-        gpu = next(g for g in usable if g.index == choice.index)
+            return None
+        return next(g for g in usable if g.index == choice.index), choice.placement
+
+    async def _create(self, uid: str, record: ClaimRecord, request: DeviceRequest, *, gpu: Gpu,
+                      profile: str, placement: Placement) -> None:
         spec = next(p for p in gpu.profiles if p.name == profile)
-        name = mig_device_name(gpu.static.minor, profile, spec.id, choice.placement.start)
+        name = mig_device_name(gpu.static.minor, profile, spec.id, placement.start)
         device = PreparedDevice(
             request=request.request, kind="mig", gpu=gpu.uuid, device_name=name,
             cdi_device=self.cdi.qualified_name(uid, name),
             slice=SliceRecord(gpu=gpu.uuid, profile=profile, profile_id=spec.id,
-                              start=choice.placement.start, size=choice.placement.size))
+                              start=placement.start, size=placement.size))
         self._reserve(uid, record, device)
         # Recorded, durably, before the GI exists: a crash from here on is rolled back at
         # start-up by destroying exactly this slice, never anything else.
         self.checkpoint.data.claims[uid] = record
         await self.checkpoint.commit()
         created = await self._session.mutate(gpu.uuid, partial(
-            _create_slice, self._session, gpu.uuid, spec.id, choice.placement))
+            _create_slice, self._session, gpu.uuid, spec.id, placement))
         device.gi_id, device.ci_id, device.uuid = created
         assert device.slice is not None
         device.slice.gi_id, device.slice.ci_id = created[0], created[1]

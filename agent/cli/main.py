@@ -32,6 +32,8 @@ def _serve(args: argparse.Namespace) -> int:
             "gpu_reset_command": args.gpu_reset_command,
             "reapply_mig": False if args.no_reapply_mig else None,
             "driver_root": args.driver_root, "claim_tombstone_s": args.claim_tombstone_s,
+            "collect_interval": args.collect_interval, "metrics_listen": args.metrics_listen,
+            "metrics_hostname_label": args.metrics_hostname_label,
         })
         logs.configure(settings.log_format, settings.log_level)
         return asyncio.run(daemon.serve(settings))
@@ -135,6 +137,14 @@ def _add_serve(sub: Any) -> None:
     serve.add_argument("--claim-tombstone-s", type=float, metavar="SECONDS",
                        help="refuse a prepare this long after the same claim was unprepared "
                             "(default 600)")
+    serve.add_argument("--collect-interval", type=float, metavar="SECONDS",
+                       help="seconds between metrics collections, fractions allowed (default 5)")
+    serve.add_argument("--metrics-listen", metavar="ADDR",
+                       help="also serve /metrics, /healthz and /readyz here, without tokens "
+                            "(HOST:PORT, e.g. 0.0.0.0:9400, or unix:PATH)")
+    serve.add_argument("--metrics-hostname-label", choices=("Hostname", "hostname"),
+                       help="spelling of the host label on DCGM series (default Hostname, as "
+                            "dcgm-exporter up to 4.8.2)")
     serve.add_argument("--config", help="TOML file with any of these settings")
 
 
