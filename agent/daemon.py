@@ -29,8 +29,12 @@ from agent.errors import AgentError, NvmlError
 from agent.events import EventLog, Severity
 from agent.gpu.inventory import GpuInventory
 from agent.gpu.session import NvmlSession
+from agent.gpu.xid import XidWatcher
 from agent.host import boot_id
 from agent.metrics.agent import AgentMetrics
+from agent.metrics.collector import Collector, claim_attribution
+from agent.metrics.health import GpuHealth
+from agent.metrics.server import build_metrics_app
 from agent.mig.service import MigService
 from agent.settings import Listener, Settings
 
@@ -112,7 +116,7 @@ async def _start_sites(runner: web.AppRunner, listeners: tuple[Listener, ...]) -
     return bound
 
 
-async def _become_ready(ctx: AgentContext) -> None:
+async def _become_ready(ctx: AgentContext, xids: XidWatcher) -> None:
     """Initialise NVML and load the inventory, retrying with backoff while the driver is not
     there yet; the agent stays up (and unready) meanwhile instead of crash-looping."""
 
@@ -138,6 +142,11 @@ async def _become_ready(ctx: AgentContext) -> None:
             await ctx.claims.reconcile()
             ctx.readiness.set("reconciling MIG geometry")
             await ctx.mig.reconcile()
+    # Metrics and XID health work even where claims cannot (below): they need NVML only.
+    if ctx.collector is not None:
+        ctx.readiness.set("collecting metrics")
+        await ctx.collector.start()
+    xids.start(gpu.static for gpu in ctx.inventory.gpus)
     if ctx.claims.corrupt is not None:
         # Reported here and in /readyz; the GPU and MIG endpoints keep serving, claims do not.
         ctx.readiness.set(f"{ctx.claims.corrupt}; an operator must act before claims work")
@@ -177,8 +186,7 @@ async def serve(settings: Settings) -> int:
 async def _run(settings: Settings, backend: Backend) -> int:
     metrics = AgentMetrics()
     metrics.set_build(version=agent.__version__, backend=backend.name)
-    session = NvmlSession(backend.nvml, on_error=lambda e: metrics.nvml_errors.labels(
-        e.function, e.name).inc())
+    session = NvmlSession(backend.nvml, on_error=metrics.count_nvml_error)
     inventory = GpuInventory(session)
     events = EventLog()
     service = MigService(session=session, inventory=inventory, events=events, metrics=metrics,
@@ -190,12 +198,24 @@ async def _run(settings: Settings, backend: Backend) -> int:
                                    boot_id(settings.proc_root)),
         cdi=CdiWriter(settings.cdi_dir, settings.proc_root, settings.driver_root),
         tombstone_s=settings.claim_tombstone_s)
+    health = GpuHealth(events=events, metrics=metrics, lost_reason=session.lost_reason)
+    collector = Collector(session=session, inventory=inventory, metrics=metrics, health=health,
+                          interval_s=settings.collect_interval_s, hostname=settings.node_name,
+                          hostname_label=settings.metrics_hostname_label,
+                          attribution=lambda: claim_attribution(claims.claims()))
+    xids = XidWatcher(session, collector.on_xid, on_error=metrics.count_nvml_error)
     ctx = AgentContext(settings=settings, session=session, inventory=inventory,
                        events=events, tokens=load_tokens(settings), metrics=metrics,
-                       backend=backend.name, mig=service, claims=claims, sim=backend.sim)
+                       backend=backend.name, mig=service, claims=claims, sim=backend.sim,
+                       collector=collector, health=health)
     runner = web.AppRunner(build_app(ctx), handle_signals=False, access_log=None,
                            shutdown_timeout=settings.shutdown_timeout_s)
     await runner.setup()
+    metrics_runner: web.AppRunner | None = None
+    if settings.metrics_listen is not None:
+        metrics_runner = web.AppRunner(build_metrics_app(ctx), handle_signals=False,
+                                       access_log=None, shutdown_timeout=2)
+        await metrics_runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -204,12 +224,15 @@ async def _run(settings: Settings, backend: Backend) -> int:
     drift: asyncio.Task[None] | None = None
     try:
         bound = await _start_sites(runner, settings.listen)
+        metrics_bound = (await _start_sites(metrics_runner, (settings.metrics_listen,))
+                         if metrics_runner is not None and settings.metrics_listen else [])
         write_atomic(settings.state_dir / "listeners.json",
-                     json.dumps({"pid": os.getpid(), "listeners": bound}).encode())
+                     json.dumps({"pid": os.getpid(), "listeners": bound,
+                                 "metrics": metrics_bound}).encode())
         log.info("listening", extra={"listeners": ",".join(bound), "backend": backend.name,
                                      "state_dir": str(settings.state_dir),
                                      "version": agent.__version__})
-        startup = asyncio.create_task(_become_ready(ctx))
+        startup = asyncio.create_task(_become_ready(ctx, xids))
         stopped = asyncio.create_task(stop.wait())
         await asyncio.wait({startup, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if startup.done() and startup.exception() is not None:
@@ -230,6 +253,10 @@ async def _run(settings: Settings, backend: Backend) -> int:
         await service.close()
         # Stops accepting, lets in-flight requests finish (up to shutdown_timeout), closes.
         await runner.cleanup()
+        if metrics_runner is not None:
+            await metrics_runner.cleanup()
+        xids.stop()
+        collector.stop()
         session.close()
         ctx.events.append("agent.stopped", "agent stopped", severity=Severity.INFO)
         with contextlib.suppress(FileNotFoundError):

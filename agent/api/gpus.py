@@ -26,9 +26,10 @@ async def get_gpu(request: web.Request) -> web.Response:
 
 
 def _model(ctx: AgentContext, gpu: Gpu) -> GpuModel:
-    """The inventory with what the agent adds: drain marks and quarantine."""
+    """The inventory with what the agent adds: drain marks, quarantine and XID marks."""
+    xids = ctx.health.xid_reasons(gpu.uuid) if ctx.health is not None else ()
     if ctx.mig is None:
-        return GpuModel.of(gpu)
+        return GpuModel.of(gpu, reasons=xids)
     quarantined = ctx.mig.quarantined(gpu.uuid)
     return GpuModel.of(gpu, draining=ctx.mig.draining(gpu.uuid),
-                       reasons=(f"quarantined: {quarantined}",) if quarantined else ())
+                       reasons=((f"quarantined: {quarantined}",) if quarantined else ()) + xids)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import agent
 from agent.api.context import AGENT, AgentContext
@@ -11,6 +10,8 @@ from agent.api.models import EventList, EventModel, NodeModel, Status
 from agent.api.routing import json_response
 from agent.errors import InvalidRequest, NotReady
 from agent.host import boot_id
+from agent.metrics import exposition
+from agent.metrics.collector import EMPTY_SNAPSHOT
 
 OPENAPI = web.AppKey("openapi", dict)
 
@@ -26,9 +27,13 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    readiness = request.app[AGENT].readiness
+    ctx = request.app[AGENT]
+    readiness = ctx.readiness
     if readiness.ready:
-        return json_response(Status(status="ready"))
+        stale = ctx.collector.stale_reason() if ctx.collector is not None else None
+        if stale is None:
+            return json_response(Status(status="ready"))
+        return json_response(Status(status="not ready", reason=stale), status=503)
     return json_response(Status(status="not ready", reason=readiness.reason), status=503)
 
 
@@ -52,10 +57,12 @@ async def list_events(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[AGENT].metrics.registry)
-    response = web.Response(body=body)
-    response.headers["Content-Type"] = CONTENT_TYPE_LATEST
-    return response
+    """The collector's last snapshot (never an NVML call) and the live gpu_agent_* registry."""
+    ctx = request.app[AGENT]
+    snapshot = ctx.collector.snapshot if ctx.collector is not None else EMPTY_SNAPSHOT
+    body, headers = exposition.scrape(snapshot.block, ctx.metrics.registry,
+                                      accept_encoding=request.headers.get("Accept-Encoding", ""))
+    return web.Response(body=body, headers=headers)
 
 
 async def openapi(request: web.Request) -> web.Response:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import agent
-from agent.cli import mig
+from agent.cli import claims, mig
 from agent.cli.client import AgentClient, ClientError, discover
 from agent.cli.tables import gpu_table, node_lines
 from agent.errors import AgentError
@@ -194,19 +194,22 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("gpus", parents=[client_opts], help="the node's GPUs")
     _add_sim(sub)
     mig.add_parsers(sub, client_opts)
+    claims.add_parsers(sub, client_opts)
     sub.choices["sim"].add_argument("--url")
     sub.choices["sim"].add_argument("--token-file")
     return top
 
 
 COMMANDS: dict[str, Command] = {"node": _node, "gpus": _gpus, "sim": _sim, "mig": mig.run,
-                                "transitions": mig.run}
+                                "transitions": mig.run, "claims": claims.run, "cdi": claims.run}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "cdi" and args.cdi_verb == "generate":
+        return claims.generate(args)  # offline: opens NVML itself, talks to no agent
     try:
         url, token = discover(args.url, args.token_file)
         return COMMANDS[args.command](args, AgentClient(url, token))

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    ProcessCollector,
+    disable_created_metrics,
+)
 
 from agent.errors import NvmlError
 
@@ -14,6 +22,9 @@ TRANSITION_RESULTS = ("succeeded", "aborted", "rolled_back", "failed", "pending_
 class AgentMetrics:
     def __init__(self, registry: CollectorRegistry | None = None, *,
                  process: bool = True) -> None:
+        # No *_created series: they double every counter and histogram for no dashboard use
+        # (a process-wide switch of prometheus-client).
+        disable_created_metrics()
         self.registry = registry or CollectorRegistry()
         self.build = Info("build", "Agent version and backend", namespace=NAMESPACE,
                           registry=self.registry)

@@ -42,6 +42,7 @@ log = logging.getLogger("agent.metrics.collector")
 STALE_INTERVALS = 3
 # A wake-up (an XID) collects at once, but not sooner than this after the previous round.
 _MIN_GAP_S = 0.25
+_STOP_WAIT_S = 2.0
 HOSTNAME_LABELS = ("Hostname", "hostname")
 
 #: (GPU UUID, GPU instance id or None for the whole GPU) -> attribution labels.
@@ -130,7 +131,9 @@ class Collector:
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(self.interval_s + 5)
+            # A round in progress may wait up to an interval on a hung GPU; do not hold the
+            # shutdown for it (the thread is a daemon and touches nothing durable).
+            self._thread.join(_STOP_WAIT_S)
             self._thread = None
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
