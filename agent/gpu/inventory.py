@@ -15,7 +15,7 @@ from functools import partial
 from typing import Any
 
 from agent.errors import GpuLost, NotFound, NvmlError
-from agent.gpu.mig import read_instances
+from agent.gpu.mig import mig_device_handles, read_instances
 from agent.gpu.naming import mig_profile_name
 from agent.gpu.session import NvmlSession
 from agent.gpu.types import (
@@ -165,13 +165,7 @@ def read_mig_devices(session: NvmlSession, handle: Any, uuid: str,
     instances = {gi.id: (names.get(gi.profile_id, f"profile-{gi.profile_id}"), gi.placement)
                  for gi in read_instances(session, handle, uuid, profiles)}
     devices: list[MigDevice] = []
-    for index in range(int(session.call("nvmlDeviceGetMaxMigDeviceCount", handle, gpu=uuid))):
-        try:
-            mig = session.call("nvmlDeviceGetMigDeviceHandleByIndex", handle, index, gpu=uuid)
-        except NvmlError as err:
-            if err.name == "NVML_ERROR_NOT_FOUND":
-                continue
-            raise
+    for index, mig in mig_device_handles(session, handle, uuid):
         gi_id = int(session.call("nvmlDeviceGetGpuInstanceId", mig, gpu=uuid))
         attributes = session.call("nvmlDeviceGetAttributes", mig, gpu=uuid)
         if gi_id not in instances:

@@ -9,7 +9,7 @@ and cached handles go stale after any change (libcudacxx #224).
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from agent.errors import NvmlError
@@ -147,16 +147,23 @@ def running_processes(session: NvmlSession, handle: Any, uuid: str) -> tuple[Gpu
     return tuple(found)
 
 
+def mig_device_handles(session: NvmlSession, handle: Any, uuid: str) -> Iterator[tuple[int,
+                                                                                      Any]]:
+    """(NVML MIG device index, handle) of every MIG device: one per compute instance; empty
+    indices (NOT_FOUND) are skipped. Handles are fresh: cached ones go stale on any change."""
+    for index in range(int(session.call("nvmlDeviceGetMaxMigDeviceCount", handle, gpu=uuid))):
+        try:
+            yield index, session.call("nvmlDeviceGetMigDeviceHandleByIndex", handle, index,
+                                      gpu=uuid)
+        except NvmlError as err:
+            if err.name != "NVML_ERROR_NOT_FOUND":
+                raise
+
+
 def mig_device_uuid(session: NvmlSession, handle: Any, uuid: str, gi_id: int,
                     ci_id: int) -> str | None:
     """The UUID of the MIG device of (GI, CI), from a fresh enumeration."""
-    for index in range(int(session.call("nvmlDeviceGetMaxMigDeviceCount", handle, gpu=uuid))):
-        try:
-            mig = session.call("nvmlDeviceGetMigDeviceHandleByIndex", handle, index, gpu=uuid)
-        except NvmlError as err:
-            if err.name == "NVML_ERROR_NOT_FOUND":
-                continue
-            raise
+    for _, mig in mig_device_handles(session, handle, uuid):
         if int(session.call("nvmlDeviceGetGpuInstanceId", mig, gpu=uuid)) == gi_id and \
                 int(session.call("nvmlDeviceGetComputeInstanceId", mig, gpu=uuid)) == ci_id:
             value = session.call("nvmlDeviceGetUUID", mig, gpu=uuid)

@@ -1,0 +1,309 @@
+"""This node's devices as ``resource.k8s.io/v1`` ResourceSlices (pure: values in, dicts out).
+
+Names and shapes follow NVIDIA's DRA driver (``reference/dra-driver.md`` 3) with the project's
+driver name: full GPUs ``gpu-<minor>``, MIG devices ``gpu-<minor>-mig-<profile>-<profile id>-
+<start>`` (``agent/device_names.py``, the names the claims API accepts).
+
+Two modes:
+- static (default): full GPUs, and the MIG devices that exist (a GPU in MIG mode is published
+  as its MIG devices only);
+- ``--dynamic-mig`` (partitionable devices, KEP-4815): each MIG-capable GPU gets one counter
+  set ``gpu-<minor>-counter-set`` (``multiprocessors``, the engine counters, ``memory`` - each
+  the largest any profile has - and ``memory-slice-<i>`` = 1 per memory slice); the full GPU
+  consumes all of it and every (profile, placement) is a device consuming its profile's
+  amounts and its slices. Kubernetes >= 1.35 wants counters and devices in separate slices
+  (counter slices first, then one device slice per GPU); 1.34 wants them together (one slice
+  per GPU).
+
+Left out: devices of unhealthy or quarantined GPUs; MIG devices being drained; with
+``--dynamic-mig``, devices whose placement overlaps an instance that exists in another shape
+(an existing instance of the same profile and placement is its device).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from agent.device_names import gpu_device_name, mig_device_name
+from agent.gpu.topology import sysfs_bus_id
+from agent.gpu.types import DriverInfo, GiProfile, Gpu, Placement
+
+API_VERSION = "resource.k8s.io/v1"
+KUBERNETES_VERSIONS = ((1, 34), (1, 35))
+DEFAULT_DRIVER = "gpu.nodeagent.dev"
+STANDARD = "resource.kubernetes.io"
+#: Devices per slice the API server accepts, and the lower limit once devices consume
+#: counters or carry taints (``ResourceSliceMaxDevices[WithTaintsOrConsumesCounters]``).
+MAX_DEVICES = 128
+MAX_DEVICES_WITH_COUNTERS = 64
+#: Counter sets per slice (Kubernetes >= 1.35, ``ResourceSliceMaxCounterSets``).
+MAX_COUNTER_SETS = 8
+MEMORY_SLICES = 8
+
+Json = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class GpuFacts:
+    """One GPU as the renderer sees it: the inventory, what the agent knows besides, and the
+    topology attributes."""
+
+    gpu: Gpu
+    draining: frozenset[int] = frozenset()
+    unavailable: str | None = None
+    """Why the GPU's devices are left out (unhealthy, quarantined); None to publish."""
+    nvlink_island: str | None = None
+    nvlink_gb_s: int = 0
+    clique: str | None = None
+    pcie_root: str | None = None
+
+
+@dataclass(frozen=True)
+class RenderOptions:
+    driver: str
+    node_name: str
+    kubernetes: tuple[int, int]
+    dynamic_mig: bool = False
+    generation: int = 1
+
+
+def semver(text: str) -> str | None:
+    """A version as semver 2.0.0 wants it: three numeric parts without leading zeros
+    (``9.0`` -> ``9.0.0``, ``535.104.05`` -> ``535.104.5``); None if it has no number."""
+    parts = re.findall(r"\d+", text)
+    if not parts:
+        return None
+    numbers = [str(int(p)) for p in parts[:3]]
+    numbers += ["0"] * (3 - len(numbers))
+    return ".".join(numbers)
+
+
+def _attr(value: str | int | bool, kind: str | None = None) -> Json:
+    if kind == "version":
+        return {"version": value}
+    if isinstance(value, bool):
+        return {"bool": value}
+    if isinstance(value, int):
+        return {"int": value}
+    return {"string": value}
+
+
+def _qty(value: int) -> Json:
+    return {"value": str(value)}
+
+
+def _mib(value: int) -> str:
+    return f"{value}Mi"
+
+
+def _gpu_attributes(facts: GpuFacts, driver: DriverInfo) -> Json:
+    """Attributes a GPU's devices share (a MIG device carries its parent's)."""
+    s = facts.gpu.static
+    attrs: Json = {
+        "productName": _attr(s.name[:64]),
+        "brand": _attr(s.brand),
+        "architecture": _attr(s.architecture),
+    }
+    for name, text in (("cudaComputeCapability", s.cuda_compute_capability),
+                       ("driverVersion", driver.driver_version),
+                       ("cudaDriverVersion", driver.cuda_driver_version)):
+        version = semver(text)
+        if version is not None:
+            attrs[name] = _attr(version, "version")
+    if s.pci_bus_id:
+        attrs[f"{STANDARD}/pciBusID"] = _attr(sysfs_bus_id(s.pci_bus_id))
+    if facts.pcie_root:
+        attrs[f"{STANDARD}/pcieRoot"] = _attr(facts.pcie_root)
+    if s.numa_node is not None:
+        attrs[f"{STANDARD}/numaNode"] = _attr(s.numa_node)
+    if facts.nvlink_island:
+        attrs["nvlinkIsland"] = _attr(facts.nvlink_island)
+    attrs["nvlinkBandwidth"] = _attr(facts.nvlink_gb_s)
+    if facts.clique:
+        attrs["fabricClique"] = _attr(facts.clique[:64])
+    return attrs
+
+
+def _profile_capacity(profile: GiProfile, placement: Placement, *,
+                      multiprocessors: int | None = None) -> Json:
+    capacity: Json = {
+        "multiprocessors": _qty(profile.multiprocessors if multiprocessors is None
+                                else multiprocessors),
+        "copyEngines": _qty(profile.copy_engines),
+        "decoders": _qty(profile.decoders),
+        "encoders": _qty(profile.encoders),
+        "jpegEngines": _qty(profile.jpeg_engines),
+        "ofaEngines": _qty(profile.ofa_engines),
+        "memory": {"value": _mib(profile.memory_mib)},
+    }
+    for i in range(placement.start, placement.end):
+        capacity[f"memorySlice{i}"] = _qty(1)
+    return capacity
+
+
+def counter_set_name(minor: int) -> str:
+    return f"gpu-{minor}-counter-set"
+
+
+def counters_of(profiles: Sequence[GiProfile]) -> dict[str, int]:
+    """A GPU's shared counters: the per-dimension maximum over its profiles (memory in MiB),
+    and one counter per memory slice."""
+    counters = {
+        "multiprocessors": max(p.multiprocessors for p in profiles),
+        "copy-engines": max(p.copy_engines for p in profiles),
+        "decoders": max(p.decoders for p in profiles),
+        "encoders": max(p.encoders for p in profiles),
+        "jpeg-engines": max(p.jpeg_engines for p in profiles),
+        "ofa-engines": max(p.ofa_engines for p in profiles),
+        "memory": max(p.memory_mib for p in profiles),
+    }
+    counters.update({f"memory-slice-{i}": 1 for i in range(MEMORY_SLICES)})
+    return counters
+
+
+def consumption_of(profile: GiProfile, placement: Placement) -> dict[str, int]:
+    """What one (profile, placement) device takes from its GPU's counters."""
+    used = {
+        "multiprocessors": profile.multiprocessors,
+        "copy-engines": profile.copy_engines,
+        "decoders": profile.decoders,
+        "encoders": profile.encoders,
+        "jpeg-engines": profile.jpeg_engines,
+        "ofa-engines": profile.ofa_engines,
+        "memory": profile.memory_mib,
+    }
+    used.update({f"memory-slice-{i}": 1 for i in range(placement.start, placement.end)})
+    return used
+
+
+def _counters_json(values: dict[str, int]) -> Json:
+    return {name: {"value": _mib(v) if name == "memory" else str(v)}
+            for name, v in values.items()}
+
+
+def _static_devices(facts: GpuFacts, driver: DriverInfo) -> list[Json]:
+    gpu = facts.gpu
+    s = gpu.static
+    shared = _gpu_attributes(facts, driver)
+    if gpu.mig_mode is None or not gpu.mig_mode.current:
+        return [{"name": gpu_device_name(s.minor),
+                 "attributes": {"type": _attr("gpu"), "uuid": _attr(s.uuid), **shared},
+                 "capacity": {"memory": {"value": _mib(s.memory_total_mib)}}}]
+    by_name = {p.name: p for p in gpu.profiles}
+    devices = []
+    for device in sorted(gpu.mig_devices, key=lambda d: (d.placement.start, d.gi_id, d.ci_id)):
+        profile = by_name.get(device.profile)
+        if profile is None or device.gi_id in facts.draining:
+            continue
+        devices.append({
+            "name": mig_device_name(s.minor, profile.name, profile.id, device.placement.start),
+            "attributes": {"type": _attr("mig"), "uuid": _attr(device.uuid),
+                           "profile": _attr(profile.name), "parentUUID": _attr(s.uuid),
+                           **shared},
+            "capacity": _profile_capacity(profile, device.placement,
+                                          multiprocessors=device.multiprocessors),
+        })
+    return devices
+
+
+def _dynamic_devices(facts: GpuFacts, driver: DriverInfo) -> tuple[Json | None, list[Json]]:
+    """(the GPU's counter set or None, its devices)."""
+    gpu = facts.gpu
+    s = gpu.static
+    if not gpu.profiles:
+        return None, _static_devices(facts, driver)
+    counter_set = counter_set_name(s.minor)
+    counters = counters_of(gpu.profiles)
+    shared = _gpu_attributes(facts, driver)
+    by_name = {p.name: p for p in gpu.profiles}
+    existing = [(by_name.get(d.profile), d) for d in gpu.mig_devices]
+    instances = {(p.id, d.placement.start): d for p, d in existing if p is not None}
+    occupied = [(d.placement, d.gi_id) for d in gpu.mig_devices]
+    devices: list[Json] = []
+    mig_on = gpu.mig_mode is not None and gpu.mig_mode.current
+    # Ampere with MIG on cannot hand out the whole GPU without a reset (reference 3).
+    if not occupied and not (mig_on and s.architecture == "ampere"):
+        devices.append({
+            "name": gpu_device_name(s.minor),
+            "attributes": {"type": _attr("gpu"), "uuid": _attr(s.uuid), **shared},
+            "capacity": {"memory": {"value": _mib(s.memory_total_mib)}},
+            "consumesCounters": [{"counterSet": counter_set,
+                                  "counters": _counters_json(counters)}],
+        })
+    for profile in gpu.profiles:
+        for placement in profile.placements:
+            instance = instances.get((profile.id, placement.start))
+            if instance is not None:
+                if instance.gi_id in facts.draining:
+                    continue
+            elif any(placement.overlaps(p) for p, _ in occupied):
+                continue
+            attrs: Json = {"type": _attr("mig"), "profile": _attr(profile.name),
+                           "parentUUID": _attr(s.uuid)}
+            if instance is not None:
+                attrs["uuid"] = _attr(instance.uuid)
+            devices.append({
+                "name": mig_device_name(s.minor, profile.name, profile.id, placement.start),
+                "attributes": {**attrs, **shared},
+                "capacity": _profile_capacity(profile, placement),
+                "consumesCounters": [{"counterSet": counter_set, "counters": _counters_json(
+                    consumption_of(profile, placement))}],
+            })
+    del by_name
+    return {"name": counter_set, "counters": _counters_json(counters)}, devices
+
+
+def _chunks(items: list[Json], size: int) -> list[list[Json]]:
+    return [items[i:i + size] for i in range(0, len(items), size)] or [[]]
+
+
+def slice_name(node: str, driver: str, index: int) -> str:
+    """A DNS-subdomain object name for slice ``index`` of this node's pool."""
+    base = re.sub(r"[^a-z0-9.-]+", "-", f"{node}-{driver}".lower()).strip("-.")
+    return f"{base[:240]}-{index}"
+
+
+def render(gpus: Sequence[GpuFacts], driver_info: DriverInfo,
+           options: RenderOptions) -> list[Json]:
+    """The pool's ResourceSlices, in a stable order."""
+    specs: list[Json] = []  # slice specs without the pool, filled in at the end
+    published = [f for f in gpus if f.unavailable is None]
+    published.sort(key=lambda f: f.gpu.static.minor)
+    if not options.dynamic_mig:
+        devices = [d for f in published for d in _static_devices(f, driver_info)]
+        specs = [{"devices": chunk} for chunk in _chunks(devices, MAX_DEVICES)]
+    else:
+        per_gpu = [_dynamic_devices(f, driver_info) for f in published]
+        plain = [d for counter_set, devices in per_gpu if counter_set is None for d in devices]
+        partitioned = [(cs, devs) for cs, devs in per_gpu if cs is not None]
+        if options.kubernetes >= (1, 35):
+            sets = [cs for cs, _ in partitioned]
+            specs.extend({"sharedCounters": chunk}
+                         for chunk in (sets[i:i + MAX_COUNTER_SETS]
+                                       for i in range(0, len(sets), MAX_COUNTER_SETS)))
+            for _, devices in partitioned:
+                specs.extend({"devices": chunk}
+                             for chunk in _chunks(devices, MAX_DEVICES_WITH_COUNTERS))
+        else:
+            # 1.34: a device may only consume counters of its own slice.
+            specs.extend({"sharedCounters": [cs], "devices": devices}
+                         for cs, devices in partitioned)
+        if plain:
+            specs.extend({"devices": chunk} for chunk in _chunks(plain, MAX_DEVICES))
+        if not specs:
+            specs = [{"devices": []}]
+    pool = {"name": options.node_name, "generation": options.generation,
+            "resourceSliceCount": len(specs)}
+    slices = []
+    for index, body in enumerate(specs):
+        spec: Json = {"driver": options.driver, "pool": dict(pool),
+                      "nodeName": options.node_name}
+        spec.update(body)
+        slices.append({"apiVersion": API_VERSION, "kind": "ResourceSlice",
+                       "metadata": {"name": slice_name(options.node_name, options.driver,
+                                                       index)},
+                       "spec": spec})
+    return slices
