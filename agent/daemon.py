@@ -24,6 +24,7 @@ from agent.api.context import AgentContext
 from agent.claims.cdi_writer import CdiWriter
 from agent.claims.checkpoint import ClaimCheckpoint
 from agent.claims.service import ClaimService
+from agent.dra.service import SliceService
 from agent.durable import ExclusiveLock, write_atomic
 from agent.errors import AgentError, NvmlError
 from agent.events import EventLog, Severity
@@ -37,6 +38,7 @@ from agent.metrics.health import GpuHealth
 from agent.metrics.server import build_metrics_app
 from agent.mig.service import MigService
 from agent.settings import Listener, Settings
+from agent.topology.service import HeldByClaims, TopologyService
 
 log = logging.getLogger("agent.daemon")
 
@@ -48,6 +50,7 @@ class Backend:
     nvml: Any
     name: str
     sim: Any = None
+    sys_root: Path = Path("/sys")
 
 
 def open_backend(settings: Settings) -> Backend:
@@ -60,7 +63,8 @@ def open_backend(settings: Settings) -> Backend:
         # were not loaded yet); later ones come through /v1/sim/faults.
         for fault in json.loads(os.environ.get("GPU_AGENT_SIM_FAULTS", "[]")):
             node.add_fault(**fault)
-        return Backend(nvml=node.nvml, name=f"simulated:{settings.simulate}", sim=node)
+        return Backend(nvml=node.nvml, name=f"simulated:{settings.simulate}", sim=node,
+                       sys_root=node.sys_root)
     import pynvml  # noqa: PLC0415 - the real library is only loaded on real nodes
 
     return Backend(nvml=pynvml, name="nvml")
@@ -136,6 +140,9 @@ async def _become_ready(ctx: AgentContext, xids: XidWatcher) -> None:
             await ctx.session.initialise()
             ctx.readiness.set("loading inventory")
             await ctx.inventory.load()
+            if ctx.topology is not None:
+                ctx.readiness.set("discovering topology")
+                await ctx.topology.load()
             ctx.readiness.set("resolving open MIG transitions")
             await ctx.mig.recover()
             ctx.readiness.set("reconciling claims and CDI specs")
@@ -199,6 +206,11 @@ async def _run(settings: Settings, backend: Backend) -> int:
         cdi=CdiWriter(settings.cdi_dir, settings.proc_root, settings.driver_root),
         tombstone_s=settings.claim_tombstone_s)
     health = GpuHealth(events=events, metrics=metrics, lost_reason=session.lost_reason)
+    topology = TopologyService(session=session, inventory=inventory, sys_root=backend.sys_root,
+                               held=HeldByClaims(claims), quarantine=service)
+    slices = SliceService(inventory=inventory, topology=topology, state_dir=settings.state_dir,
+                          node_name=settings.node_name, driver=settings.driver_name,
+                          dynamic_mig=settings.dynamic_mig, mig=service)
     collector = Collector(session=session, inventory=inventory, metrics=metrics, health=health,
                           interval_s=settings.collect_interval_s, hostname=settings.node_name,
                           hostname_label=settings.metrics_hostname_label,
@@ -207,7 +219,7 @@ async def _run(settings: Settings, backend: Backend) -> int:
     ctx = AgentContext(settings=settings, session=session, inventory=inventory,
                        events=events, tokens=load_tokens(settings), metrics=metrics,
                        backend=backend.name, mig=service, claims=claims, sim=backend.sim,
-                       collector=collector, health=health)
+                       collector=collector, health=health, topology=topology, slices=slices)
     runner = web.AppRunner(build_app(ctx), handle_signals=False, access_log=None,
                            shutdown_timeout=settings.shutdown_timeout_s)
     await runner.setup()

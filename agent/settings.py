@@ -7,6 +7,7 @@ Precedence: command-line flag, then ``GPU_AGENT_<FLAG>`` in the environment, the
 from __future__ import annotations
 
 import os
+import re
 import socket
 import tomllib
 from collections.abc import Mapping
@@ -68,6 +69,10 @@ class Settings:
     metrics_listen: Listener | None = None
     #: ``Hostname`` (dcgm-exporter up to 4.8.2) or ``hostname`` (newer releases).
     metrics_hostname_label: str = "Hostname"
+    #: The DRA driver name the ResourceSlices carry.
+    driver_name: str = "gpu.nodeagent.dev"
+    #: Publish MIG as partitionable devices (every profile and placement, shared counters).
+    dynamic_mig: bool = False
 
 
 # Flags the environment and the config file may set, with their parsers.
@@ -77,6 +82,7 @@ _FLAG_TYPES: dict[str, str] = {
     "proc_root": "path", "node_name": "str", "config": "path", "gpu_reset_command": "str",
     "reapply_mig": "bool", "driver_root": "path", "claim_tombstone_s": "float",
     "collect_interval": "float", "metrics_listen": "str", "metrics_hostname_label": "str",
+    "driver_name": "str", "dynamic_mig": "bool",
 }
 
 
@@ -180,8 +186,20 @@ def resolve(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> S
         reapply_mig=bool(merged.get("reapply_mig", True)),
         driver_root=merged.get("driver_root"),
         claim_tombstone_s=float(merged.get("claim_tombstone_s", 600.0)),
+        driver_name=_driver_name(str(merged.get("driver_name", "gpu.nodeagent.dev"))),
+        dynamic_mig=bool(merged.get("dynamic_mig", False)),
         **metrics,
     )
+
+
+def _driver_name(name: str) -> str:
+    """A DRA driver name: a lower-case DNS subdomain of at most 63 characters."""
+    label = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+    if len(name) > 63 or not re.fullmatch(rf"{label}(\.{label})*", name):
+        raise InvalidRequest(f"--driver-name {name!r} is not a lower-case DNS subdomain of at "
+                             "most 63 characters (e.g. gpu.nodeagent.dev)",
+                             [{"field": "driver_name", "reason": "not a DNS subdomain"}])
+    return name
 
 
 # Bounds of --collect-interval: faster than 50 ms is a busy loop, slower than an hour is off.

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from bench import mig_disruption, mig_transition, startup
+from bench import metrics_scrape, mig_disruption, mig_transition, startup, topology_select
 
-BENCHMARKS = ("startup", "mig-disruption", "mig-transition")
+BENCHMARKS = ("startup", "mig-disruption", "mig-transition", "topology-select", "metrics-scrape")
 
 
 def main() -> None:
@@ -28,6 +28,14 @@ def main() -> None:
         print()
     if args.only in (None, "mig-transition"):
         mig_transition.main()
+    if args.only is None:
+        print()
+    if args.only in (None, "topology-select"):
+        topology_select.main()
+    if args.only is None:
+        print()
+    if args.only in (None, "metrics-scrape"):
+        metrics_scrape.main()
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 import agent
-from agent.api import claims, gpus, mig, node, sim
+from agent.api import claims, dra, gpus, mig, node, sim, topology
 from agent.api.context import AGENT, MAX_BODY_BYTES, AgentContext
 from agent.api.mig_models import (
     ApplyModel,
@@ -126,6 +126,11 @@ SIM_ROUTES = [
 ]
 
 
+def all_routes(*, simulated: bool) -> list[Route]:
+    """Every route the agent serves (the simulation controls only when simulated)."""
+    return CORE_ROUTES + topology.ROUTES + dra.ROUTES + (SIM_ROUTES if simulated else [])
+
+
 def build_app(ctx: AgentContext) -> web.Application:
     """The application for one agent; ``/v1/sim`` exists only when ``ctx.sim`` is set."""
     app = web.Application(
@@ -134,7 +139,7 @@ def build_app(ctx: AgentContext) -> web.Application:
     )
     app[AGENT] = ctx
     app[MAX_BODY_BYTES] = ctx.settings.max_body_bytes
-    routes = CORE_ROUTES + (SIM_ROUTES if ctx.sim is not None else [])
+    routes = all_routes(simulated=ctx.sim is not None)
     register(app, routes)
     app[node.OPENAPI] = build_openapi(routes, version=agent.__version__)
     return app

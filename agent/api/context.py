@@ -10,6 +10,7 @@ from aiohttp import web
 
 from agent.api.auth import TokenStore
 from agent.claims.service import ClaimService
+from agent.dra.service import SliceService
 from agent.events import EventLog
 from agent.gpu.inventory import GpuInventory
 from agent.gpu.session import NvmlSession
@@ -18,6 +19,7 @@ from agent.metrics.collector import Collector
 from agent.metrics.health import GpuHealth
 from agent.mig.service import MigService
 from agent.settings import Settings
+from agent.topology.service import TopologyService
 
 
 @dataclass
@@ -52,6 +54,9 @@ class AgentContext:
     #: The DCGM metrics collector and the GPU health marks (XIDs, lost GPUs).
     collector: Collector | None = None
     health: GpuHealth | None = None
+    #: NVLink/PCIe topology and best-set selection; the node's ResourceSlices.
+    topology: TopologyService | None = None
+    slices: SliceService | None = None
     #: The simulated node's controls (``agent.gpu.sim.node.SimulatedNode``) with --simulate.
     sim: Any = None
 

@@ -453,7 +453,7 @@ def _resolve(ref: str, gpus: Sequence[Gpu]) -> tuple[Gpu, MigDevice | None]:
 def _create_slice(session: NvmlSession, gpu: str, profile_id: int,
                   placement: Placement) -> tuple[int, int, str]:
     """Create GI + CI at the placement (NVML thread); a failed CI leaves no bare GI behind."""
-    handle = session.call("nvmlDeviceGetHandleByUUID", gpu, gpu=gpu)
+    handle = session.gpu_handle(gpu)
     gi_id = mig.create_gpu_instance(session, handle, gpu, profile_id, placement)
     try:
         ci = mig.create_compute_instance(session, handle, gpu, gi_id)
@@ -470,7 +470,7 @@ def _destroy_slice(session: NvmlSession, gpu: str, profiles: Sequence[GiProfile]
                    record: SliceRecord) -> bool:
     """Destroy the recorded slice if it exists (matched by profile and placement, never by a
     GI id alone, which the driver may have reused); False when it is already gone."""
-    handle = session.call("nvmlDeviceGetHandleByUUID", gpu, gpu=gpu)
+    handle = session.gpu_handle(gpu)
     current, _ = session.call("nvmlDeviceGetMigMode", handle, gpu=gpu)
     if not current:
         return False

@@ -10,7 +10,7 @@ import json
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,8 +33,32 @@ e.g. 1g.10gb (the agent chooses GPU and placement), 3g.40gb@2, 1g.10gb@GPU-...:5
 dynamic ResourceSlice device name such as gpu-1-mig-1g10gb-19-0."""
 
 
+class _AnyName(Mapping[str, argparse.ArgumentParser]):
+    """The verbs, as ``choices`` that admit any word (argparse checks the first word against
+    ``choices`` before the action sees it)."""
+
+    def __init__(self, verbs: dict[str, argparse.ArgumentParser]) -> None:
+        self._verbs = verbs
+
+    def __getitem__(self, name: str) -> argparse.ArgumentParser:
+        return self._verbs[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._verbs)
+
+    def __len__(self) -> int:
+        return len(self._verbs)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str)
+
+
 class _VerbOrUid(_SubParsers):
     """``claims UID`` is ``claims show UID``: anything that is not a verb is a claim UID."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.choices = _AnyName(self._name_parser_map)  # type: ignore[assignment]
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: str | Sequence[Any] | None, option_string: str | None = None) -> None:
@@ -45,7 +69,8 @@ class _VerbOrUid(_SubParsers):
 
 def _client_options() -> argparse.ArgumentParser:
     """The client flags, left out of the namespace unless given, so they may come before or
-    after the verb (``claims --json UID`` and ``claims UID --json``)."""
+    after the verb (``claims --json UID`` and ``claims UID --json``). A fresh parser per use:
+    parents share their action objects, and ``set_defaults`` changes those."""
     opts = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
     opts.add_argument("--url", help="agent address: http(s)://HOST:PORT or unix:PATH "
                                     "(default: the local socket)")
@@ -57,18 +82,20 @@ def _client_options() -> argparse.ArgumentParser:
 def add_parsers(sub: Any, client_opts: argparse.ArgumentParser) -> None:
     """Register ``claims`` and ``cdi``; ``client_opts`` is the shared --url/--token-file/--json
     parent of the other verbs (``cdi list`` uses it as is)."""
-    opts = _client_options()
     claims = sub.add_parser(
-        "claims", parents=[opts], help="prepared resource claims, or one of them",
+        "claims", parents=[_client_options()], help="prepared resource claims, or one of them",
         description="List the claims prepared on this node (no arguments), show one "
                     "(claims UID), prepare or unprepare one.")
+    # Set here only: leaf verbs leave unset options out, so these survive them.
     claims.set_defaults(url=None, token_file=None, json=False, claims_verb=None, uid=None)
     verbs = claims.add_subparsers(dest="claims_verb", action=_VerbOrUid,
                                   metavar="{UID,show,prepare,unprepare}")
-    show = verbs.add_parser("show", parents=[opts], help="one claim (same as 'claims UID')")
+    show = verbs.add_parser("show", parents=[_client_options()],
+                            help="one claim (same as 'claims UID')")
     show.add_argument("uid", help="claim UID")
     prepare = verbs.add_parser(
-        "prepare", parents=[opts], help="prepare a claim (as kubelet's DRA plugin would)",
+        "prepare", parents=[_client_options()],
+        help="prepare a claim (as kubelet's DRA plugin would)",
         epilog=_PREPARE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     prepare.add_argument("uid", help="claim UID")
     prepare.add_argument("--gpu", action="append", default=[], metavar="DEVICE", dest="gpus",
@@ -80,7 +107,7 @@ def add_parsers(sub: Any, client_opts: argparse.ArgumentParser) -> None:
     prepare.add_argument("--name", help="claim name (metadata)")
     prepare.add_argument("--pod", help="pod name (metadata)")
     prepare.add_argument("--container", help="container name (metadata)")
-    unprepare = verbs.add_parser("unprepare", parents=[opts],
+    unprepare = verbs.add_parser("unprepare", parents=[_client_options()],
                                  help="unprepare a claim (success if it is not prepared)")
     unprepare.add_argument("uid", help="claim UID")
 

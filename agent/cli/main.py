@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import agent
-from agent.cli import claims, mig
+from agent.cli import claims, mig, topo
 from agent.cli.client import AgentClient, ClientError, discover
 from agent.cli.tables import gpu_table, node_lines
 from agent.errors import AgentError
@@ -34,6 +34,7 @@ def _serve(args: argparse.Namespace) -> int:
             "driver_root": args.driver_root, "claim_tombstone_s": args.claim_tombstone_s,
             "collect_interval": args.collect_interval, "metrics_listen": args.metrics_listen,
             "metrics_hostname_label": args.metrics_hostname_label,
+            "driver_name": args.driver_name, "dynamic_mig": True if args.dynamic_mig else None,
         })
         logs.configure(settings.log_format, settings.log_level)
         return asyncio.run(daemon.serve(settings))
@@ -145,6 +146,11 @@ def _add_serve(sub: Any) -> None:
     serve.add_argument("--metrics-hostname-label", choices=("Hostname", "hostname"),
                        help="spelling of the host label on DCGM series (default Hostname, as "
                             "dcgm-exporter up to 4.8.2)")
+    serve.add_argument("--driver-name", metavar="NAME",
+                       help="DRA driver name of the ResourceSlices (default gpu.nodeagent.dev)")
+    serve.add_argument("--dynamic-mig", action="store_true",
+                       help="publish MIG as partitionable devices: every profile and "
+                            "placement, with shared counters per GPU")
     serve.add_argument("--config", help="TOML file with any of these settings")
 
 
@@ -195,13 +201,15 @@ def parser() -> argparse.ArgumentParser:
     _add_sim(sub)
     mig.add_parsers(sub, client_opts)
     claims.add_parsers(sub, client_opts)
+    topo.add_parsers(sub, client_opts)
     sub.choices["sim"].add_argument("--url")
     sub.choices["sim"].add_argument("--token-file")
     return top
 
 
 COMMANDS: dict[str, Command] = {"node": _node, "gpus": _gpus, "sim": _sim, "mig": mig.run,
-                                "transitions": mig.run, "claims": claims.run, "cdi": claims.run}
+                                "transitions": mig.run, "claims": claims.run, "cdi": claims.run,
+                                "topo": topo.run}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -252,7 +252,6 @@ def _dynamic_devices(facts: GpuFacts, driver: DriverInfo) -> tuple[Json | None, 
                 "consumesCounters": [{"counterSet": counter_set, "counters": _counters_json(
                     consumption_of(profile, placement))}],
             })
-    del by_name
     return {"name": counter_set, "counters": _counters_json(counters)}, devices
 
 
@@ -285,8 +284,9 @@ def render(gpus: Sequence[GpuFacts], driver_info: DriverInfo,
                          for chunk in (sets[i:i + MAX_COUNTER_SETS]
                                        for i in range(0, len(sets), MAX_COUNTER_SETS)))
             for _, devices in partitioned:
-                specs.extend({"devices": chunk}
-                             for chunk in _chunks(devices, MAX_DEVICES_WITH_COUNTERS))
+                if devices:
+                    specs.extend({"devices": chunk}
+                                 for chunk in _chunks(devices, MAX_DEVICES_WITH_COUNTERS))
         else:
             # 1.34: a device may only consume counters of its own slice.
             specs.extend({"sharedCounters": [cs], "devices": devices}

@@ -195,7 +195,7 @@ def read_gpu(session: NvmlSession, static: GpuStatic,
         if static.minor < 0:
             raise GpuLost(function="nvmlDeviceGetHandleByIndex", code=15,
                           name="NVML_ERROR_GPU_IS_LOST", gpu=static.uuid)
-        handle = session.call("nvmlDeviceGetHandleByUUID", static.uuid, gpu=static.uuid)
+        handle = session.gpu_handle(static.uuid)
         if static.mig_capable:
             current, pending = session.call("nvmlDeviceGetMigMode", handle, gpu=static.uuid)
             mig_mode = MigMode(current=bool(current), pending=bool(pending))

@@ -60,6 +60,7 @@ class NvmlSession:
         self._mutators: dict[str, ThreadPoolExecutor] = {}
         self._lock = threading.Lock()
         self._lost: dict[str, str] = {}
+        self._handles: dict[str, Any] = {}
         self._initialised = False
         self._on_error = on_error
 
@@ -123,6 +124,18 @@ class NvmlSession:
             if self._on_error is not None:
                 self._on_error(error)
             raise error from err
+
+    def gpu_handle(self, gpu_uuid: str) -> Any:
+        """The device handle of a GPU, cached by UUID: a GPU's handle stays valid while NVML is
+        initialised, and looking one up can take long on a busy node. (GPU-instance, compute-
+        instance and MIG device handles are never cached: they go stale on any change.)"""
+        with self._lock:
+            handle = self._handles.get(gpu_uuid)
+        if handle is None:
+            handle = self.call("nvmlDeviceGetHandleByUUID", gpu_uuid, gpu=gpu_uuid)
+            with self._lock:
+                self._handles[gpu_uuid] = handle
+        return handle
 
     # -- GPU health seen through NVML errors -----------------------------------------------
 

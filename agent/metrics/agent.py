@@ -24,7 +24,7 @@ class AgentMetrics:
                  process: bool = True) -> None:
         # No *_created series: they double every counter and histogram for no dashboard use
         # (a process-wide switch of prometheus-client).
-        disable_created_metrics()
+        disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = registry or CollectorRegistry()
         self.build = Info("build", "Agent version and backend", namespace=NAMESPACE,
                           registry=self.registry)

@@ -213,6 +213,12 @@ class Collector:
         readings: dict[str, GpuReading] = {}
         started: dict[str, Future[GpuReading]] = {}
         for gpu in gpus:
+            lost = self._session.lost_reason(gpu.uuid)
+            if lost is not None:
+                # Not read again: a lost GPU only comes back through a reset and an agent
+                # restart (agent/metrics/health.py), and its calls can hang for seconds.
+                readings[gpu.uuid] = GpuReading(error=f"GPU is lost: {lost}", lost=True)
+                continue
             busy = self._inflight.get(gpu.uuid)
             if busy is not None and not busy.done():
                 readings[gpu.uuid] = GpuReading(error="the previous NVML read of this GPU has "

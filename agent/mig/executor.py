@@ -85,7 +85,7 @@ class GpuMutator:
         self._by_name = {p.name: p for p in profiles}
 
     def _handle(self) -> Any:
-        return self.session.call("nvmlDeviceGetHandleByUUID", self.gpu, gpu=self.gpu)
+        return self.session.gpu_handle(self.gpu)
 
     def instances(self) -> tuple[GpuInstanceState, ...]:
         """GPU instances with their CIs, from a fresh per-profile walk."""

@@ -161,7 +161,7 @@ class MigService:
 
     async def _processes(self, gpu: Gpu) -> tuple[GpuProcess, ...]:
         def read() -> tuple[GpuProcess, ...]:
-            handle = self._session.call("nvmlDeviceGetHandleByUUID", gpu.uuid, gpu=gpu.uuid)
+            handle = self._session.gpu_handle(gpu.uuid)
             return mig.running_processes(self._session, handle, gpu.uuid)
         return await self._session.read(read)
 

@@ -165,6 +165,7 @@ class _Exact:
         self.w = [[0 if a == b else weights[reps[a]][reps[b]] for b in range(size)]
                   for a in range(size)]
         self.intra = [c.intra for c in self.classes]
+        self.numa_keys = [_numa_key(c.numa) for c in self.classes]
         self.count = count
         # Largest weight any pair touching class >= pos can have (for the total's bound).
         self.suffix_max = [0] * (size + 1)
@@ -191,8 +192,8 @@ class _Exact:
                       total=total, numa_count=numa_count, optimal=True, method="exact",
                       evaluated=self.evaluated)
 
-    def _dfs(self, pos: int, m: list[int], r: int, bottleneck: int, total: int, chosen: int,
-             acc_min: list[int], acc_sum: list[int]) -> None:
+    def _dfs(self, pos: int, m: list[int], r: int, bottleneck: int,  # noqa: PLR0917 - hot
+             total: int, chosen: int, acc_min: list[int], acc_sum: list[int]) -> None:
         if r == 0:
             self._leaf(m, bottleneck, total)
             return
@@ -218,6 +219,12 @@ class _Exact:
                 ceiling = total + sum(gains[:r]) + comb(r, 2) * self.suffix_max[pos]
                 if ceiling < bound[1]:
                     return
+                # Neither bottleneck nor total can beat the best any more: a set already
+                # spanning more NUMA nodes than the best one cannot win.
+                best = self.best
+                if best is not None and ceiling <= bound[1] and not self._numa_feasible(
+                        pos, m, r, -best[2]):
+                    return
         size = self.sizes[pos]
         low = 1 if pos < self.n_forced else 0
         for take in range(min(size, r), low - 1, -1):
@@ -239,6 +246,23 @@ class _Exact:
             m[pos] = take
             self._dfs(pos + 1, m, r - take, new_b, new_t, chosen + take, next_min, next_sum)
             m[pos] = 0
+
+    def _numa_feasible(self, pos: int, m: list[int], r: int, limit: int) -> bool:
+        """Whether ``r`` more GPUs from classes >= ``pos`` can join without the set spanning
+        more than ``limit`` NUMA nodes."""
+        used = {self.numa_keys[c] for c in range(pos) if m[c]}
+        if len(used) > limit:
+            return False
+        room = 0
+        fresh: dict[int, int] = {}
+        for c in range(pos, len(self.classes)):
+            key = self.numa_keys[c]
+            if key in used:
+                room += self.sizes[c]
+            else:
+                fresh[key] = fresh.get(key, 0) + self.sizes[c]
+        room += sum(sorted(fresh.values(), reverse=True)[:limit - len(used)])
+        return room >= r
 
     def _leaf(self, m: list[int], bottleneck: int, total: int) -> None:
         self.evaluated += 1
@@ -303,11 +327,11 @@ def _greedy(weights: Sequence[Sequence[int]], numa: Sequence[int | None],
     best: tuple[tuple[int, int, int], tuple[int, ...]] | None = None
     tried = 0
     for seed in starts:
-        members = _grow(weights, numa, seed, count, n)
-        members, swaps = _improve(weights, numa, members, set(must), n)
+        grown = _grow(weights, numa, seed, count, n)
+        members, swaps = _improve(weights, numa, grown, set(must), n)
         tried += swaps
         b, t, k = evaluate(weights, numa, members)
-        key = ((b, t, -k), tuple(sorted(members)))
+        key = ((b, t, -k), members)
         if best is None or key[0] > best[0] or (key[0] == best[0] and key[1] < best[1]):
             best = key
     assert best is not None

@@ -94,3 +94,35 @@ class TopologyService:
             elif holders:
                 found[gpu.index] = "held by claim " + ", ".join(holders)
         return found
+
+
+class _Device(Protocol):
+    @property
+    def gpu(self) -> str: ...
+
+
+class _Claim(Protocol):
+    @property
+    def uid(self) -> str: ...
+
+    @property
+    def state(self) -> str: ...
+
+    @property
+    def devices(self) -> Sequence[_Device]: ...
+
+
+class _Claims(Protocol):
+    def claims(self) -> Sequence[_Claim]: ...
+
+
+class HeldByClaims:
+    """:class:`HeldDevices` read from the claims service: any prepared (or preparing) claim
+    with a device on the GPU, whole or a MIG device, holds it."""
+
+    def __init__(self, claims: _Claims) -> None:
+        self._claims = claims
+
+    def holders(self, gpu_uuid: str) -> Sequence[str]:
+        return [c.uid for c in self._claims.claims()
+                if c.state != "lost" and any(d.gpu == gpu_uuid for d in c.devices)]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.api.app import CORE_ROUTES, SIM_ROUTES
+from agent.api.app import all_routes
 from tests.integration.agent_process import AgentProcess, start_agent
 
 PROBLEM = "application/problem+json"
@@ -115,7 +115,7 @@ def test_openapi_lists_every_route(h100: AgentProcess) -> None:
     doc = h100.request("GET", "/openapi.json", token=None).body
     assert doc["openapi"].startswith("3.")
     listed = {(m.upper(), p) for p, ops in doc["paths"].items() for m in ops}
-    assert listed == {(r.method, r.path) for r in CORE_ROUTES + SIM_ROUTES}
+    assert listed == {(r.method, r.path) for r in all_routes(simulated=True)}
     gpu_ref = doc["paths"]["/v1/gpus/{gpu}"]["get"]["responses"]["200"]["content"][
         "application/json"]["schema"]["$ref"]
     assert gpu_ref.rsplit("/", 1)[1] in doc["components"]["schemas"]

@@ -469,7 +469,8 @@ class SimulatedNvml:
         return int(int(capability) != pynvml.NVML_NVLINK_CAP_SLI_BRIDGE)
 
     @_nvml
-    def nvmlDeviceGetNvLinkRemotePciInfo_v2(self, device: Any, link: int) -> Any:
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, device: Any, link: int) -> Any:
+        """pynvml's wrapper of the ``_v2`` symbol."""
         _, end = self._link(device, link)
         info = pynvml.nvmlPciInfo_t()  # nvml.h: pciSubSystemId is not filled
         info.busIdLegacy = f"0000:{end.remote_bus:02X}:00.0".encode()
@@ -478,9 +479,6 @@ class SimulatedNvml:
         if end.remote_gpu is not None:
             info.pciDeviceId = self._hw.model.pci_device_id
         return info
-
-    nvmlDeviceGetNvLinkRemotePciInfo = _alias("nvmlDeviceGetNvLinkRemotePciInfo",
-                                              "nvmlDeviceGetNvLinkRemotePciInfo_v2")
 
     @_nvml
     def nvmlDeviceGetNvLinkRemoteDeviceType(self, handle: Any, link: int) -> int:

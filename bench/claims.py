@@ -1,0 +1,562 @@
+"""Claims: prepare/unprepare latency and throughput against a running agent, fsyncs per
+prepare, and the server-side prepare time against one durable atomic file write.
+
+Over HTTP, a real ``gpu-agent serve --simulate dgx-h100`` process (simulated NVML latencies
+off, so what is measured is the agent: HTTP, validation, NVML reads, CDI spec and checkpoint
+writes). Each client loops: take a device from a shared pool, ``PUT /v1/claims/{uid}`` (a
+fresh UID every time: unprepared UIDs are refused for the tombstone window), ``DELETE`` it,
+return the device. The pool bounds how many claims can exist at once, and so the useful
+concurrency: 8 devices for whole GPUs (MIG off), 56 for existing MIG devices (all 8 GPUs at
+7x 1g.10gb, set through ``PUT /v1/gpus/{i}/mig``), 56 slots for 1g.10gb slices made on demand
+(all 8 GPUs MIG on and empty; the agent places them). A cycle is one prepare plus one
+unprepare; throughput is cycles per second over the row.
+
+In-process (no HTTP), a :class:`ClaimService` over a :class:`SimulatedNode` in a directory on
+the same disk: one :func:`agent.durable.write_atomic` of a checkpoint-sized file (temp, fsync,
+rename, fsync dir) alternates with one prepare of an existing whole GPU (and its unprepare),
+so both see the same disk at the same time; the target is prepare p99 <= 2x the write's p99.
+Then N prepares at once (``asyncio.gather``) count the checkpoint writes
+(``ClaimCheckpoint.fsyncs``: one group commit each) and every ``os.fsync`` call (checkpoint,
+claim CDI specs, the node-wide spec, directory entries) per prepare.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import itertools
+import math
+import os
+import platform
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from agent.claims.cdi_writer import CdiWriter
+from agent.claims.checkpoint import ClaimCheckpoint, encode
+from agent.claims.service import ClaimService, DeviceRequest
+from agent.durable import write_atomic
+from agent.errors import AgentError
+from agent.events import EventLog
+from agent.gpu.inventory import GpuInventory
+from agent.gpu.session import NvmlSession
+from agent.gpu.sim.node import SimulatedNode
+from agent.host import boot_id
+from agent.metrics.agent import AgentMetrics
+from agent.mig.geometry import DesiredProfiles
+from agent.mig.service import MigService
+from agent.mig.transition import DrainPolicy, TransitionState
+from bench.mig_transition import Agent
+
+CLIENTS = (1, 16, 64)
+CYCLES = 384  # per row at least; 8 per client at least
+SAMPLES = 300  # interleaved write / prepare pairs in-process
+CONCURRENT = (1, 16, 56)  # in-process prepares at once (56: every MIG device of the node)
+REPEATS = 3  # of each in-process concurrent batch
+GPUS = 8
+ONE_G = "1g.10gb"
+SLICE_SLOTS = 7  # 1g.10gb instances per H100
+FSYNC_METRIC = "gpu_agent_claims_checkpoint_fsyncs_total"
+PREPARE_P99_TARGET = 2.0  # x one durable write's p99
+SCALING_TARGET = 10.0  # 64 clients vs 1
+
+
+@dataclass(frozen=True)
+class HttpRow:
+    """One (scenario, clients) row against the agent process."""
+
+    scenario: str  # "gpu" (whole GPUs), "mig" (existing MIG devices), "slice" (on demand)
+    clients: int
+    pool: int  # devices (or slice slots) the clients share: claims at once <= this
+    cycles: int  # prepare + unprepare cycles that succeeded
+    errors: int  # answers other than 200 / 204
+    elapsed_s: float
+    prepare_p50_s: float
+    prepare_p99_s: float
+    unprepare_p50_s: float
+    unprepare_p99_s: float
+    checkpoint_writes: int | None  # from the agent's metric, when it exports one
+
+    @property
+    def throughput(self) -> float:
+        """Cycles per second."""
+        return self.cycles / self.elapsed_s if self.elapsed_s else 0.0
+
+    @property
+    def writes_per_cycle(self) -> float | None:
+        if self.checkpoint_writes is None or not self.cycles:
+            return None
+        return self.checkpoint_writes / self.cycles
+
+
+@dataclass(frozen=True)
+class Batch:
+    """N prepares at once in-process, then N unprepares at once (summed over repeats)."""
+
+    kind: str  # "gpu", "mig", "slice"
+    concurrent: int
+    prepares: int  # that succeeded
+    errors: int  # prepares that failed (each is reported; a correct agent has none here)
+    prepare_checkpoint_writes: int
+    prepare_fsyncs: int  # os.fsync calls during the prepares (files and directories)
+    unprepare_checkpoint_writes: int
+    prepare_s: float  # wall time of the prepare batches
+
+    @property
+    def writes_per_prepare(self) -> float:
+        return self.prepare_checkpoint_writes / self.prepares if self.prepares else math.nan
+
+    @property
+    def fsyncs_per_prepare(self) -> float:
+        return self.prepare_fsyncs / self.prepares if self.prepares else math.nan
+
+    @property
+    def writes_per_unprepare(self) -> float:
+        return self.unprepare_checkpoint_writes / self.prepares if self.prepares else math.nan
+
+    @property
+    def prepares_per_s(self) -> float:
+        return self.prepares / self.prepare_s if self.prepare_s else 0.0
+
+
+@dataclass(frozen=True)
+class InProcess:
+    samples: int
+    write_bytes: int
+    write_p50_s: float
+    write_p99_s: float
+    prepare_p50_s: float  # ClaimService.prepare of an existing whole GPU, one at a time
+    prepare_p99_s: float
+    unprepare_p50_s: float
+    unprepare_p99_s: float
+    batches: tuple[Batch, ...]
+
+    @property
+    def prepare_vs_write(self) -> float:
+        """Prepare p99 over write p99 (target <= 2)."""
+        return self.prepare_p99_s / self.write_p99_s if self.write_p99_s else math.inf
+
+
+@dataclass(frozen=True)
+class ClaimsResult:
+    http: tuple[HttpRow, ...]
+    in_process: InProcess
+    machine: str
+
+    def row(self, scenario: str, clients: int) -> HttpRow | None:
+        return next((r for r in self.http if (r.scenario, r.clients) == (scenario, clients)),
+                    None)
+
+    def scaling(self, scenario: str) -> float | None:
+        """Throughput with the most clients over throughput with one."""
+        rows = sorted((r for r in self.http if r.scenario == scenario), key=lambda r: r.clients)
+        if len(rows) < 2 or rows[0].clients != 1 or not rows[0].throughput:
+            return None
+        return rows[-1].throughput / rows[0].throughput
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in 0..100); 0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def machine() -> str:
+    return (f"{os.cpu_count()} CPUs {platform.processor() or platform.machine()}, "
+            f"Python {platform.python_version()}")
+
+
+def _filesystem(path: Path) -> str:
+    """The mount point and type holding ``path`` (from /proc/mounts), for the report."""
+    best = ("/", "?")
+    try:
+        lines = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return "?"
+    resolved = str(path.resolve())
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 3 and (resolved == parts[1] or resolved.startswith(
+                parts[1].rstrip("/") + "/")) and len(parts[1]) >= len(best[0]):
+            best = (parts[1], parts[2])
+    return f"{best[0]} ({best[1]})"
+
+
+# --- over HTTP, against the agent process --------------------------------------------------
+
+
+def _set_all_mig(agent: Agent, body: dict[str, Any]) -> None:
+    """The same MIG request on every GPU at once, then wait for all of them."""
+    ids = []
+    for index in range(GPUS):
+        status, answer = agent.call("PUT", f"/v1/gpus/{index}/mig", body)
+        if status not in (200, 202):
+            raise RuntimeError(f"PUT /v1/gpus/{index}/mig: {status} {answer}")
+        if answer["transition"] is not None:
+            ids.append(answer["transition"]["id"])
+    for transition in ids:
+        done = agent.wait(f"/v1/transitions/{transition}", "terminal")
+        if done["state"] != "succeeded":
+            raise RuntimeError(f"transition {transition}: {done['state']} {done['error']}")
+
+
+def _checkpoint_writes(agent: Agent) -> float | None:
+    """The agent's checkpoint-write counter, or None when it does not export one."""
+    conn = http.client.HTTPConnection(agent.host, agent.port, timeout=30)
+    try:
+        conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {agent.token}"})
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    for line in text.splitlines():
+        if line.startswith(FSYNC_METRIC + " ") or line.startswith(FSYNC_METRIC + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+async def _load(agent: Agent, pool: Sequence[dict[str, Any]], *, clients: int, cycles: int,
+                tag: str) -> tuple[list[float], list[float], int, float]:
+    """Run ``cycles`` prepare/unprepare cycles with ``clients`` concurrent clients sharing
+    ``pool``; (prepare times, unprepare times, errors, elapsed seconds)."""
+    devices: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    for device in pool:
+        devices.put_nowait(device)
+    prepares: list[float] = []
+    unprepares: list[float] = []
+    errors = 0
+    tickets = iter(range(cycles))
+    headers = {"Authorization": f"Bearer {agent.token}"}
+    connector = aiohttp.TCPConnector(limit=clients, force_close=False)
+    async with aiohttp.ClientSession(f"http://{agent.host}:{agent.port}", headers=headers,
+                                     connector=connector) as http:
+
+        async def client() -> None:
+            nonlocal errors
+            for ticket in tickets:
+                device = await devices.get()
+                uid = f"{tag}-{ticket}"
+                try:
+                    began = time.perf_counter()
+                    async with http.put(f"/v1/claims/{uid}", json={"devices": [device]}) as r:
+                        await r.read()
+                        status = r.status
+                    prepared = time.perf_counter()
+                    if status != 200:
+                        errors += 1
+                        continue
+                    async with http.delete(f"/v1/claims/{uid}") as r:
+                        await r.read()
+                        status = r.status
+                    done = time.perf_counter()
+                    if status != 204:
+                        errors += 1
+                        continue
+                    prepares.append(prepared - began)
+                    unprepares.append(done - prepared)
+                finally:
+                    devices.put_nowait(device)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(clients)))
+        elapsed = time.perf_counter() - started
+    return prepares, unprepares, errors, elapsed
+
+
+def _http_rows(agent: Agent, scenario: str, pool: Sequence[dict[str, Any]],
+               clients: Sequence[int], cycles: int) -> list[HttpRow]:
+    rows = []
+    asyncio.run(_load(agent, pool, clients=min(4, len(pool)), cycles=16, tag=f"warm-{scenario}"))
+    for n in clients:
+        count = max(cycles, 8 * n)
+        before = _checkpoint_writes(agent)
+        prepares, unprepares, errors, elapsed = asyncio.run(
+            _load(agent, pool, clients=n, cycles=count, tag=f"{scenario}-{n}"))
+        after = _checkpoint_writes(agent)
+        rows.append(HttpRow(
+            scenario=scenario, clients=n, pool=len(pool), cycles=len(prepares), errors=errors,
+            elapsed_s=elapsed, prepare_p50_s=percentile(prepares, 50),
+            prepare_p99_s=percentile(prepares, 99), unprepare_p50_s=percentile(unprepares, 50),
+            unprepare_p99_s=percentile(unprepares, 99),
+            checkpoint_writes=None if before is None or after is None else int(after - before)))
+    return rows
+
+
+def run_http(directory: Path, clients: Sequence[int] = CLIENTS,
+             cycles: int = CYCLES) -> tuple[HttpRow, ...]:
+    agent = Agent(directory / "agent-state")
+    try:
+        agent.call("PUT", "/v1/sim/latency", {})
+        rows = _http_rows(agent, "gpu", [{"request": "gpu", "device": str(i)}
+                                         for i in range(GPUS)], clients, cycles)
+        _set_all_mig(agent, {"profiles": [ONE_G] * SLICE_SLOTS})
+        _, body = agent.call("GET", "/v1/gpus")
+        mig = [{"request": "gpu", "device": d["uuid"]} for g in body["gpus"]
+               for d in g["mig_devices"]]
+        rows += _http_rows(agent, "mig", mig, clients, cycles)
+        _set_all_mig(agent, {"profiles": []})
+        rows += _http_rows(agent, "slice", [{"request": "slice", "profile": ONE_G}]
+                           * (GPUS * SLICE_SLOTS), clients, cycles)
+    finally:
+        agent.stop()
+    return tuple(rows)
+
+
+# --- in-process ----------------------------------------------------------------------------
+
+
+class _FsyncCounter:
+    """Counts the agent's ``os.fsync`` calls while installed. The simulated driver persists
+    its own state from the NVML threads (``nvml-*``); those calls stand in for the hardware
+    and are not counted."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        real: Callable[[int], None] = os.fsync
+
+        def counting(fd: int) -> None:
+            if not threading.current_thread().name.startswith("nvml-"):
+                with self._lock:
+                    self.calls += 1
+            real(fd)
+
+        os.fsync = counting
+        try:
+            yield
+        finally:
+            os.fsync = real
+
+
+@dataclass
+class _Node:
+    sim: SimulatedNode
+    session: NvmlSession
+    inventory: GpuInventory
+    mig: MigService
+    claims: ClaimService
+
+    async def mig_to(self, profiles: list[str]) -> None:
+        await self.inventory.refresh()
+        outcomes = [await self.mig.request(gpu, DesiredProfiles.of(profiles), DrainPolicy())
+                    for gpu in self.inventory.gpus]
+        for outcome in outcomes:
+            if outcome.transition is not None:
+                await outcome.transition.finished.wait()
+                if outcome.transition.state != TransitionState.SUCCEEDED:
+                    raise RuntimeError(f"MIG change ended {outcome.transition.state}")
+
+    async def settle(self, counter: _FsyncCounter) -> None:
+        """Wait until background writes (the coalesced node-spec rewrite after a MIG change
+        or a slice) have stopped, so they are not charged to the next batch."""
+        while True:
+            before = counter.calls
+            await asyncio.sleep(0.05)
+            if counter.calls == before:
+                return
+
+    async def close(self) -> None:
+        await self.mig.close()
+        self.session.close()
+        self.sim.close()
+
+
+async def _open(directory: Path) -> _Node:
+    state, proc = directory / "state", directory / "proc"
+    sim = SimulatedNode("dgx-h100", state, proc)
+    session = NvmlSession(sim.nvml)
+    await session.initialise()
+    inventory = GpuInventory(session)
+    await inventory.load()
+    events = EventLog()
+    mig = MigService(session=session, inventory=inventory, events=events,
+                     metrics=AgentMetrics(), state_dir=state, proc_root=proc)
+    claims = ClaimService(session=session, inventory=inventory, mig_service=mig, events=events,
+                          checkpoint=ClaimCheckpoint(state / "claims.checkpoint", boot_id(proc)),
+                          cdi=CdiWriter(directory / "cdi", proc))
+    await claims.reconcile()
+    return _Node(sim, session, inventory, mig, claims)
+
+
+async def _batches(node: _Node, kind: str, requests: Sequence[DeviceRequest], *,
+                   concurrent: Sequence[int], repeats: int, counter: _FsyncCounter,
+                   uids: Iterator[int]) -> list[Batch]:
+    service, checkpoint = node.claims, node.claims.checkpoint
+    out = []
+    for n in concurrent:
+        if n > len(requests):
+            continue
+        prepares = errors = writes = fsyncs = unprepare_writes = 0
+        seconds = 0.0
+        for _ in range(repeats):
+            batch = [(f"{kind}-{next(uids)}", r) for r in requests[:n]]
+            writes_before, fsyncs_before = checkpoint.fsyncs, counter.calls
+            began = time.perf_counter()
+            outcomes = await asyncio.gather(
+                *(service.prepare(uid, [r], {}) for uid, r in batch), return_exceptions=True)
+            seconds += time.perf_counter() - began
+            writes += checkpoint.fsyncs - writes_before
+            fsyncs += counter.calls - fsyncs_before
+            failed = [o for o in outcomes if isinstance(o, BaseException)]
+            for failure in failed:
+                if not isinstance(failure, AgentError):
+                    raise failure
+            errors += len(failed)
+            prepares += n - len(failed)
+            writes_before = checkpoint.fsyncs
+            await asyncio.gather(*(service.unprepare(uid) for uid, _ in batch))
+            unprepare_writes += checkpoint.fsyncs - writes_before
+            await node.settle(counter)
+        out.append(Batch(kind=kind, concurrent=n, prepares=prepares, errors=errors,
+                         prepare_checkpoint_writes=writes, prepare_fsyncs=fsyncs,
+                         unprepare_checkpoint_writes=unprepare_writes, prepare_s=seconds))
+    return out
+
+
+async def _in_process(directory: Path, samples: int, concurrent: Sequence[int],
+                      repeats: int) -> InProcess:
+    node = await _open(directory)
+    counter = _FsyncCounter()
+    uids = itertools.count()
+    try:
+        service = node.claims
+        gpus = [DeviceRequest(request="gpu", kind="gpu", device=str(i)) for i in range(GPUS)]
+        # One claim's worth of checkpoint: the bytes the group commit writes for one prepare.
+        await service.prepare("size", [gpus[0]], {})
+        payload = encode(service.checkpoint.data)
+        await service.unprepare("size")
+        target = service.checkpoint.path.with_name("bench-write")
+        writes: list[float] = []
+        prepares: list[float] = []
+        unprepares: list[float] = []
+        for k in range(samples):
+            began = time.perf_counter()
+            write_atomic(target, payload, mode=0o600)
+            writes.append(time.perf_counter() - began)
+            uid = f"seq-{k}"
+            began = time.perf_counter()
+            await service.prepare(uid, [gpus[k % GPUS]], {})
+            prepares.append(time.perf_counter() - began)
+            began = time.perf_counter()
+            await service.unprepare(uid)
+            unprepares.append(time.perf_counter() - began)
+        with counter.installed():
+            batches = await _batches(node, "gpu", gpus, concurrent=concurrent,
+                                     repeats=repeats, counter=counter, uids=uids)
+            await node.mig_to([ONE_G] * SLICE_SLOTS)
+            await node.settle(counter)
+            await node.inventory.refresh()
+            mig = [DeviceRequest(request="gpu", kind="gpu", device=d.uuid)
+                   for g in node.inventory.gpus for d in g.mig_devices]
+            batches += await _batches(node, "mig", mig, concurrent=concurrent,
+                                      repeats=repeats, counter=counter, uids=uids)
+            await node.mig_to([])
+            await node.settle(counter)
+            slices = [DeviceRequest(request="slice", kind="slice", profile=ONE_G)] * len(mig)
+            batches += await _batches(node, "slice", slices, concurrent=concurrent,
+                                      repeats=repeats, counter=counter, uids=uids)
+    finally:
+        await node.close()
+    return InProcess(
+        samples=samples, write_bytes=len(payload), write_p50_s=percentile(writes, 50),
+        write_p99_s=percentile(writes, 99), prepare_p50_s=percentile(prepares, 50),
+        prepare_p99_s=percentile(prepares, 99), unprepare_p50_s=percentile(unprepares, 50),
+        unprepare_p99_s=percentile(unprepares, 99), batches=tuple(batches))
+
+
+def run_in_process(directory: Path, samples: int = SAMPLES,
+                   concurrent: Sequence[int] = CONCURRENT, repeats: int = REPEATS) -> InProcess:
+    return asyncio.run(_in_process(directory / "in-process", samples, concurrent, repeats))
+
+
+# --- the benchmark -------------------------------------------------------------------------
+
+
+def run(clients: Sequence[int] = CLIENTS, cycles: int = CYCLES, samples: int = SAMPLES, *,
+        concurrent: Sequence[int] = CONCURRENT, repeats: int = REPEATS,
+        directory: Path | None = None) -> ClaimsResult:
+    """Both halves in one temporary directory (under ``directory``: the disk measured)."""
+    with tempfile.TemporaryDirectory(prefix="bench-claims-", dir=directory) as tmp:
+        in_process = run_in_process(Path(tmp), samples, concurrent, repeats)
+        http = run_http(Path(tmp), clients, cycles)
+    return ClaimsResult(http=http, in_process=in_process, machine=machine())
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f}"
+
+
+def _verdict(ok: bool) -> str:
+    return "yes" if ok else "NO"
+
+
+def report(result: ClaimsResult, disk: str = "?") -> list[str]:
+    lines = [f"# Claims: prepare/unprepare against a running agent (simulated dgx-h100, NVML "
+             f"latencies off), HTTP over loopback; {result.machine}; state on {disk}",
+             f"{'scenario':<8} {'pool':>4} {'clients':>7} {'cycles':>6} {'errors':>6} "
+             f"{'prep ms p50':>11} {'p99':>7} {'unprep ms p50':>13} {'p99':>7} "
+             f"{'cycles/s':>8} {'vs 1':>6} {'ckpt writes/cycle':>17}"]
+    base: dict[str, float] = {}
+    for r in result.http:
+        if r.clients == 1:
+            base[r.scenario] = r.throughput
+        scale = r.throughput / base[r.scenario] if base.get(r.scenario) else math.nan
+        writes = "-" if r.writes_per_cycle is None else f"{r.writes_per_cycle:.2f}"
+        lines.append(f"{r.scenario:<8} {r.pool:>4} {r.clients:>7} {r.cycles:>6} {r.errors:>6} "
+                     f"{_ms(r.prepare_p50_s):>11} {_ms(r.prepare_p99_s):>7} "
+                     f"{_ms(r.unprepare_p50_s):>13} {_ms(r.unprepare_p99_s):>7} "
+                     f"{r.throughput:>8.1f} {scale:>5.1f}x {writes:>17}")
+    p = result.in_process
+    lines += [
+        "",
+        f"# In-process (ClaimService over SimulatedNode, no HTTP), same disk; {p.samples} "
+        "interleaved samples",
+        f"{'operation':<52} {'ms p50':>7} {'ms p99':>7}",
+        f"{f'durable atomic write ({p.write_bytes} B: write, fsync, rename, fsync dir)':<52} "
+        f"{_ms(p.write_p50_s):>7} {_ms(p.write_p99_s):>7}",
+        f"{'prepare, existing whole GPU, one at a time':<52} {_ms(p.prepare_p50_s):>7} "
+        f"{_ms(p.prepare_p99_s):>7}",
+        f"{'unprepare, existing whole GPU, one at a time':<52} {_ms(p.unprepare_p50_s):>7} "
+        f"{_ms(p.unprepare_p99_s):>7}",
+        "",
+        f"{'kind':<6} {'at once':>7} {'prepares':>8} {'errors':>6} {'ckpt writes/prepare':>19} "
+        f"{'fsyncs/prepare':>14} {'ckpt writes/unprepare':>21} {'prepares/s':>10}",
+    ]
+    for b in p.batches:
+        lines.append(f"{b.kind:<6} {b.concurrent:>7} {b.prepares:>8} {b.errors:>6} "
+                     f"{b.writes_per_prepare:>19.3f} {b.fsyncs_per_prepare:>14.2f} "
+                     f"{b.writes_per_unprepare:>21.3f} {b.prepares_per_s:>10.0f}")
+    lines += ["", "# Targets"]
+    lines.append(f"server-side prepare p99 / durable write p99 = {p.prepare_vs_write:.2f} "
+                 f"(target <= {PREPARE_P99_TARGET:g}): "
+                 f"{_verdict(p.prepare_vs_write <= PREPARE_P99_TARGET)}")
+    for scenario in ("gpu", "mig", "slice"):
+        scale = result.scaling(scenario)
+        rows = [r for r in result.http if r.scenario == scenario]
+        if scale is None or not rows:
+            continue
+        most = max(r.clients for r in rows)
+        lines.append(f"throughput {most} clients / 1 client, {scenario}: {scale:.1f}x "
+                     f"(target >= {SCALING_TARGET:g}): {_verdict(scale >= SCALING_TARGET)}")
+    return lines
+
+
+def main(clients: Sequence[int] = CLIENTS, cycles: int = CYCLES, samples: int = SAMPLES) -> None:
+    directory = Path(tempfile.gettempdir())
+    result = run(clients, cycles, samples, directory=directory)
+    print("\n".join(report(result, _filesystem(directory))))
+
+
+if __name__ == "__main__":
+    main()

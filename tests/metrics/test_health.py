@@ -1,0 +1,100 @@
+"""XIDs through NVML's event set, and the health marks they leave: which XIDs mark a GPU,
+the events they log (coalesced), the counters, and a watcher that stops promptly."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+
+from agent.gpu.sim.hardware import XID_FALLEN_OFF_THE_BUS
+from agent.gpu.xid import XidEvent, XidWatcher
+from agent.metrics.health import COALESCE_S, CRITICAL_XIDS, GpuHealth, xid_message
+from tests.metrics.conftest import Sim
+
+
+def poll(condition: Callable[[], bool], limit_s: float = 3.0) -> bool:
+    """Wait (in a worker thread) until ``condition`` holds or ``limit_s`` passes."""
+    deadline = time.monotonic() + limit_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+async def test_watcher_reports_xids_of_gpus_and_mig_devices(sim: Sim) -> None:
+    """An XID names its GPU by UUID (mapped from the event's handle) and, from a MIG device,
+    its GPU and compute instance."""
+    await sim.split(1, (0,))
+    received: list[XidEvent] = []
+    watcher = XidWatcher(sim.session, received.append, wait_ms=50)
+    watcher.start(g.static for g in sim.inventory.gpus)
+    try:
+        assert await asyncio.to_thread(poll, lambda: len(watcher.registered) == 8)
+        uuids = sim.node.gpu_uuids()
+        mig = sim.inventory.gpus[1].mig_devices[0]
+        sim.node.inject_xid(uuids[3], 48)
+        sim.node.inject_xid(mig.uuid, 31)
+        sim.node.inject_xid(uuids[0], XID_FALLEN_OFF_THE_BUS)
+        assert await asyncio.to_thread(poll, lambda: len(received) >= 3)
+        assert received == [XidEvent(uuids[3], 48), XidEvent(uuids[1], 31, mig.gi_id, mig.ci_id),
+                          XidEvent(uuids[0], 79)]
+    finally:
+        started = time.monotonic()
+        watcher.stop()
+        assert time.monotonic() - started < 1.0  # one 50 ms wait slice, not a hang
+    # Idle waits time out all the time; that is no NVML error.
+    assert not [k for k in sim.metrics.nvml_errors._metrics if k[0] == "nvmlEventSetWait_v2"]
+
+
+def test_xid_messages_and_the_critical_list() -> None:
+    assert xid_message(79) == "GPU has fallen off the bus"
+    assert xid_message(0) == "No Error"
+    assert xid_message(99999) == "Unknown Error"
+    assert {48, 63, 64, 74, 79, 92, 94, 95, 119, 120} <= CRITICAL_XIDS
+    assert not {13, 31, 43, 45, 68, 109} & CRITICAL_XIDS  # application faults
+
+
+@pytest.mark.parametrize(("xid", "critical"), [(79, True), (48, True), (119, True),
+                                               (13, False), (31, False)])
+async def test_critical_xids_mark_the_gpu_others_only_count(sim: Sim, xid: int,
+                                                           critical: bool) -> None:
+    health = sim.health
+    health.track(g.static for g in sim.inventory.gpus)
+    uuid = sim.node.gpu_uuids()[2]
+    health.record_xid(XidEvent(uuid, xid))
+    assert health.healthy(uuid) is not critical
+    assert bool(health.xid_reasons(uuid)) is critical
+    assert health.last_xid(uuid) is not None and health.last_xid(uuid).xid == xid  # type: ignore[union-attr]
+    assert sim.metrics.gpu_healthy.labels("2", uuid)._value.get() == (0 if critical else 1)
+    assert sim.metrics.xid_errors.labels(str(xid))._value.get() == 1
+    kinds = [e.kind for e in sim.events.since(0)]
+    assert kinds == (["gpu.xid", "gpu.unhealthy"] if critical else ["gpu.xid"])
+
+
+async def test_an_xid_storm_is_counted_but_logged_once_per_window(sim: Sim) -> None:
+    now = [0.0]
+    health = GpuHealth(events=sim.events, metrics=sim.metrics,
+                       lost_reason=sim.session.lost_reason, clock=lambda: now[0])
+    uuid = sim.node.gpu_uuids()[0]
+    for _ in range(500):
+        health.record_xid(XidEvent(uuid, 13))
+    now[0] += COALESCE_S
+    health.record_xid(XidEvent(uuid, 13))
+    assert sim.metrics.xid_errors.labels("13")._value.get() == 501
+    assert [e.kind for e in sim.events.since(0)] == ["gpu.xid", "gpu.xid"]
+
+
+async def test_a_lost_gpu_is_unhealthy_with_an_event(sim: Sim) -> None:
+    """GPU_IS_LOST seen by any NVML call marks the GPU (no XID needed)."""
+    health = sim.health
+    health.track(g.static for g in sim.inventory.gpus)
+    uuid = sim.node.gpu_uuids()[4]
+    sim.session.mark_lost(uuid, "nvmlDeviceGetPowerUsage returned NVML_ERROR_GPU_IS_LOST")
+    health.check()
+    health.check()
+    assert not health.healthy(uuid)
+    assert sim.metrics.gpu_healthy.labels("4", uuid)._value.get() == 0
+    unhealthy = [e for e in sim.events.since(0) if e.kind == "gpu.unhealthy"]
+    assert len(unhealthy) == 1 and "GPU is lost" in unhealthy[0].message
