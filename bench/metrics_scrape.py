@@ -131,6 +131,20 @@ class Agent:
                     found.append(float(json.loads(line)["duration_ms"]))
         return found
 
+    def collection_rounds(self) -> float:
+        """Mean wall time of a collection round (ms), from the agent's own histogram."""
+        host, port = self.metrics.rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+        conn.close()
+        found = {}
+        for line in text.splitlines():
+            for suffix in ("sum", "count"):
+                if line.startswith(f"gpu_agent_collection_duration_seconds_{suffix} "):
+                    found[suffix] = float(line.split()[1])
+        return found["sum"] / found["count"] * 1000
+
     def log_size(self) -> int:
         return self.log.stat().st_size
 
@@ -168,8 +182,10 @@ def real_agent(idle_s: float, soak_s: float) -> list[str]:
             cpu = agent.cpu_s() - cpu0
             share = cpu / (time.monotonic() - wall0) * 100
             per_interval = cpu / ((time.monotonic() - wall0) / INTERVAL_S) * 1000
+            rounds = agent.collection_rounds()
             rows.append(f"{'idle, no scrapes':<22} CPU {share:.2f}% of a core = "
                         f"{per_interval:.1f} ms per {INTERVAL_S:g} s interval (whole agent); "
+                        f"collection round {rounds:.1f} ms (mean wall); "
                         f"target <= 2%: {'yes' if share <= 2 else 'NO'}")
             rss: list[float] = []
             host, port = agent.metrics.rsplit(":", 1)

@@ -138,6 +138,8 @@ class GpuTelemetry:
         self._nvlink: tuple[int, float] | None = None
         self._nvlink_supported = True
         self._gpm: dict[int, Any] = {}
+        self._gpm_support: bool | None = None
+        self._memory_v1 = False
         self._gpm_ids = [(name, int(getattr(self._nvml, const)), scale)
                          for name, const, scale in GPM_METRICS if hasattr(self._nvml, const)]
         # GPU instances as last walked -> their MIG device (the first compute instance).
@@ -268,12 +270,22 @@ class GpuTelemetry:
         return {"DCGM_FI_DEV_DEC_UTIL": int(util)}
 
     def _memory(self, handle: Any) -> Values:
-        """Framebuffer in MiB from nvmlMemory_v2 (``reserved`` needs driver 510 or newer);
-        on a MIG device handle, the GPU instance's memory."""
-        memory = self._call("nvmlDeviceGetMemoryInfo", handle, self._nvml.nvmlMemory_v2)
+        """Framebuffer in MiB from nvmlMemory_v2; on a MIG device handle, the GPU instance's
+        memory. Drivers before 510 lack v2: then v1, which has no ``reserved``."""
+        if not self._memory_v1:
+            try:
+                memory = self._call("nvmlDeviceGetMemoryInfo", handle, self._nvml.nvmlMemory_v2)
+            except NvmlError as err:
+                if err.name not in UNSUPPORTED:
+                    raise
+                self._memory_v1 = True
+            else:
+                return {"DCGM_FI_DEV_FB_FREE": int(memory.free) // _MIB,
+                        "DCGM_FI_DEV_FB_USED": int(memory.used) // _MIB,
+                        "DCGM_FI_DEV_FB_RESERVED": int(memory.reserved) // _MIB}
+        memory = self._call("nvmlDeviceGetMemoryInfo", handle)
         return {"DCGM_FI_DEV_FB_FREE": int(memory.free) // _MIB,
-                "DCGM_FI_DEV_FB_USED": int(memory.used) // _MIB,
-                "DCGM_FI_DEV_FB_RESERVED": int(memory.reserved) // _MIB}
+                "DCGM_FI_DEV_FB_USED": int(memory.used) // _MIB}
 
     def _vgpu_license(self, handle: Any) -> Values:
         features = self._call("nvmlDeviceGetGridLicensableFeatures", handle)
@@ -325,9 +337,24 @@ class GpuTelemetry:
 
     # -- GPM (Hopper and later) ------------------------------------------------------------
 
+    def _gpm_supported(self, handle: Any) -> bool:
+        """Whether the GPU has GPM (Hopper and later), asked once. Kept apart from the
+        whole-GPU sample, which may be refused in MIG mode while per-instance samples work."""
+        if self._gpm_support is None:
+            try:
+                support = self._call("nvmlGpmQueryDeviceSupport", handle)
+            except GpuLost:
+                raise
+            except NvmlError as err:
+                if err.name in UNSUPPORTED:
+                    self._gpm_support = False
+                return False
+            self._gpm_support = bool(int(support.isSupportedDevice))
+        return self._gpm_support
+
     def _gpm_gpu(self, handle: Any) -> Values:
-        if not int(self._call("nvmlGpmQueryDeviceSupport", handle).isSupportedDevice):
-            raise _NotSupported
+        if not self._gpm_supported(handle):
+            return {}
         return self._gpm_round(_WHOLE_GPU, lambda s: self._call("nvmlGpmSampleGet", handle, s))
 
     def _gpm_mig(self, handle: Any, gi_id: int) -> Values:
@@ -419,7 +446,7 @@ class GpuTelemetry:
                 self._gi_key = None  # changed under us: walk again next round
                 continue
             self._try("mig_memory", partial(self._memory, mig), values)
-            if "gpm" not in self._unsupported:
+            if self._gpm_supported(handle):
                 self._try("mig_gpm", partial(self._gpm_mig, handle, gi_id), values)
             readings.append(MigReading(device=device, values=values))
         return tuple(readings)

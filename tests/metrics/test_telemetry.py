@@ -179,11 +179,19 @@ async def test_field_values_gpm_and_rates_map_to_dcgm(sim: Sim,
     assert nvml.freed == [0, 1]
 
 
+class MigGpmOnly(RichNvml):
+    """A driver that refuses whole-GPU GPM samples in MIG mode (per-instance ones work)."""
+
+    def nvmlGpmSampleGet(self, handle: Any, sample: Any) -> Any:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+
 async def test_mig_instances_are_read_per_gpu_instance(sim: Sim) -> None:
-    """Each GPU instance: its own framebuffer and GPM (nvmlGpmMigSampleGet with its GI id);
-    the whole GPU loses utilisation (NVML has none in MIG mode) but keeps power."""
+    """Each GPU instance: its own framebuffer and GPM (nvmlGpmMigSampleGet with its GI id),
+    even where the whole-GPU sample is refused; the whole GPU loses utilisation (NVML has
+    none in MIG mode) but keeps power."""
     await sim.split(0, (0, 1, 2))
-    nvml = RichNvml(sim.node.nvml)
+    nvml = MigGpmOnly(sim.node.nvml)
     gpu = reader(sim, 0, nvml)
     gpu.read()
     reading = gpu.read()
@@ -227,3 +235,19 @@ async def test_a_lost_gpu_reads_as_lost(sim: Sim) -> None:
     reading = reader(sim, 5).read()
     assert reading.lost and reading.values == {}
     assert "GPU_IS_LOST" in (reading.error or "")
+
+
+class MemoryV1Only(RichNvml):
+    """A driver older than 510: no nvmlDeviceGetMemoryInfo_v2."""
+
+    def nvmlDeviceGetMemoryInfo(self, handle: Any, version: Any = None) -> Any:
+        if version is not None:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        return self._sim.nvmlDeviceGetMemoryInfo(handle)
+
+
+async def test_old_drivers_get_framebuffer_without_reserved(sim: Sim) -> None:
+    gpu = reader(sim, 0, MemoryV1Only(sim.node.nvml))
+    for _ in range(2):
+        values = gpu.read().values
+        assert values["DCGM_FI_DEV_FB_USED"] == 5 and "DCGM_FI_DEV_FB_RESERVED" not in values
