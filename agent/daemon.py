@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 from tenacity.wait import wait_exponential_jitter
 
 import agent
+from agent.api.access import TokenReloader, set_socket_owner, ssl_context
 from agent.api.app import build_app
 from agent.api.auth import TokenStore, generate_token_file
 from agent.api.context import AgentContext
@@ -38,6 +40,7 @@ from agent.metrics.health import GpuHealth
 from agent.metrics.server import build_metrics_app
 from agent.mig.service import MigService
 from agent.settings import Listener, Settings
+from agent.systemd import Notifier
 from agent.topology.service import HeldByClaims, TopologyService
 
 log = logging.getLogger("agent.daemon")
@@ -100,23 +103,30 @@ def _unlink_stale_socket(path: Path) -> None:
     raise AgentError(f"{path} is served by another running process; choose another --listen")
 
 
-async def _start_sites(runner: web.AppRunner, listeners: tuple[Listener, ...]) -> list[str]:
+async def _start_sites(runner: web.AppRunner, listeners: tuple[Listener, ...], *,
+                      tls: ssl.SSLContext | None = None,
+                      socket_group: str | None = None) -> list[str]:
+    """Bind every listener: Unix sockets mode 0660 (group ``socket_group``), TCP listeners
+    over TLS when ``tls`` is given."""
     bound: list[str] = []
+    scheme = "https" if tls is not None else "http"
     for listener in listeners:
         if listener.path is not None:
             listener.path.parent.mkdir(parents=True, exist_ok=True)
             _unlink_stale_socket(listener.path)
             site: web.BaseSite = web.UnixSite(runner, str(listener.path))
             await site.start()
-            os.chmod(listener.path, 0o660)
+            set_socket_owner(listener.path, socket_group)
             bound.append(f"unix:{listener.path}")
         else:
-            site = web.TCPSite(runner, listener.host, listener.port, reuse_address=True)
+            site = web.TCPSite(runner, listener.host, listener.port, reuse_address=True,
+                               ssl_context=tls)
             await site.start()
             server = site._server  # the bound port is only known here when port 0 was asked
             for sock in getattr(server, "sockets", None) or ():
                 host, port = sock.getsockname()[:2]
-                bound.append(f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}")
+                bound.append(f"{scheme}://[{host}]:{port}" if ":" in host
+                             else f"{scheme}://{host}:{port}")
     return bound
 
 
@@ -232,10 +242,17 @@ async def _run(settings: Settings, backend: Backend) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    reloader: TokenReloader | None = None
+    if ctx.tokens.source is not None:
+        reloader = TokenReloader(ctx, ctx.tokens.source)
+        loop.add_signal_handler(signal.SIGHUP, reloader.reload, "SIGHUP")
+        reloader.start()
     startup: asyncio.Task[None] | None = None
     drift: asyncio.Task[None] | None = None
+    notifier = Notifier.attach(ctx)  # None unless systemd started us with Type=notify
     try:
-        bound = await _start_sites(runner, settings.listen)
+        bound = await _start_sites(runner, settings.listen, tls=ssl_context(settings),
+                                   socket_group=settings.socket_group)
         metrics_bound = (await _start_sites(metrics_runner, (settings.metrics_listen,))
                          if metrics_runner is not None and settings.metrics_listen else [])
         write_atomic(settings.state_dir / "listeners.json",
@@ -245,23 +262,33 @@ async def _run(settings: Settings, backend: Backend) -> int:
                                      "state_dir": str(settings.state_dir),
                                      "version": agent.__version__})
         startup = asyncio.create_task(_become_ready(ctx, xids))
+        if notifier is not None:
+            notifier.start()
         stopped = asyncio.create_task(stop.wait())
         await asyncio.wait({startup, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if startup.done() and startup.exception() is not None:
             raise startup.exception()  # type: ignore[misc]
         if startup.done():
             drift = asyncio.create_task(_watch_drift(ctx))
+            if notifier is not None:
+                notifier.startup_finished()
         await stopped
         log.info("stopping", extra={"reason": "signal"})
+        if notifier is not None:
+            notifier.stopping()
         ctx.readiness.set("shutting down")
         ctx.metrics.ready.set(0)
         return 0
     finally:
+        if notifier is not None:
+            await notifier.close()
         for task in (startup, drift):
             if task is not None and not task.done():
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        if reloader is not None:
+            await reloader.stop()
         await service.close()
         # Stops accepting, lets in-flight requests finish (up to shutdown_timeout), closes.
         await runner.cleanup()

@@ -73,6 +73,12 @@ class Settings:
     driver_name: str = "gpu.nodeagent.dev"
     #: Publish MIG as partitionable devices (every profile and placement, shared counters).
     dynamic_mig: bool = False
+    #: TLS on the API's TCP listeners; client certificates required when a CA is given.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    #: Group that owns the API's Unix socket (mode 0660), by name or number.
+    socket_group: str | None = None
 
 
 # Flags the environment and the config file may set, with their parsers.
@@ -82,7 +88,8 @@ _FLAG_TYPES: dict[str, str] = {
     "proc_root": "path", "node_name": "str", "config": "path", "gpu_reset_command": "str",
     "reapply_mig": "bool", "driver_root": "path", "claim_tombstone_s": "float",
     "collect_interval": "float", "metrics_listen": "str", "metrics_hostname_label": "str",
-    "driver_name": "str", "dynamic_mig": "bool",
+    "driver_name": "str", "dynamic_mig": "bool", "tls_cert": "path", "tls_key": "path",
+    "tls_client_ca": "path", "socket_group": "str",
 }
 
 
@@ -175,7 +182,7 @@ def resolve(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> S
         cdi_dir=Path(merged.get("cdi_dir") or
                      (state_dir / "cdi" if simulate else Path("/var/run/cdi"))).absolute(),
         listen=listen,
-        token_file=merged.get("token_file"),
+        token_file=Path(merged["token_file"]) if merged.get("token_file") else None,
         auth_read=bool(merged.get("auth_read", False)),
         log_format=log_format,
         log_level=str(merged.get("log_level", "info")),
@@ -188,8 +195,25 @@ def resolve(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> S
         claim_tombstone_s=float(merged.get("claim_tombstone_s", 600.0)),
         driver_name=_driver_name(str(merged.get("driver_name", "gpu.nodeagent.dev"))),
         dynamic_mig=bool(merged.get("dynamic_mig", False)),
+        socket_group=merged.get("socket_group"),
         **metrics,
+        **_tls_settings(merged),
     )
+
+
+def _tls_settings(merged: Mapping[str, Any]) -> dict[str, Any]:
+    """--tls-cert and --tls-key together; --tls-client-ca only with them."""
+    cert, key, ca = (merged.get(n) for n in ("tls_cert", "tls_key", "tls_client_ca"))
+    if (cert is None) != (key is None):
+        raise InvalidRequest("--tls-cert and --tls-key must be given together",
+                             [{"field": "tls_cert" if cert is None else "tls_key",
+                               "reason": "missing"}])
+    if ca is not None and cert is None:
+        raise InvalidRequest("--tls-client-ca needs --tls-cert and --tls-key (client "
+                             "certificates are only asked for over TLS)",
+                             [{"field": "tls_client_ca", "reason": "needs tls_cert"}])
+    return {name: None if value is None else Path(value)
+            for name, value in (("tls_cert", cert), ("tls_key", key), ("tls_client_ca", ca))}
 
 
 def _driver_name(name: str) -> str:

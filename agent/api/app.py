@@ -5,7 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 import agent
-from agent.api import claims, dra, gpus, mig, node, sim, topology
+from agent.api import admin, claims, dra, gpus, mig, node, sim, topology
 from agent.api.context import AGENT, MAX_BODY_BYTES, AgentContext
 from agent.api.mig_models import (
     ApplyModel,
@@ -128,7 +128,8 @@ SIM_ROUTES = [
 
 def all_routes(*, simulated: bool) -> list[Route]:
     """Every route the agent serves (the simulation controls only when simulated)."""
-    return CORE_ROUTES + topology.ROUTES + dra.ROUTES + (SIM_ROUTES if simulated else [])
+    return (CORE_ROUTES + topology.ROUTES + dra.ROUTES + admin.ROUTES
+            + (SIM_ROUTES if simulated else []))
 
 
 def build_app(ctx: AgentContext) -> web.Application:

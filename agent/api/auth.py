@@ -6,7 +6,9 @@ The token's *name* appears in logs and audit lines; the token itself never does.
 from __future__ import annotations
 
 import hmac
+import os
 import secrets
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,8 +48,15 @@ class TokenStore:
 
     @classmethod
     def load(cls, path: Path) -> TokenStore:
-        """Parse a token file; a malformed line stops the start with the line number."""
+        """Parse a token file; a malformed line stops the start with the line number, and a
+        file the group or others may read is refused (its secrets are no longer secret)."""
         try:
+            mode = stat.S_IMODE(os.stat(path).st_mode)
+            if mode & 0o077:
+                raise InvalidRequest(
+                    f"token file {path} is readable or writable by group or others (mode "
+                    f"{mode:04o}); refusing it. Run 'chmod 600 {path}' (owned by the agent's "
+                    "user) and start again")
             text = path.read_text()
         except OSError as err:
             raise InvalidRequest(f"token file {path}: {err.strerror}") from err
@@ -92,6 +101,10 @@ class TokenStore:
         if found is None:
             raise Unauthorized("invalid bearer token")
         return found
+
+    def names(self) -> list[str]:
+        """The token names (never the secrets), for logs."""
+        return [t.principal.name for t in self._tokens]
 
 
 def generate_token_file(path: Path, name: str = "sim") -> str:

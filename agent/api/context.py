@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,8 @@ class Readiness:
 
     reason: str | None = "starting"
     since: float = field(default_factory=time.monotonic)
+    #: Called with the new reason on every change (e.g. systemd's STATUS= lines).
+    watchers: list[Callable[[str | None], None]] = field(default_factory=list)
 
     @property
     def ready(self) -> bool:
@@ -37,6 +40,8 @@ class Readiness:
         if reason != self.reason:
             self.reason = reason
             self.since = time.monotonic()
+            for watcher in self.watchers:
+                watcher(reason)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from pydantic import BaseModel
 
+from agent.api.access import audit_log, peer_credentials, summarise_body
 from agent.api.context import AGENT, PRINCIPAL, REQUEST_ID
 from agent.errors import Forbidden
 
@@ -30,7 +31,8 @@ class QueryParam:
 @dataclass(frozen=True)
 class Route:
     """One endpoint. ``scope`` marks a mutating endpoint and the token scope it needs;
-    ``public`` endpoints (probes, metrics) never ask for a token."""
+    ``public`` endpoints (probes, metrics) never ask for a token; ``changes_nothing`` marks a
+    POST that only computes an answer from its body (a query), authorised like a read."""
 
     method: str
     path: str
@@ -46,10 +48,11 @@ class Route:
     errors: tuple[int, ...] = ()
     extra_responses: dict[int, type[BaseModel]] = field(default_factory=dict)
     content_type: str = "application/json"
+    changes_nothing: bool = False
 
     @property
     def mutating(self) -> bool:
-        return self.method not in ("GET", "HEAD")
+        return self.method not in ("GET", "HEAD") and not self.changes_nothing
 
 
 def json_response(model: BaseModel, *, status: int = 200,
@@ -100,10 +103,34 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
         spec = _spec_of(request)
         route = spec.path if spec else "unmatched"
         request.app[AGENT].metrics.http_requests.labels(request.method, route, str(status)).inc()
+        peer = _peer(request)
         access_log.info("request", extra={
             "method": request.method, "path": request.path, "status": status,
             "duration_ms": round(elapsed_ms, 2), "request_id": request[REQUEST_ID],
-            "peer": request.remote or "unix", "principal": request[PRINCIPAL]})
+            "peer": peer, "principal": request[PRINCIPAL]})
+        if spec.mutating if spec else request.method not in ("GET", "HEAD", "OPTIONS"):
+            await _audit(request, status, peer)
+
+
+def _peer(request: web.Request) -> str:
+    """The caller: its address over TCP, its uid/gid/pid (SO_PEERCRED) on the Unix socket."""
+    transport = request.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    return peer_credentials(sock) or request.remote or "unix"
+
+
+async def _audit(request: web.Request, status: int, peer: str) -> None:
+    """One ``agent.audit`` line per mutating request: who, what, result (never a secret)."""
+    try:
+        raw = await request.read()
+    except (web.HTTPException, ConnectionError, RuntimeError):
+        raw = b""
+    audit_log.info("audit", extra={
+        "who": request[PRINCIPAL], "peer": peer, "method": request.method,
+        "path": request.path, "query": request.query_string or "-",
+        "body": summarise_body(raw, request.content_type), "status": status,
+        "result": "ok" if status < 400 else "refused" if status in (401, 403) else "failed",
+        "request_id": request[REQUEST_ID]})
 
 
 @web.middleware

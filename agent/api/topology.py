@@ -153,5 +153,5 @@ ROUTES = [
     Route("POST", "/v1/topology/select", select_gpus,
           "The best-connected set of N GPUs: maximal bottleneck bandwidth, then total, then "
           "NUMA locality, then what stays free", SelectionModel, body=SelectRequest,
-          tag="topology", errors=(409, 503)),
+          tag="topology", errors=(409, 503), changes_nothing=True),
 ]

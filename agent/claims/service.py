@@ -22,13 +22,17 @@ from typing import Literal
 from agent.claims.cdi_writer import CdiWriter
 from agent.claims.checkpoint import (
     CheckpointCorrupt,
+    CheckpointData,
     ClaimCheckpoint,
     ClaimRecord,
     PreparedDevice,
     SliceRecord,
+    decode,
+    encode,
 )
 from agent.claims.placement import Candidate, choose
 from agent.device_names import gpu_device_name, mig_device_name, parse_device_name, profile_label
+from agent.durable import write_atomic
 from agent.errors import (
     CheckpointUnusable,
     ClaimUnprepared,
@@ -126,7 +130,8 @@ class ClaimService:
         if self.corrupt is not None:
             raise CheckpointUnusable(
                 f"{self.corrupt}; claims are frozen until an operator inspects it and either "
-                "restores it or removes it (see docs/troubleshooting) and restarts the agent")
+                "restores it or accepts an empty checkpoint: 'gpu-agent admin checkpoint' or "
+                "POST /v1/admin/claims-checkpoint (see docs/operations.md)")
 
     # -- prepare ---------------------------------------------------------------------------
 
@@ -386,6 +391,33 @@ class ClaimService:
                 log.info("removed a claim spec no claim owns", extra={"path": str(path)})
         await self.checkpoint.commit()
         await self.refresh_node_spec()
+
+    async def remediate_checkpoint(self, restore: str | None) -> None:
+        """An operator's answer to a corrupt checkpoint: put back a kept-aside file (``restore``,
+        its name next to the checkpoint, which must now pass its check) or start from an empty
+        one (``None``); then reconcile as at start-up. The kept-aside files stay."""
+        if self.corrupt is None:
+            raise Conflict("the claims checkpoint is not corrupt: nothing to restore or accept")
+        path = self.checkpoint.path
+        if restore is None:
+            raw = encode(CheckpointData(boot_id=self.checkpoint.data.boot_id))
+        else:
+            kept = path.parent / restore
+            if "/" in restore or not restore.startswith(f"{path.name}.corrupt-") \
+                    or not kept.is_file():
+                raise NotFound(f"no kept-aside checkpoint {restore!r} next to {path}")
+            raw = await asyncio.to_thread(kept.read_bytes)
+            try:
+                decode(raw)
+            except (ValueError, UnicodeDecodeError) as err:
+                raise Conflict(f"{restore} still fails its check ({err}); repair it by hand "
+                               "or accept an empty checkpoint") from err
+        await asyncio.to_thread(write_atomic, path, raw, mode=0o600)
+        self.corrupt = None
+        how = f"restored from {restore}" if restore else "replaced by an empty one"
+        self._events.append("claims.checkpoint_remediated", f"claims checkpoint {how}",
+                            severity=Severity.WARNING)
+        await self.reconcile()
 
     # -- the node-wide spec ----------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import agent
-from agent.cli import claims, mig, topo
+from agent.cli import admin, claims, mig, topo
 from agent.cli.client import AgentClient, ClientError, discover
 from agent.cli.tables import gpu_table, node_lines
 from agent.errors import AgentError
@@ -19,7 +19,7 @@ Command = Callable[[argparse.Namespace, AgentClient], int]
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from agent import daemon, logs  # noqa: PLC0415 - keeps client verbs fast to start
+    from agent import daemon, logs, systemd  # noqa: PLC0415 - keeps client verbs fast
     from agent.settings import resolve  # noqa: PLC0415
 
     try:
@@ -35,8 +35,12 @@ def _serve(args: argparse.Namespace) -> int:
             "collect_interval": args.collect_interval, "metrics_listen": args.metrics_listen,
             "metrics_hostname_label": args.metrics_hostname_label,
             "driver_name": args.driver_name, "dynamic_mig": True if args.dynamic_mig else None,
+            "tls_cert": args.tls_cert, "tls_key": args.tls_key,
+            "tls_client_ca": args.tls_client_ca, "socket_group": args.socket_group,
         })
+        systemd.check_environment()  # Type=notify without systemd-python: refuse to start
         logs.configure(settings.log_format, settings.log_level)
+        systemd.configure_journal(settings.log_level)  # journald fields under systemd
         return asyncio.run(daemon.serve(settings))
     except AgentError as err:
         print(f"gpu-agent: {err.detail}", file=sys.stderr)
@@ -151,6 +155,13 @@ def _add_serve(sub: Any) -> None:
     serve.add_argument("--dynamic-mig", action="store_true",
                        help="publish MIG as partitionable devices: every profile and "
                             "placement, with shared counters per GPU")
+    serve.add_argument("--tls-cert", metavar="PEM",
+                       help="serve the API's TCP listeners over TLS with this certificate chain")
+    serve.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+    serve.add_argument("--tls-client-ca", metavar="PEM",
+                       help="require client certificates signed by this CA on the TCP listeners")
+    serve.add_argument("--socket-group", metavar="GROUP",
+                       help="group owning the API's Unix socket (mode 0660), name or number")
     serve.add_argument("--config", help="TOML file with any of these settings")
 
 
@@ -202,6 +213,7 @@ def parser() -> argparse.ArgumentParser:
     mig.add_parsers(sub, client_opts)
     claims.add_parsers(sub, client_opts)
     topo.add_parsers(sub, client_opts)
+    admin.add_parsers(sub, client_opts)
     sub.choices["sim"].add_argument("--url")
     sub.choices["sim"].add_argument("--token-file")
     return top
@@ -209,7 +221,7 @@ def parser() -> argparse.ArgumentParser:
 
 COMMANDS: dict[str, Command] = {"node": _node, "gpus": _gpus, "sim": _sim, "mig": mig.run,
                                 "transitions": mig.run, "claims": claims.run, "cdi": claims.run,
-                                "topo": topo.run}
+                                "topo": topo.run, **admin.COMMANDS}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -496,6 +496,60 @@ class MigService:
         t.advance(final)
         self._finish(t)
 
+    # -- operator remediation ---------------------------------------------------------------
+
+    def clear_quarantine(self, gpu: Gpu, who: str) -> str:
+        """Lift the quarantine after an operator restored or cleared the layout by hand;
+        returns the reason it was quarantined."""
+        reason = self.quarantined(gpu.uuid)
+        if reason is None:
+            raise Conflict(f"GPU {gpu.index} is not quarantined", gpu=gpu.uuid)
+        self.quarantine.delete(gpu.uuid)
+        self._events.append("mig.quarantine_cleared", f"GPU {gpu.index}: quarantine cleared by "
+                            f"{who} (was: {reason})", severity=Severity.WARNING, gpu=gpu.uuid)
+        return reason
+
+    async def resolve_by_hand(self, gpu: Gpu, action: str, who: str) -> Transition:
+        """Resolve the GPU's open journal entry as recovery at start-up would, but with the
+        operator's choice: ``roll-back`` restores the recorded old geometry, ``finish`` accepts
+        the target only if the hardware shows it."""
+        lock = self._planning.setdefault(gpu.uuid, asyncio.Lock())
+        if self._active.get(gpu.uuid) is not None or lock.locked():
+            raise Conflict(f"GPU {gpu.index} has a transition in progress; wait for it or "
+                           "cancel it", gpu=gpu.uuid)
+        async with lock:
+            entries, corrupt = await asyncio.to_thread(self.journal.open_entries)
+            for bad in corrupt:
+                self._quarantine(bad.gpu, gpu.index if bad.gpu == gpu.uuid else -1,
+                                 f"journal entry unreadable ({bad.reason}), kept at "
+                                 f"{bad.kept_at}; the geometry may be half-changed")
+            entry = next((e for e in entries if e.gpu == gpu.uuid), None)
+            if entry is None:
+                raise NotFound(f"GPU {gpu.index} has no open journal entry: nothing to resolve "
+                               "(a quarantined GPU is released with clear-quarantine)",
+                               gpu=gpu.uuid)
+            plan = entry.the_plan()
+            t = Transition(id=entry.transition_id, gpu=gpu.uuid, gpu_index=gpu.index,
+                           requested=f"resolved by hand ({action}) by {who}", plan=plan,
+                           drain=DrainPolicy())
+            self._remember_transition(t)
+            mutator = self._mutator(gpu)
+            if action == "finish":
+                problem = await self._session.mutate(gpu.uuid, partial(mutator.verify,
+                                                                       plan.target()))
+                if problem is not None:
+                    raise Conflict(f"GPU {gpu.index} does not show the target of transition "
+                                   f"{t.id}: {problem}; roll back instead", gpu=gpu.uuid)
+                self._remember(gpu.uuid, plan.target())
+                final = TransitionState.SUCCEEDED
+            else:
+                final = await self._roll_back(t, gpu, mutator, entry,
+                                              VerifyFailed(f"rolled back by hand by {who}"))
+            await asyncio.to_thread(self.journal.close, gpu.uuid)
+        t.advance(final)
+        self._finish(t)
+        return t
+
     async def reconcile(self) -> None:
         """Compare each GPU with the geometry last applied: re-apply after a reboot or driver
         reload emptied it; report (never overwrite) a change made behind the agent's back."""

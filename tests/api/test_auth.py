@@ -13,6 +13,7 @@ from agent.errors import Forbidden, InvalidRequest, Unauthorized
 def _store(tmp_path: Path, text: str) -> TokenStore:
     path = tmp_path / "tokens"
     path.write_text(text)
+    path.chmod(0o600)
     return TokenStore.load(path)
 
 
@@ -49,3 +50,13 @@ def test_generated_token_file_is_private_and_loads(tmp_path: Path) -> None:
     token = generate_token_file(path)
     assert path.stat().st_mode & 0o777 == 0o600
     assert TokenStore.load(path).authenticate(f"Bearer {token}").name == "sim"
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o604, 0o660])
+def test_token_file_readable_by_others_is_refused(tmp_path: Path, mode: int) -> None:
+    path = tmp_path / "tokens"
+    path.write_text("ops:s3cret\n")
+    path.chmod(mode)
+    with pytest.raises(InvalidRequest, match="chmod 600") as caught:
+        TokenStore.load(path)
+    assert "s3cret" not in caught.value.detail

@@ -124,7 +124,7 @@ def start_agent(state_dir: Path, *, preset: str | None = "dgx-h100", extra: list
             raise AssertionError(f"agent did not listen:\n{agent.log()}")
         time.sleep(0.02)
     bound = json.loads(listeners.read_text())["listeners"]
-    agent.url = next(u for u in bound if u.startswith("http://"))
+    agent.url = next(u for u in bound if u.startswith(("http://", "https://")))
     tokens = state_dir / "tokens"
     if tokens.exists():
         agent.token = tokens.read_text().split(":")[1].strip()

@@ -1,0 +1,148 @@
+"""Access control around the API: TLS, the Unix socket's owner, token reloads and audit lines.
+
+Secrets never reach a log line or an error: tokens are named by their *name*, request bodies
+are summarised with secret-looking fields redacted, and the Authorization header is never read
+here at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import json
+import logging
+import os
+import socket
+import ssl
+import struct
+from pathlib import Path
+from typing import Any
+
+from agent.api.auth import TokenStore
+from agent.errors import AgentError
+from agent.settings import Settings
+
+log = logging.getLogger("agent.access")
+audit_log = logging.getLogger("agent.audit")
+
+#: Body fields never written to an audit line, whatever their value.
+_SECRET_WORDS = ("token", "secret", "password", "authorization", "key", "credential")
+_SUMMARY_CHARS = 300
+
+
+def ssl_context(settings: Settings) -> ssl.SSLContext | None:
+    """The server context of the TCP listeners, or ``None`` without --tls-cert."""
+    if settings.tls_cert is None or settings.tls_key is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(settings.tls_cert, settings.tls_key)
+        if settings.tls_client_ca is not None:
+            context.load_verify_locations(cafile=str(settings.tls_client_ca))
+            context.verify_mode = ssl.CERT_REQUIRED
+    except (OSError, ssl.SSLError) as err:
+        # The message names the files, never their contents.
+        reason = getattr(err, "strerror", None) or getattr(err, "reason", None) or str(err)
+        raise AgentError(f"TLS: cannot load --tls-cert {settings.tls_cert} / --tls-key "
+                         f"{settings.tls_key} / --tls-client-ca {settings.tls_client_ca}: "
+                         f"{reason}") from err
+    return context
+
+
+def set_socket_owner(path: Path, group: str | None) -> None:
+    """Mode 0660, and the group ``group`` (a name or a number) when given."""
+    os.chmod(path, 0o660)
+    if group is None:
+        return
+    try:
+        gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+    except KeyError as err:
+        raise AgentError(f"--socket-group {group!r}: no such group") from err
+    try:
+        os.chown(path, -1, gid)
+    except OSError as err:
+        raise AgentError(f"--socket-group {group!r}: cannot give {path} to it: "
+                         f"{err.strerror}") from err
+
+
+def peer_credentials(sock: socket.socket | None) -> str | None:
+    """``uid=U gid=G pid=P`` of the process at the other end of a Unix socket."""
+    if sock is None or sock.family != socket.AF_UNIX:
+        return None
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return None
+    pid, uid, gid = struct.unpack("3i", raw)
+    return f"uid={uid} gid={gid} pid={pid}"
+
+
+def _redact(value: Any, depth: int = 0) -> Any:
+    if isinstance(value, dict):
+        return {k: "<redacted>" if any(w in str(k).lower() for w in _SECRET_WORDS)
+                else _redact(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redact(v, depth + 1) for v in value[:8]]
+    return value
+
+
+def summarise_body(raw: bytes, content_type: str) -> str:
+    """A short, secret-free description of a request body for the audit line."""
+    if not raw:
+        return "-"
+    if content_type.endswith("json"):
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            return f"<{len(raw)} bytes, not JSON>"
+        text = json.dumps(_redact(doc), separators=(",", ":"), default=str)
+        return text if len(text) <= _SUMMARY_CHARS else text[:_SUMMARY_CHARS] + "..."
+    return f"<{len(raw)} bytes {content_type or 'unknown type'}>"
+
+
+class TokenReloader:
+    """Re-reads the token file on SIGHUP and when its modification time or size changes; a
+    reload that fails keeps the tokens in use and says why."""
+
+    def __init__(self, holder: Any, path: Path, interval_s: float = 2.0) -> None:
+        self._holder = holder  # anything with a ``tokens`` attribute (the AgentContext)
+        self.path = path
+        self.interval_s = interval_s
+        self._seen = self._stamp()
+        self._task: asyncio.Task[None] | None = None
+
+    def _stamp(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def reload(self, why: str) -> bool:
+        self._seen = self._stamp()
+        try:
+            store = TokenStore.load(self.path)
+        except AgentError as err:
+            log.error("token reload failed; keeping the previous tokens",
+                      extra={"reason": why, "error": err.detail})
+            return False
+        self._holder.tokens = store
+        log.info("tokens reloaded", extra={"reason": why, "names": ",".join(store.names())})
+        return True
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            if self._stamp() != self._seen:
+                self.reload("file changed")
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._poll())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task

@@ -1,0 +1,132 @@
+"""Remediation for operators (``admin`` scope, audited like every mutation)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field
+
+from agent.api.context import AGENT, PRINCIPAL, AgentContext
+from agent.api.mig_models import TransitionModel
+from agent.api.node import require_ready
+from agent.api.problems import parse_body
+from agent.api.routing import Route, json_response
+from agent.claims.service import ClaimService
+from agent.errors import InvalidRequest, NotReady
+from agent.events import Severity
+from agent.gpu.types import Gpu
+from agent.mig.service import MigService
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class QuarantineCleared(BaseModel):
+    gpu: str = Field(description="GPU UUID")
+    index: int
+    was: str = Field(description="Why it had been quarantined")
+
+
+class CheckpointRequest(_Strict):
+    action: Literal["restore", "accept-empty"] = Field(
+        description="restore: put a kept-aside file back (it must pass its check); "
+                    "accept-empty: start from an empty checkpoint (prepared claims are lost)")
+    file: str | None = Field(default=None, description="Name of the kept-aside file "
+                                                       "(claims.checkpoint.corrupt-...)")
+
+
+class CheckpointStatus(BaseModel):
+    corrupt: str | None = Field(description="Why claims are frozen, or null")
+    kept: list[str] = Field(description="Kept-aside checkpoint files next to the checkpoint")
+    claims: int = Field(description="Claims in the checkpoint in use")
+    ready: bool
+
+
+class ResolveRequest(_Strict):
+    action: Literal["roll-back", "finish"] = Field(
+        description="roll-back: restore the recorded old geometry; finish: accept the target "
+                    "(only when the hardware shows it)")
+
+
+def _who(request: web.Request) -> str:
+    return request[PRINCIPAL]
+
+
+async def _gpu(request: web.Request) -> tuple[AgentContext, MigService, Gpu]:
+    ctx = request.app[AGENT]
+    require_ready(ctx)
+    await ctx.inventory.refresh()
+    gpu = ctx.inventory.find(request.match_info["gpu"])
+    assert ctx.mig is not None
+    return ctx, ctx.mig, gpu
+
+
+async def clear_quarantine(request: web.Request) -> web.Response:
+    _, service, gpu = await _gpu(request)
+    was = service.clear_quarantine(gpu, _who(request))
+    return json_response(QuarantineCleared(gpu=gpu.uuid, index=gpu.index, was=was))
+
+
+async def resolve_transition(request: web.Request) -> web.Response:
+    body = await parse_body(request, ResolveRequest)
+    _, service, gpu = await _gpu(request)
+    transition = await service.resolve_by_hand(gpu, body.action, _who(request))
+    return json_response(TransitionModel.of(transition))
+
+
+def _claims(ctx: AgentContext) -> ClaimService:
+    if ctx.claims is None:
+        raise NotReady("claims are not available on this agent")
+    return ctx.claims
+
+
+def _status(ctx: AgentContext) -> CheckpointStatus:
+    claims = _claims(ctx)
+    path = claims.checkpoint.path
+    kept = sorted(p.name for p in path.parent.glob(f"{path.name}.corrupt-*"))
+    return CheckpointStatus(corrupt=str(claims.corrupt) if claims.corrupt else None, kept=kept,
+                            claims=len(claims.claims()), ready=ctx.readiness.ready)
+
+
+async def checkpoint_status(request: web.Request) -> web.Response:
+    return json_response(_status(request.app[AGENT]))
+
+
+async def remediate_checkpoint(request: web.Request) -> web.Response:
+    body = await parse_body(request, CheckpointRequest)
+    ctx = request.app[AGENT]
+    require_ready(ctx)
+    if body.action == "restore" and not body.file:
+        raise InvalidRequest("restore needs the kept-aside file's name in 'file'",
+                             [{"field": "file", "reason": "required for restore"}])
+    claims = _claims(ctx)
+    await claims.remediate_checkpoint(body.file if body.action == "restore" else None)
+    # Start-up stopped short of ready only for the checkpoint; everything else is up.
+    if claims.corrupt is None and not ctx.readiness.ready and ctx.inventory.loaded \
+            and "checkpoint" in (ctx.readiness.reason or ""):
+        ctx.readiness.set(None)
+        ctx.metrics.ready.set(1)
+        ctx.events.append("agent.ready", f"agent ready after the claims checkpoint was "
+                          f"remediated by {_who(request)}", severity=Severity.INFO)
+    return json_response(_status(ctx))
+
+
+ROUTES = [
+    Route("POST", "/v1/admin/gpus/{gpu}/clear-quarantine", clear_quarantine,
+          "Remediation: lift a GPU's quarantine once its layout was restored by hand",
+          QuarantineCleared, scope="admin", tag="admin", errors=(404, 409, 503)),
+    Route("POST", "/v1/admin/transitions/{gpu}/resolve", resolve_transition,
+          "Remediation: resolve a GPU's open journal entry by hand (roll-back or finish)",
+          TransitionModel, body=ResolveRequest, scope="admin", tag="admin",
+          errors=(404, 409, 422, 503)),
+    Route("GET", "/v1/admin/claims-checkpoint", checkpoint_status,
+          "Remediation: is the claims checkpoint corrupt, and which files were kept aside",
+          CheckpointStatus, tag="admin", errors=(503,)),
+    Route("POST", "/v1/admin/claims-checkpoint", remediate_checkpoint,
+          "Remediation: restore a kept-aside claims checkpoint or accept an empty one; "
+          "claims reconcile and readiness recovers without a restart",
+          CheckpointStatus, body=CheckpointRequest, scope="admin", tag="admin",
+          errors=(404, 409, 422, 503)),
+]

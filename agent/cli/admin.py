@@ -1,0 +1,141 @@
+"""``gpu-agent admin ...`` (remediation, admin scope) and ``gpu-agent support-bundle``."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import platform
+import re
+import sys
+import tarfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import agent
+from agent.cli.client import AgentClient, ClientError
+
+_BEARER = re.compile(r"(?i)(bearer\s+)[A-Za-z0-9._~+/=-]+")
+_SECRET_FIELD = re.compile(r'(?i)("?[a-z_]*(?:token|secret|password|authorization)[a-z_]*"?\s*'
+                           r'[:=]\s*)("[^"]*"|\S+)')
+_LOG_LINES = 2000
+
+
+def add_parsers(sub: Any, client_opts: argparse.ArgumentParser) -> None:
+    admin = sub.add_parser("admin", help="remediation for operators (admin scope)")
+    verbs = admin.add_subparsers(dest="admin_verb", required=True)
+    clear = verbs.add_parser("clear-quarantine", parents=[client_opts],
+                             help="lift a GPU's quarantine once its layout was fixed by hand")
+    clear.add_argument("gpu", help="GPU index or UUID")
+    resolve = verbs.add_parser("resolve", parents=[client_opts],
+                               help="resolve a GPU's open MIG journal entry by hand")
+    resolve.add_argument("gpu", help="GPU index or UUID")
+    resolve.add_argument("action", choices=("roll-back", "finish"))
+    checkpoint = verbs.add_parser("checkpoint", parents=[client_opts],
+                                  help="the claims checkpoint: status, restore FILE, "
+                                       "accept-empty")
+    checkpoint.add_argument("action", nargs="?", default="status",
+                            choices=("status", "restore", "accept-empty"))
+    checkpoint.add_argument("file", nargs="?", help="kept-aside file to restore")
+    bundle = sub.add_parser("support-bundle", parents=[client_opts],
+                            help="collect what support needs into one tar.gz (no secrets)")
+    bundle.add_argument("-o", "--output", help="archive path (default "
+                                               "gpu-agent-support-<node>-<time>.tar.gz)")
+    bundle.add_argument("--log-file", help="the agent's log file, if it logs to one "
+                                           "(its last lines are included, redacted)")
+
+
+def redact(text: str, secrets: tuple[str, ...] = ()) -> str:
+    """Bearer tokens, secret-looking fields and the given secrets replaced by <redacted>."""
+    text = _BEARER.sub(r"\1<redacted>", text)
+    text = _SECRET_FIELD.sub(r"\1<redacted>", text)
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, "<redacted>")
+    return text
+
+
+def _admin(args: argparse.Namespace, client: AgentClient) -> int:
+    verb = args.admin_verb
+    if verb == "clear-quarantine":
+        body = client.request("POST", f"/v1/admin/gpus/{args.gpu}/clear-quarantine").body
+    elif verb == "resolve":
+        body = client.request("POST", f"/v1/admin/transitions/{args.gpu}/resolve",
+                              {"action": args.action}).body
+    elif args.action == "status":
+        body = client.request("GET", "/v1/admin/claims-checkpoint").body
+    elif args.action == "restore":
+        if not args.file:
+            raise ClientError("restore needs the kept-aside file's name (see "
+                              "'gpu-agent admin checkpoint')")
+        body = client.request("POST", "/v1/admin/claims-checkpoint",
+                              {"action": "restore", "file": args.file}).body
+    else:
+        body = client.request("POST", "/v1/admin/claims-checkpoint",
+                              {"action": "accept-empty"}).body
+    print(json.dumps(body, indent=2))
+    return 0
+
+
+def _collect(client: AgentClient) -> dict[str, Any]:
+    """Everything the bundle holds, by file name; a failing call records its error."""
+    found: dict[str, Any] = {}
+
+    def get(name: str, path: str) -> Any:
+        try:
+            found[name] = client.request("GET", path).body
+        except ClientError as err:
+            found[name] = {"error": str(err)}
+        return found[name]
+
+    found["versions.json"] = {"gpu-agent-cli": agent.__version__,
+                              "python": platform.python_version(),
+                              "platform": platform.platform(), "collected_at": time.time()}
+    get("readyz.json", "/readyz")
+    get("node.json", "/v1/node")
+    gpus = get("gpus.json", "/v1/gpus")
+    for gpu in gpus.get("gpus", []) if isinstance(gpus, dict) else []:
+        if gpu.get("mig_capable"):
+            get(f"mig/gpu{gpu['index']}.json", f"/v1/gpus/{gpu['index']}/mig")
+    get("transitions.json", "/v1/transitions")
+    get("claims.json", "/v1/claims")
+    get("cdi.json", "/v1/cdi")
+    get("claims-checkpoint.json", "/v1/admin/claims-checkpoint")
+    get("topology.json", "/v1/topology")
+    get("events.json", "/v1/events")
+    get("metrics.txt", "/metrics")
+    return found
+
+
+def _support_bundle(args: argparse.Namespace, client: AgentClient) -> int:
+    found = _collect(client)
+    node = found.get("node.json")
+    name = node.get("hostname") if isinstance(node, dict) else None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    output = Path(args.output or f"gpu-agent-support-{name or 'node'}-{stamp}.tar.gz")
+    if args.log_file:
+        try:
+            lines = Path(args.log_file).read_text(errors="replace").splitlines()[-_LOG_LINES:]
+            found["agent.log"] = "\n".join(lines) + "\n"
+        except OSError as err:
+            found["agent.log"] = f"cannot read {args.log_file}: {err.strerror}\n"
+    secrets = (client.token,) if client.token else ()
+    with tarfile.open(output, "w:gz") as archive:
+        for member, content in sorted(found.items()):
+            text = content if isinstance(content, str) else json.dumps(content, indent=2)
+            data = redact(text, secrets).encode()
+            info = tarfile.TarInfo(f"gpu-agent-support/{member}")
+            info.size = len(data)
+            info.mtime = int(time.time())
+            info.mode = 0o600
+            archive.addfile(info, io.BytesIO(data))
+    output.chmod(0o600)
+    print(f"wrote {output} ({len(found)} files)", file=sys.stderr)
+    print(output)
+    return 0
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace, AgentClient], int]] = {
+    "admin": _admin, "support-bundle": _support_bundle}

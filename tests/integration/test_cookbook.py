@@ -1,0 +1,71 @@
+"""docs/cookbook.md is executed: every ``sh`` block, in order, against a simulated agent, and
+every route the agent serves must appear in it."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent.api.app import all_routes
+from tests.integration.agent_process import start_agent
+
+COOKBOOK = Path(__file__).resolve().parents[2] / "docs" / "cookbook.md"
+_BLOCK = re.compile(r"^```sh\n(.*?)^```", re.S | re.M)
+
+
+def _blocks() -> list[str]:
+    return _BLOCK.findall(COOKBOOK.read_text())
+
+
+def _commands() -> list[str]:
+    """Commands with their continuation lines joined."""
+    text = "\n".join(_blocks()).replace("\\\n", " ")
+    commands: list[str] = []
+    pending = ""
+    for line in text.splitlines():
+        pending = f"{pending} {line}" if pending else line
+        if pending.count("'") % 2 == 0:  # a quoted JSON body may span lines
+            commands.append(pending)
+            pending = ""
+    return [c for c in commands if "curl" in c]
+
+
+def test_every_route_is_in_the_cookbook() -> None:
+    commands = _commands()
+    missing = []
+    for route in all_routes(simulated=True):
+        path = re.escape(route.path)
+        path = re.sub(r"\\\{[a-z_]+\\\}", r"[^/?\"' ]+", path)
+        url = re.compile(r'\$API' + path + r'(?:[?"\' ]|$)')
+        method = "" if route.method == "GET" else f"-X {route.method}"
+        if not any(url.search(c) and (method in c if method else "-X " not in c)
+                   for c in commands):
+            missing.append(f"{route.method} {route.path}")
+    assert not missing, f"routes without a cookbook example: {missing}"
+
+
+def test_cookbook_runs_against_a_simulated_agent(tmp_path: Path) -> None:
+    if shutil.which("curl") is None:
+        pytest.skip("curl is needed (apt-get install curl)")
+    agent = start_agent(tmp_path / "state")
+    try:
+        # No ``set -x``: it would echo the token; the trap names the failing command instead.
+        script = ("set -euo pipefail\ntrap 'echo \"FAILED: $BASH_COMMAND\" >&2' ERR\n"
+                  + "\n".join(_blocks()))
+        env = {**os.environ, "API": agent.url, "TOKEN": agent.token or "",
+               "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+        done = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 0, (f"a cookbook command failed (exit {done.returncode}):\n"
+                                      f"{done.stderr[-3000:]}\n--- stdout ---\n"
+                                      f"{done.stdout[-2000:]}")
+        assert agent.token and agent.token not in done.stdout
+    finally:
+        agent.stop(signal.SIGKILL)
