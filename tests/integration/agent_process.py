@@ -83,8 +83,11 @@ class AgentProcess:
     def wait_ready(self, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.request("GET", "/readyz", token=None).status == 200:
-                return
+            try:
+                if self.request("GET", "/readyz", token=None).status == 200:
+                    return
+            except OSError:
+                pass  # not accepting (yet, or any more): the liveness check below says which
             self._check_alive()
             time.sleep(0.05)
         raise AssertionError(f"agent not ready after {timeout}s:\n{self.log()}")
