@@ -10,14 +10,22 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import os
+import secrets
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from agent.errors import StateLocked
+from agent.errors import StateLocked, StorageUnavailable
+
+
+def document_digest(doc: dict[str, Any]) -> str:
+    """SHA-256 over a JSON document without its own ``sha256`` field (canonical JSON)."""
+    body = {k: v for k, v in doc.items() if k != "sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def fsync_dir(directory: Path) -> None:
@@ -30,11 +38,26 @@ def fsync_dir(directory: Path) -> None:
 
 
 def write_atomic(path: Path, data: bytes, *, mode: int = 0o644) -> None:
-    """Replace ``path`` with ``data``: temp file in the same directory, fsync, rename, fsync dir."""
+    """Replace ``path`` with ``data``: temp file in the same directory, fsync, rename, fsync dir.
+
+    A failure (disk full, read-only directory, I/O error) leaves ``path`` as it was, removes
+    the temp file and raises :class:`StorageUnavailable` (an ``OSError`` with the same errno).
+    """
+    try:
+        _write_atomic(path, data, mode)
+    except StorageUnavailable:
+        raise
+    except OSError as err:
+        raise StorageUnavailable(str(path), err) from err
+
+
+def _write_atomic(path: Path, data: bytes, mode: int) -> None:
     directory = path.parent
     directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / f".{path.name}.tmp.{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    # Unique per call (O_EXCL): two threads writing the same file must never share, and so
+    # rename away, each other's temp file.
+    tmp = directory / f".{path.name}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
         view = memoryview(data)
         while view:
@@ -108,8 +131,10 @@ class DurableMap:
     """A small JSON object on disk (key → JSON value), rewritten atomically on every change.
 
     For records the agent keeps across restarts (desired MIG geometries, quarantined GPUs).
-    A file that does not parse is kept aside and the map starts empty; ``problem`` says so,
-    for the caller to report loudly.
+    A file that does not parse, or whose ``sha256`` (over the rest of the document, canonical
+    JSON) does not match, is kept aside and the map starts empty; ``problem`` says so, for the
+    caller to report loudly. Files from before the checksum (no ``sha256``) still load, and
+    unknown top-level fields from a newer agent are ignored.
     """
 
     def __init__(self, path: Path) -> None:
@@ -124,6 +149,8 @@ class DurableMap:
             loaded = json.loads(raw)
             if not isinstance(loaded, dict) or not isinstance(loaded.get("items"), dict):
                 raise ValueError("not a {'items': {...}} object")
+            if "sha256" in loaded and loaded["sha256"] != document_digest(loaded):
+                raise ValueError("checksum mismatch")
             self._data = loaded["items"]
         except (ValueError, UnicodeDecodeError) as err:
             kept = keep_aside(path, "unreadable")
@@ -136,13 +163,15 @@ class DurableMap:
         return sorted(self._data.items())
 
     def set(self, key: str, value: Any) -> None:
-        self._data[key] = value
-        self._flush()
+        """Change ``key``; memory changes only once the file does (no unacknowledged state)."""
+        self._flush({**self._data, key: value})
 
     def delete(self, key: str) -> None:
-        if self._data.pop(key, None) is not None:
-            self._flush()
+        if key in self._data:
+            self._flush({k: v for k, v in self._data.items() if k != key})
 
-    def _flush(self) -> None:
-        write_atomic(self.path, json.dumps({"schema_version": 1, "items": self._data},
-                                           indent=1, sort_keys=True).encode())
+    def _flush(self, data: dict[str, Any]) -> None:
+        doc: dict[str, Any] = {"schema_version": 1, "items": data}
+        doc["sha256"] = document_digest(doc)
+        write_atomic(self.path, json.dumps(doc, indent=1, sort_keys=True).encode())
+        self._data = data

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
 
@@ -142,3 +143,22 @@ class CheckpointUnusable(AgentError):
     status = 503
     type_name = "checkpoint-corrupt"
     title = "Claims checkpoint unusable"
+
+
+class StorageUnavailable(AgentError, OSError):
+    """A durable write to the state directory failed (disk full, read-only, I/O error): the
+    change was not made and nothing was acknowledged. Still an :class:`OSError` (same
+    ``errno``) for callers that handle those."""
+
+    status = 507
+    type_name = "insufficient-storage"
+    title = "State directory not writable"
+
+    def __init__(self, path: str, err: OSError) -> None:
+        name = errno.errorcode.get(err.errno or 0, "EIO")
+        AgentError.__init__(
+            self, f"cannot write {path}: {err.strerror or err} ({name}); the change was not "
+            "made. Free space or fix the state directory, then retry.", path=path,
+            errno=name)
+        self.errno = err.errno
+        self.strerror = err.strerror

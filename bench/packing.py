@@ -35,6 +35,7 @@ the two GPUs' states sorted so symmetric states are searched once.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import platform
@@ -218,15 +219,48 @@ def replay(catalog: Catalog, trace: Trace, policy: Policy) -> list[tuple[str, bo
 GpuState = tuple[tuple[int, str, int, int], ...]
 
 
+def symmetries(catalog: Catalog) -> tuple[dict[tuple[str, int, int], tuple[int, int]], ...]:
+    """The permutations of memory slices that map every profile's placements onto its own
+    placements (on an H100: swap slices 0-1, 2-3 or 4-5, or the pairs 0-1 and 2-3; 16 in
+    all), as (profile, start, size) -> (start, size). Instance limits do not depend on where
+    an instance is, so two states one of these maps onto the other have the same futures."""
+    slices = catalog.memory_slices
+    runs = {spec.name: {frozenset(range(p.start, p.end)): p for p in spec.placements}
+            for spec in catalog.profiles}
+    found = []
+    for perm in itertools.permutations(range(slices)):
+        table: dict[tuple[str, int, int], tuple[int, int]] = {}
+        for name, placements in runs.items():
+            for cells, p in placements.items():
+                image = placements.get(frozenset(perm[c] for c in cells))
+                if image is None:
+                    break
+                table[(name, p.start, p.size)] = (image.start, image.size)
+            else:
+                continue
+            break
+        else:
+            found.append(table)
+    return tuple(found)
+
+
 def _geometry(state: GpuState) -> Geometry:
     return Geometry(mig_enabled=True, instances=tuple(
         Instance(profile, Placement(start, size)) for _, profile, start, size in state))
 
 
-def optimum(catalog: Catalog, trace: Trace, *, must_admit: bool) -> int:
-    """The most requests of ``trace`` any clairvoyant placement admits (``must_admit``: a
-    request that fits somewhere is never turned away)."""
+def optimum(catalog: Catalog, trace: Trace, *, must_admit: bool = True) -> int:
+    """The most requests of ``trace`` a clairvoyant placement admits (``must_admit``: a
+    request that fits somewhere is never turned away).
+
+    A memoised depth-first search over (event, live instances on each GPU). States are
+    canonical: each GPU's under the catalog's slice symmetries, and the GPUs sorted."""
     events = trace.events
+    group = symmetries(catalog)
+
+    def canonical(state: GpuState) -> GpuState:
+        return min(tuple(sorted((r, name, *table[(name, start, size)])
+                                for r, name, start, size in state)) for table in group)
 
     @cache
     def options(state: GpuState, profile: str) -> tuple[tuple[int, int], ...]:
@@ -242,7 +276,8 @@ def optimum(catalog: Catalog, trace: Trace, *, must_admit: bool) -> int:
             return 0
         _, kind, request, profile = events[position]
         if kind == 0:
-            after = tuple(sorted(tuple(i for i in g if i[0] != request) for g in gpus))
+            after = tuple(sorted(canonical(tuple(i for i in g if i[0] != request))
+                                 for g in gpus))
             return best(position + 1, after)
         found = -1
         fitted = False
@@ -251,7 +286,7 @@ def optimum(catalog: Catalog, trace: Trace, *, must_admit: bool) -> int:
                 continue  # the same state as the GPU before: the same futures
             for start, size in options(gpu, profile):
                 fitted = True
-                placed = tuple(sorted((*gpu, (request, profile, start, size))))
+                placed = canonical((*gpu, (request, profile, start, size)))
                 after = tuple(sorted((*gpus[:index], placed, *gpus[index + 1:])))
                 found = max(found, 1 + best(position + 1, after))
         if not fitted or not must_admit:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -62,3 +63,25 @@ def test_keep_aside_moves_and_never_deletes(tmp_path: Path) -> None:
     assert not bad.exists()
     assert moved.read_bytes() == b"\x00garbage"
     assert moved.name.startswith("checkpoint.json.corrupt-") and moved.name.endswith("-checksum")
+
+
+def test_concurrent_writers_of_one_file_never_collide(tmp_path: Path) -> None:
+    """Threads replacing the same file each use their own temp file (a shared one was renamed
+    away under the other writer: FileNotFoundError at start-up)."""
+    target = tmp_path / "spec.json"
+    errors: list[BaseException] = []
+
+    def writer(n: int) -> None:
+        try:
+            for i in range(50):
+                write_atomic(target, f"{n}-{i}".encode())
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert [p.name for p in tmp_path.iterdir()] == ["spec.json"]

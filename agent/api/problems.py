@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 from typing import Any, TypeVar
@@ -10,13 +11,16 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from agent.api.context import MAX_BODY_BYTES, REQUEST_ID
-from agent.errors import AgentError, BadRequest, InvalidRequest
+from agent.errors import AgentError, BadRequest, InvalidRequest, StorageUnavailable
 
 log = logging.getLogger("agent.api")
 M = TypeVar("M", bound=BaseModel)
 
 PROBLEM_BASE = "https://gpu.nodeagent.dev/problems/"
 PROBLEM_CONTENT_TYPE = "application/problem+json"
+#: errnos of a state directory that cannot take a write: answered 507, not 500.
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES,
+                            errno.EPERM})
 
 
 def problem_response(request: web.Request, *, status: int, type_name: str, title: str,
@@ -79,6 +83,13 @@ async def problem_middleware(request: web.Request, handler: Any) -> web.StreamRe
                                 title=err.title, detail=err.detail, extra=err.extra,
                                 headers={"WWW-Authenticate": "Bearer"} if err.status == 401
                                 else None)
+    except OSError as err:
+        if err.errno in STORAGE_ERRNOS:  # a durable write outside write_atomic's mapping
+            storage = StorageUnavailable(str(err.filename or "the state directory"), err)
+            return problem_response(request, status=storage.status,
+                                    type_name=storage.type_name, title=storage.title,
+                                    detail=storage.detail, extra=storage.extra)
+        return _internal_error(request)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -91,9 +102,14 @@ async def problem_middleware(request: web.Request, handler: Any) -> web.StreamRe
                                 type_name=exc.reason.lower().replace(" ", "-"),
                                 title=exc.reason, detail=detail, headers=headers)
     except Exception:
-        log.exception("unhandled error", extra={"request_id": request.get(REQUEST_ID),
-                                                "path": request.path})
-        return problem_response(request, status=500, type_name="internal-error",
-                                title="Internal error",
-                                detail="the agent failed unexpectedly; see its log for "
-                                       f"request id {request.get(REQUEST_ID)}")
+        return _internal_error(request)
+
+
+def _internal_error(request: web.Request) -> web.Response:
+    """Called inside an ``except`` block: logs the traceback."""
+    log.exception("unhandled error", extra={"request_id": request.get(REQUEST_ID),
+                                            "path": request.path})
+    return problem_response(request, status=500, type_name="internal-error",
+                            title="Internal error",
+                            detail="the agent failed unexpectedly; see its log for "
+                                   f"request id {request.get(REQUEST_ID)}")

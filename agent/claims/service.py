@@ -95,6 +95,7 @@ class ClaimService:
         self._held: dict[str, str] = {}  # device key -> claim uid
         self.corrupt: CheckpointCorrupt | None = None
         self._node_spec_task: asyncio.Task[None] | None = None
+        self._node_spec_lock = asyncio.Lock()
         self._node_spec_again = False
         mig_service.claims = self
 
@@ -422,8 +423,10 @@ class ClaimService:
     # -- the node-wide spec ----------------------------------------------------------------
 
     async def refresh_node_spec(self) -> None:
-        gpus = await self._inventory.refresh()
-        await asyncio.to_thread(self.cdi.write_node, gpus)
+        """Rewrite the node-wide spec from a fresh inventory (one writer at a time)."""
+        async with self._node_spec_lock:
+            gpus = await self._inventory.refresh()
+            await asyncio.to_thread(self.cdi.write_node, gpus)
 
     def _schedule_node_spec(self) -> None:
         """Rewrite the node-wide spec soon, coalescing bursts of changes into one write."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from agent.durable import keep_aside, write_atomic
+from agent.durable import document_digest, keep_aside, write_atomic
 from agent.errors import AgentError, InvalidRequest
 from agent.gpu.sim.naming import gpu_uuid
 from agent.gpu.sim.presets import Preset
@@ -208,6 +208,10 @@ class StateFile:
                 f"reads up to {SCHEMA_VERSION}. Use a newer gpu-agent or another state "
                 "directory.", path=str(self.path))
         try:
+            # Files from before the checksum have none (checked after the version: a newer
+            # simulator's file is refused as such, never kept aside).
+            if "sha256" in data and data["sha256"] != document_digest(data):
+                raise ValueError("checksum mismatch")
             state = HardwareState.from_json(data)
         except (KeyError, TypeError, ValueError) as err:
             self._corrupt(err)
@@ -224,7 +228,9 @@ class StateFile:
         return state
 
     def save(self, state: HardwareState) -> None:
-        data = json.dumps(state.to_json(), indent=1, sort_keys=True).encode() + b"\n"
+        doc = state.to_json()
+        doc["sha256"] = document_digest(doc)
+        data = json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n"
         write_atomic(self.path, data)
 
     def _corrupt(self, err: Exception) -> NoReturn:

@@ -10,6 +10,7 @@ from typing import Any
 import pynvml
 import pytest
 
+from agent.durable import document_digest
 from agent.errors import InvalidRequest, StateLocked
 from agent.gpu.sim.node import SimulatedNode
 from agent.gpu.sim.state import SCHEMA_VERSION, SimulatorStateError
@@ -136,6 +137,7 @@ def test_unknown_fields_are_tolerated(tmp_path: Path) -> None:
     data = json.loads(state_file.read_text())
     data["future"] = {"x": 1}
     data["gpus"][0]["also_future"] = True
+    data["sha256"] = document_digest(data)  # a newer writer checksums what it writes
     state_file.write_text(json.dumps(data))
     SimulatedNode("dgx-h100", tmp_path / "state", tmp_path / "proc").close()
 

@@ -1,0 +1,13 @@
+"""A bounded run of the crash-consistency harness (the runner does thousands)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.harness.crash import run
+
+
+def test_crash_trials_keep_every_invariant(tmp_path: Path) -> None:
+    figures = run(trials=20, seed=8, workdir=tmp_path)
+    assert figures.trials == 20
+    assert figures.kills >= 15
