@@ -10,9 +10,7 @@ import os
 import signal
 import socket
 import ssl
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from aiohttp import web
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
@@ -30,6 +28,8 @@ from agent.dra.service import SliceService
 from agent.durable import ExclusiveLock, write_atomic
 from agent.errors import AgentError, NvmlError
 from agent.events import EventLog, Severity
+from agent.gpu import backend as gpu_backend
+from agent.gpu.backend import Backend
 from agent.gpu.inventory import GpuInventory
 from agent.gpu.session import NvmlSession
 from agent.gpu.xid import XidWatcher
@@ -46,31 +46,10 @@ from agent.topology.service import HeldByClaims, TopologyService
 log = logging.getLogger("agent.daemon")
 
 
-@dataclass(frozen=True)
-class Backend:
-    """The NVML implementation the agent drives, and the simulator's controls if simulated."""
-
-    nvml: Any
-    name: str
-    sim: Any = None
-    sys_root: Path = Path("/sys")
-
-
 def open_backend(settings: Settings) -> Backend:
-    """The real ``pynvml`` module, or the simulated node of the chosen preset."""
-    if settings.simulate:
-        from agent.gpu.sim.node import SimulatedNode  # noqa: PLC0415 - only when simulating
-
-        node = SimulatedNode(settings.simulate, settings.state_dir, settings.proc_root)
-        # Faults armed before NVML is first touched (e.g. nvmlInit failing as if the driver
-        # were not loaded yet); later ones come through /v1/sim/faults.
-        for fault in json.loads(os.environ.get("GPU_AGENT_SIM_FAULTS", "[]")):
-            node.add_fault(**fault)
-        return Backend(nvml=node.nvml, name=f"simulated:{settings.simulate}", sim=node,
-                       sys_root=node.sys_root)
-    import pynvml  # noqa: PLC0415 - the real library is only loaded on real nodes
-
-    return Backend(nvml=pynvml, name="nvml")
+    """The NVML implementation the settings ask for."""
+    return gpu_backend.open_backend(simulate=settings.simulate, state_dir=settings.state_dir,
+                                    proc_root=settings.proc_root)
 
 
 def load_tokens(settings: Settings) -> TokenStore:

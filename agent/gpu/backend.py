@@ -1,0 +1,37 @@
+"""Which NVML the agent drives: the real ``pynvml`` module, or a simulated node of a preset.
+The one place that chooses; everything else gets the chosen module object."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The NVML implementation, and the simulator's controls when simulated."""
+
+    nvml: Any
+    name: str
+    sim: Any = None
+    sys_root: Path = Path("/sys")
+
+
+def open_backend(*, simulate: str | None, state_dir: Path, proc_root: Path) -> Backend:
+    """The simulated node of preset ``simulate`` (state under ``state_dir``), or real NVML."""
+    if simulate:
+        from agent.gpu.sim.node import SimulatedNode  # noqa: PLC0415 - only when simulating
+
+        node = SimulatedNode(simulate, state_dir, proc_root)
+        # Faults armed before NVML is first touched (e.g. nvmlInit failing as if the driver
+        # were not loaded yet); later ones come through /v1/sim/faults.
+        for fault in json.loads(os.environ.get("GPU_AGENT_SIM_FAULTS", "[]")):
+            node.add_fault(**fault)
+        return Backend(nvml=node.nvml, name=f"simulated:{simulate}", sim=node,
+                       sys_root=node.sys_root)
+    import pynvml  # noqa: PLC0415 - the real library is only loaded on real nodes
+
+    return Backend(nvml=pynvml, name="nvml")
