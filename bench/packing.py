@@ -41,14 +41,14 @@ import os
 import platform
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 
 from agent.claims.placement import Candidate, choose
 from agent.gpu.types import Placement
 from agent.mig.geometry import Catalog, Geometry, Instance
-from bench.mig_disruption import read_catalog
+from bench.mig_disruption import geometries_by_multiset, read_catalog
 
 PRESET = "dgx-h100"
 PROFILE_WEIGHTS: dict[str, float] = {
@@ -213,6 +213,53 @@ def replay(catalog: Catalog, trace: Trace, policy: Policy) -> list[tuple[str, bo
     return out
 
 
+# --- no fragmentation: placements redone at every arrival ---------------------------------
+
+
+def repacked(catalog: Catalog, trace: Trace) -> list[tuple[str, bool]]:
+    """(profile, admitted) per arrival when a request is admitted whenever the live requests
+    and it fit on the node together, however placed: as if every instance could be moved at
+    no cost at each arrival (MIG instances cannot be; a reference for what fragmentation
+    costs, not a policy). Exact: the live multiset is split over the GPUs by search."""
+    profiles = tuple(PROFILE_WEIGHTS)
+    feasible = sorted({tuple(dict(counts).get(p, 0) for p in profiles)
+                       for counts in geometries_by_multiset(catalog)
+                       if all(name in profiles for name, _ in counts)}, reverse=True)
+    feasible = [f for f in feasible if any(f)]
+    largest = sorted(range(len(profiles)), key=lambda i: catalog.profile(profiles[i]).size_key,
+                     reverse=True)
+
+    @cache
+    def fits(counts: tuple[int, ...], gpus: int) -> bool:
+        if not any(counts):
+            return True
+        if gpus == 0:
+            return False
+        first = next(i for i in largest if counts[i])  # some GPU holds one of these: GPU 1
+        return any(part[first] and all(a <= b for a, b in zip(part, counts, strict=True))
+                   and fits(tuple(b - a for a, b in zip(part, counts, strict=True)), gpus - 1)
+                   for part in feasible)
+
+    live = [0] * len(profiles)
+    admitted: set[int] = set()
+    out: list[tuple[str, bool]] = []
+    for _, kind, request, profile in trace.events:
+        index = profiles.index(profile)
+        if kind == 0:
+            if request in admitted:
+                admitted.remove(request)
+                live[index] -= 1
+            continue
+        live[index] += 1
+        if fits(tuple(live), trace.gpus):
+            admitted.add(request)
+            out.append((profile, True))
+        else:
+            live[index] -= 1
+            out.append((profile, False))
+    return out
+
+
 # --- exact search --------------------------------------------------------------------------
 
 # A GPU's live instances: sorted (request id, profile, start, size).
@@ -249,15 +296,23 @@ def _geometry(state: GpuState) -> Geometry:
         Instance(profile, Placement(start, size)) for _, profile, start, size in state))
 
 
-def optimum(catalog: Catalog, trace: Trace, *, must_admit: bool = True) -> int:
-    """The most requests of ``trace`` a clairvoyant placement admits (``must_admit``: a
-    request that fits somewhere is never turned away).
+def optimum(catalog: Catalog, trace: Trace, weights: Mapping[str, int], *,
+            lower: int = 0) -> int:
+    """The most weight (sum of ``weights[profile]`` over the requests admitted) a clairvoyant
+    placement gets out of ``trace``, admitting every request that fits somewhere when it
+    arrives. ``lower``: a weight some placement is known to reach (a policy's), which lets
+    the search skip what cannot beat it.
 
-    A memoised depth-first search over (event, live instances on each GPU). States are
-    canonical: each GPU's under the catalog's slice symmetries, and the GPUs sorted."""
+    Depth-first branch and bound over (event, live instances on each GPU), memoised. States
+    are canonical: each GPU's under the catalog's slice symmetries, and the GPUs sorted. The
+    bound on what is still to come sums the future requests that fit, on some GPU, beside the
+    current instances still alive then (later admissions only take room away)."""
     events = trace.events
     group = symmetries(catalog)
-
+    released = {request: at for at, kind, request, _ in events if kind == 0}
+    arrivals = [(position, at, profile) for position, (at, kind, _, profile)
+                in enumerate(events) if kind == 1]
+    @cache
     def canonical(state: GpuState) -> GpuState:
         return min(tuple(sorted((r, name, *table[(name, start, size)])
                                 for r, name, start, size in state)) for table in group)
@@ -270,34 +325,59 @@ def optimum(catalog: Catalog, trace: Trace, *, must_admit: bool = True) -> int:
         return tuple((p.start, p.size) for p in geometry.free_placements(spec)
                      if _fits(catalog, geometry, profile, p))
 
-    @cache
-    def best(position: int, gpus: tuple[GpuState, ...]) -> int:
-        if position == len(events):
-            return 0
-        _, kind, request, profile = events[position]
-        if kind == 0:
-            after = tuple(sorted(canonical(tuple(i for i in g if i[0] != request))
-                                 for g in gpus))
-            return best(position + 1, after)
-        found = -1
-        fitted = False
-        for index, gpu in enumerate(gpus):
-            if index and gpu == gpus[index - 1]:
-                continue  # the same state as the GPU before: the same futures
-            for start, size in options(gpu, profile):
-                fitted = True
-                placed = canonical((*gpu, (request, profile, start, size)))
-                after = tuple(sorted((*gpus[:index], placed, *gpus[index + 1:])))
-                found = max(found, 1 + best(position + 1, after))
-        if not fitted or not must_admit:
-            found = max(found, best(position + 1, gpus))
-        return found
+    def bound(position: int, gpus: tuple[GpuState, ...]) -> int:
+        return sum(weights[profile] for at_position, at, profile in arrivals
+                   if at_position >= position and any(
+                       options(tuple(i for i in gpu if released[i[0]] > at), profile)
+                       for gpu in gpus))
 
-    try:
-        return best(0, tuple(() for _ in range(trace.gpus)))
-    finally:
-        best.cache_clear()
-        options.cache_clear()
+    exact: dict[tuple[int, tuple[GpuState, ...]], int] = {}
+    upper: dict[tuple[int, tuple[GpuState, ...]], int] = {}
+    incumbent = lower
+
+    def search(position: int, gpus: tuple[GpuState, ...], gained: int) -> tuple[int, bool]:
+        """(value, exact): the most weight still to come from this state, or (not exact) a
+        bound on it that cannot lift ``gained`` above the incumbent."""
+        nonlocal incumbent
+        key = (position, gpus)
+        if key in exact:
+            incumbent = max(incumbent, gained + exact[key])
+            return exact[key], True
+        if position == len(events):
+            incumbent = max(incumbent, gained)
+            exact[key] = 0
+            return 0, True
+        most = upper.get(key)
+        if most is None:
+            most = bound(position, gpus)
+        if gained + most <= incumbent:
+            upper[key] = most
+            return most, False
+        _, kind, request, profile = events[position]
+        children: list[tuple[int, tuple[GpuState, ...]]] = []
+        if kind == 0:
+            children.append((0, tuple(sorted(canonical(tuple(
+                i for i in g if i[0] != request)) for g in gpus))))
+        else:
+            for index, gpu in enumerate(gpus):
+                if index and gpu == gpus[index - 1]:
+                    continue  # the same state as the GPU before: the same futures
+                for start, size in options(gpu, profile):
+                    placed = canonical((*gpu, (request, profile, start, size)))
+                    children.append((weights[profile], tuple(sorted(
+                        (*gpus[:index], placed, *gpus[index + 1:])))))
+            if not children:
+                children.append((0, gpus))  # fits nowhere: turned away
+        value, all_exact = -1, True
+        for gain, child in dict.fromkeys(children):
+            found, ok = search(position + 1, child, gained + gain)
+            value = max(value, gain + found)
+            all_exact = all_exact and ok
+        (exact if all_exact else upper)[key] = value
+        return value, all_exact
+
+    search(0, tuple(() for _ in range(trace.gpus)), 0)
+    return incumbent
 
 
 # --- the benchmark -------------------------------------------------------------------------

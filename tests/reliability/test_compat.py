@@ -116,13 +116,17 @@ def _flipped(raw: bytes) -> list[bytes]:
 DAMAGE = {"truncated": _truncated, "zeroed": _zeroed, "bit-flipped": _flipped}
 
 
-@pytest.mark.parametrize("damage", DAMAGE)
-@pytest.mark.parametrize(("kind", "fixture"), CASES, ids=IDS)
+# Files written before the checksum existed cannot show a bit flip (the next write adds the
+# checksum), so they are checked for truncation and zeroing only.
+DAMAGE_CASES = [pytest.param(kind, fixture, damage, id=f"{case_id}-{damage}")
+                for (kind, fixture), case_id in zip(CASES, IDS, strict=True)
+                for damage in DAMAGE
+                if not (damage == "bit-flipped" and "no-checksum" in fixture)]
+
+
+@pytest.mark.parametrize(("kind", "fixture", "damage"), DAMAGE_CASES)
 def test_damage_is_detected_and_kept_aside(tmp_path: Path, kind: Kind, fixture: str,
                                            damage: str) -> None:
-    if damage == "bit-flipped" and "no-checksum" in fixture:
-        pytest.skip("files written before the checksum cannot show a bit flip; "
-                    "the next write adds the checksum")
     raw = (DATA / fixture).read_bytes()
     (tmp_path / "intact").mkdir()
     intact = kind.load(_copy(tmp_path / "intact", fixture))
