@@ -16,6 +16,8 @@ import pytest
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT7
 
+from tests.tools import unavailable
+
 DATA = Path(__file__).resolve().parents[1] / "data" / "cdi-schema"
 CHECKER_SOURCE = Path(__file__).resolve().parent / "checker"
 GOPATH = Path("/usr/share/gocode")
@@ -25,12 +27,8 @@ Checker = Callable[..., dict[str, Any]]
 
 
 def _missing(what: str) -> None:
-    """A missing tool fails in CI and skips (saying why) on a developer machine."""
-    message = f"{what} (apt-get install golang-go " \
-              "golang-github-container-orchestrated-devices-container-device-interface-dev)"
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"CI needs {message}")
-    pytest.skip(f"needs {message}")
+    unavailable(f"{what} is not installed (apt-get install golang-go "
+                "golang-github-container-orchestrated-devices-container-device-interface-dev)")
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import shutil
 import signal
 import socket
 import ssl
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.agent_process import AgentProcess, start_agent
+from tests.tools import require_tool
 
 OPS = "ops-secret-Zq81mXv0aa"
 READER = "reader-secret-Hh27pLkk"
@@ -132,8 +132,7 @@ def _openssl(*args: str, cwd: Path) -> None:
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is needed to make a test CA (apt-get install openssl)")
+    require_tool("openssl", "apt-get install openssl; it makes the test CA")
     d = tmp_path_factory.mktemp("pki")
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test-ca",
              "-keyout", "ca.key", "-out", "ca.pem", cwd=d)

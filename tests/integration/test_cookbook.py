@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from agent.api.app import all_routes
 from tests.integration.agent_process import start_agent
+from tests.tools import require_tool
 
 COOKBOOK = Path(__file__).resolve().parents[2] / "docs" / "cookbook.md"
 _BLOCK = re.compile(r"^```sh\n(.*?)^```", re.S | re.M)
@@ -52,8 +50,7 @@ def test_every_route_is_in_the_cookbook() -> None:
 
 
 def test_cookbook_runs_against_a_simulated_agent(tmp_path: Path) -> None:
-    if shutil.which("curl") is None:
-        pytest.skip("curl is needed (apt-get install curl)")
+    require_tool("curl", "apt-get install curl")
     agent = start_agent(tmp_path / "state")
     try:
         # No ``set -x``: it would echo the token; the trap names the failing command instead.

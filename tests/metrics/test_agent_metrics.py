@@ -20,7 +20,7 @@ import pytest
 
 from tests.integration.agent_process import AgentProcess, start_agent
 from tests.metrics.textformat import parse
-from tests.metrics.tools import require_tool
+from tests.tools import require_tool
 
 # promtool lint messages that dcgm-exporter compatibility forces on the DCGM families only.
 DCGM_LINT = ("label names should be written in 'snake_case' not 'camelCase'",
@@ -71,7 +71,7 @@ def test_a_real_prometheus_ingests_the_agents_metrics(agent: AgentProcess,
                                                       tmp_path: Path) -> None:
     """Debian's Prometheus scrapes the metrics listener: GPU_UTIL for the 8 H100s, then
     FB_USED of seven 1g.10gb GPU instances after the geometry change on GPU 0."""
-    prometheus = require_tool("prometheus")
+    prometheus = require_tool("prometheus", "apt-get install prometheus")
     port = _free_port()
     target = urllib.parse.urlsplit(metrics_url(agent)).netloc
     config = tmp_path / "prometheus.yml"
@@ -120,7 +120,7 @@ def test_a_real_prometheus_ingests_the_agents_metrics(agent: AgentProcess,
 def test_promtool_lints_a_real_scrape(agent: AgentProcess) -> None:
     """No parse error, no duplicate series, and lint messages only where dcgm-exporter's names
     force them (camelCase labels, counters without _total) on DCGM families."""
-    promtool = require_tool("promtool")
+    promtool = require_tool("promtool", "apt-get install prometheus")
     split_gpu(agent, 1, ["3g.40gb", "2g.20gb", "1g.10gb"])
     body, headers = get(metrics_url(agent) + "/metrics")
     assert headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"

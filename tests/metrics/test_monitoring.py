@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 
 from agent.metrics.agent import AgentMetrics
 from agent.metrics.fields import BY_NAME
-from tests.metrics.tools import require_tool
+from tests.tools import require_tool
 
 MONITORING = Path(__file__).resolve().parents[2] / "daemonset" / "monitoring"
 DASHBOARD = MONITORING / "gpu-node-agent-dashboard.json"
@@ -67,7 +67,7 @@ def test_the_alerts_the_issue_asks_for_are_there() -> None:
 
 
 def test_promtool_accepts_the_rules_and_each_alert_fires() -> None:
-    promtool = require_tool("promtool")
+    promtool = require_tool("promtool", "apt-get install prometheus")
     check = subprocess.run([promtool, "check", "rules", str(ALERTS)], capture_output=True,
                            text=True, timeout=60, check=False)
     assert check.returncode == 0, check.stdout + check.stderr
