@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import argparse
 
-from bench import metrics_scrape, mig_disruption, mig_transition, startup, topology_select
+from bench import (
+    claims,
+    metrics_scrape,
+    mig_disruption,
+    mig_transition,
+    packing,
+    startup,
+    topology_select,
+)
 
-BENCHMARKS = ("startup", "mig-disruption", "mig-transition", "topology-select", "metrics-scrape")
+BENCHMARKS = ("startup", "mig-disruption", "mig-transition", "topology-select", "metrics-scrape",
+              "claims", "packing")
 
 
 def main() -> None:
@@ -36,6 +45,14 @@ def main() -> None:
         print()
     if args.only in (None, "metrics-scrape"):
         metrics_scrape.main()
+    if args.only is None:
+        print()
+    if args.only in (None, "claims"):
+        claims.main()
+    if args.only is None:
+        print()
+    if args.only in (None, "packing"):
+        packing.main()
 
 
 if __name__ == "__main__":

@@ -31,11 +31,11 @@ import platform
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -54,6 +54,9 @@ from agent.mig.geometry import DesiredProfiles
 from agent.mig.service import MigService
 from agent.mig.transition import DrainPolicy, TransitionState
 from bench.mig_transition import Agent
+
+if TYPE_CHECKING:
+    from _typeshed import HasFileno
 
 CLIENTS = (1, 16, 64)
 CYCLES = 384  # per row at least; 8 per client at least
@@ -274,7 +277,8 @@ async def _load(agent: Agent, pool: Sequence[dict[str, Any]], *, clients: int, c
 def _http_rows(agent: Agent, scenario: str, pool: Sequence[dict[str, Any]],
                clients: Sequence[int], cycles: int) -> list[HttpRow]:
     rows = []
-    asyncio.run(_load(agent, pool, clients=min(4, len(pool)), cycles=16, tag=f"warm-{scenario}"))
+    asyncio.run(_load(agent, pool, clients=min(4, len(pool)), cycles=min(16, cycles),
+                      tag=f"warm-{scenario}"))
     for n in clients:
         count = max(cycles, 8 * n)
         before = _checkpoint_writes(agent)
@@ -324,9 +328,9 @@ class _FsyncCounter:
 
     @contextmanager
     def installed(self) -> Iterator[None]:
-        real: Callable[[int], None] = os.fsync
+        real = os.fsync
 
-        def counting(fd: int) -> None:
+        def counting(fd: int | HasFileno) -> None:
             if not threading.current_thread().name.startswith("nvml-"):
                 with self._lock:
                     self.calls += 1
@@ -522,12 +526,12 @@ def report(result: ClaimsResult, disk: str = "?") -> list[str]:
         "",
         f"# In-process (ClaimService over SimulatedNode, no HTTP), same disk; {p.samples} "
         "interleaved samples",
-        f"{'operation':<52} {'ms p50':>7} {'ms p99':>7}",
-        f"{f'durable atomic write ({p.write_bytes} B: write, fsync, rename, fsync dir)':<52} "
+        f"{'operation':<62} {'ms p50':>7} {'ms p99':>7}",
+        f"{f'durable atomic write ({p.write_bytes} B: write, fsync, rename, fsync dir)':<62} "
         f"{_ms(p.write_p50_s):>7} {_ms(p.write_p99_s):>7}",
-        f"{'prepare, existing whole GPU, one at a time':<52} {_ms(p.prepare_p50_s):>7} "
+        f"{'prepare, existing whole GPU, one at a time':<62} {_ms(p.prepare_p50_s):>7} "
         f"{_ms(p.prepare_p99_s):>7}",
-        f"{'unprepare, existing whole GPU, one at a time':<52} {_ms(p.unprepare_p50_s):>7} "
+        f"{'unprepare, existing whole GPU, one at a time':<62} {_ms(p.unprepare_p50_s):>7} "
         f"{_ms(p.unprepare_p99_s):>7}",
         "",
         f"{'kind':<6} {'at once':>7} {'prepares':>8} {'errors':>6} {'ckpt writes/prepare':>19} "
@@ -542,13 +546,13 @@ def report(result: ClaimsResult, disk: str = "?") -> list[str]:
                  f"(target <= {PREPARE_P99_TARGET:g}): "
                  f"{_verdict(p.prepare_vs_write <= PREPARE_P99_TARGET)}")
     for scenario in ("gpu", "mig", "slice"):
-        scale = result.scaling(scenario)
+        scaling = result.scaling(scenario)
         rows = [r for r in result.http if r.scenario == scenario]
-        if scale is None or not rows:
+        if scaling is None or not rows:
             continue
         most = max(r.clients for r in rows)
-        lines.append(f"throughput {most} clients / 1 client, {scenario}: {scale:.1f}x "
-                     f"(target >= {SCALING_TARGET:g}): {_verdict(scale >= SCALING_TARGET)}")
+        lines.append(f"throughput {most} clients / 1 client, {scenario}: {scaling:.1f}x "
+                     f"(target >= {SCALING_TARGET:g}): {_verdict(scaling >= SCALING_TARGET)}")
     return lines
 
 

@@ -285,17 +285,19 @@ async def _read_gpus(nvml: Any) -> tuple[Gpu, ...]:
 
 
 def generate(args: argparse.Namespace) -> int:
-    """``cdi generate``: open NVML (or the simulated node) as ``serve`` would, without
-    starting the agent, and write the node-wide spec."""
-    from agent import daemon  # noqa: PLC0415 - keeps client verbs fast to start
-    from agent.claims.cdi_writer import CdiWriter  # noqa: PLC0415
+    """``cdi generate``: open NVML (or the simulated node) as ``serve`` would, with the same
+    settings resolution and backend choice, without starting the agent; write the node-wide
+    spec."""
+    from agent.claims.cdi_writer import CdiWriter  # noqa: PLC0415 - keeps client verbs fast
     from agent.errors import AgentError  # noqa: PLC0415
+    from agent.gpu.backend import open_backend  # noqa: PLC0415
     from agent.settings import resolve  # noqa: PLC0415
 
     try:
         settings = resolve({"simulate": args.simulate, "state_dir": args.state_dir,
                             "proc_root": args.proc_root, "driver_root": args.driver_root})
-        backend = daemon.open_backend(settings)
+        backend = open_backend(simulate=settings.simulate, state_dir=settings.state_dir,
+                               proc_root=settings.proc_root)
         try:
             gpus = asyncio.run(_read_gpus(backend.nvml))
         finally:
