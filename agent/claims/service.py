@@ -40,6 +40,7 @@ from agent.errors import (
     DeviceBusy,
     InvalidRequest,
     NotFound,
+    NvmlError,
 )
 from agent.events import EventLog, Severity
 from agent.gpu import mig
@@ -47,6 +48,7 @@ from agent.gpu.inventory import GpuInventory
 from agent.gpu.session import NvmlSession
 from agent.gpu.types import GiProfile, Gpu, MigDevice, Placement
 from agent.mig.catalog import catalog_of
+from agent.mig.geometry import Geometry, Instance
 from agent.mig.service import MigService
 
 log = logging.getLogger("agent.claims")
@@ -93,6 +95,9 @@ class ClaimService:
         self._uid_locks: dict[str, asyncio.Lock] = {}
         self._gpu_locks: dict[str, asyncio.Lock] = {}
         self._held: dict[str, str] = {}  # device key -> claim uid
+        # Slices chosen but not yet made, per GPU: counted by every later choice, so
+        # concurrent prepares spread over free placements instead of colliding on one.
+        self._pending: dict[str, list[Instance]] = {}
         self.corrupt: CheckpointCorrupt | None = None
         self._node_spec_task: asyncio.Task[None] | None = None
         self._node_spec_lock = asyncio.Lock()
@@ -158,9 +163,38 @@ class ClaimService:
                 await self._undo(record)
             return await self._prepare(uid, requests, metadata, digest)
 
+    async def _gpus_for(self, requests: Sequence[DeviceRequest]) -> tuple[Gpu, ...]:
+        """The inventory to resolve against: the last snapshot when every named device is in
+        it and one cheap NVML read per device confirms it (a MIG device still answers, a GPU
+        still has the MIG mode the snapshot says, and is not lost), else a fresh read of every
+        GPU. Slice requests always read afresh (they walk the GPUs anyway)."""
+        gpus = self._inventory.gpus
+        if not gpus or any(r.kind == "slice" for r in requests):
+            return await self._inventory.refresh()
+        try:
+            for request in requests:
+                gpu, device = _resolve(request.device or "", gpus)
+                if not await self._session.read(partial(self._confirms, gpu, device)):
+                    return await self._inventory.refresh()
+        except (InvalidRequest, NvmlError):
+            return await self._inventory.refresh()
+        return gpus
+
+    def _confirms(self, gpu: Gpu, device: MigDevice | None) -> bool:
+        """Whether the hardware still shows what the snapshot says (NVML worker thread)."""
+        if device is not None:
+            self._session.call("nvmlDeviceGetHandleByUUID", device.uuid, gpu=gpu.uuid)
+            return True
+        handle = self._session.gpu_handle(gpu.uuid)
+        if not gpu.static.mig_capable:
+            self._session.call("nvmlDeviceGetMinorNumber", handle, gpu=gpu.uuid)
+            return True
+        current, _ = self._session.call("nvmlDeviceGetMigMode", handle, gpu=gpu.uuid)
+        return gpu.mig_mode is not None and bool(current) == gpu.mig_mode.current
+
     async def _prepare(self, uid: str, requests: Sequence[DeviceRequest],
                        metadata: Mapping[str, str], digest: str) -> ClaimRecord:
-        gpus = await self._inventory.refresh()
+        gpus = await self._gpus_for(requests)
         now = time.time()
         record = ClaimRecord(uid=uid, state="prepare_started", devices=[],
                              request_digest=digest, metadata=dict(metadata),
@@ -173,13 +207,17 @@ class ClaimService:
                 if request.kind == "slice":
                     await self._make_slice(uid, record, request, gpus)
             minors = {g.uuid: g.static.minor for g in gpus}
-            path = await asyncio.to_thread(self.cdi.write_claim, uid, [
-                (d, minors[d.gpu]) for d in record.devices])
-            record.cdi_spec = str(path)
+            record.cdi_spec = str(self.cdi.claim_path(uid))
             record.state = "prepare_completed"
             record.updated_at = time.time()
             self.checkpoint.data.claims[uid] = record
-            await self.checkpoint.commit()
+            # The spec and the checkpoint are written at the same time: either order of a crash
+            # between them is repaired at start-up (specs are rebuilt for completed claims and
+            # removed when no claim owns them), and the answer waits for both.
+            await asyncio.gather(
+                asyncio.to_thread(self.cdi.write_claim, uid, [
+                    (d, minors[d.gpu]) for d in record.devices]),
+                self.checkpoint.commit())
         except BaseException:
             await self._undo(record)
             raise
@@ -197,6 +235,9 @@ class ClaimService:
         record.devices.append(device)
 
     def _usable_gpu(self, gpu: Gpu) -> None:
+        lost = self._session.lost_reason(gpu.uuid)
+        if lost:
+            raise DeviceBusy(f"GPU {gpu.index} is lost: {lost}", gpu=gpu.uuid)
         if not gpu.health.healthy:
             raise DeviceBusy(f"GPU {gpu.index} is unhealthy: {'; '.join(gpu.health.reasons)}",
                              gpu=gpu.uuid)
@@ -266,25 +307,39 @@ class ClaimService:
             if choice is None:
                 break
             gpu, placement = choice
-            async with self._gpu_locks.setdefault(gpu.uuid, asyncio.Lock()):
-                geometry, _ = await self._mig.current(gpu)
-                if any(i.placement.overlaps(placement) for i in geometry.instances):
-                    continue
-                await self._create(uid, record, request, gpu=gpu, profile=profile,
-                                   placement=placement)
-                return
+            mine = Instance(profile, placement)
+            self._pending.setdefault(gpu.uuid, []).append(mine)
+            try:
+                async with self._gpu_locks.setdefault(gpu.uuid, asyncio.Lock()):
+                    geometry, _ = await self._mig.current(gpu)
+                    if any(i.placement.overlaps(placement) for i in geometry.instances):
+                        continue  # the hardware changed under the choice: choose again
+                    await self._create(uid, record, request, gpu=gpu, profile=profile,
+                                       placement=placement)
+                    return
+            finally:
+                self._pending[gpu.uuid].remove(mine)
         raise DeviceBusy(f"no room for a {profile} slice"
                          + (f" starting at memory slice {start}" if start is not None else "")
                          + " on the eligible GPUs")
 
     async def _choose(self, profile: str, start: int | None,
                       usable: Sequence[Gpu]) -> tuple[Gpu, Placement] | None:
+        geometries = {}
+        for gpu in usable:
+            if self._mig.active(gpu.uuid) is None:
+                geometries[gpu.uuid] = (await self._mig.current(gpu))[0]
+        # From here to the caller's reservation nothing awaits: the pending slices counted
+        # now are exactly those reserved before this choice.
         candidates = []
         for gpu in usable:
-            if self._mig.active(gpu.uuid) is not None:
-                continue
-            geometry, _ = await self._mig.current(gpu)
-            candidates.append(Candidate(gpu.index, catalog_of(gpu.profiles), geometry))
+            if gpu.uuid in geometries:
+                geometry = geometries[gpu.uuid]
+                pending = [p for p in self._pending.get(gpu.uuid, ())
+                           if not any(i.placement.overlaps(p.placement)
+                                      for i in geometry.instances)]
+                candidates.append(Candidate(gpu.index, catalog_of(gpu.profiles), Geometry(
+                    mig_enabled=True, instances=(*geometry.instances, *pending))))
         choice = choose(candidates, profile, start)
         if choice is None:
             return None

@@ -200,7 +200,7 @@ async def test_draining_and_unhealthy_devices_are_refused(node: Node) -> None:
         await node.claims.prepare("d1", [gpu(device.uuid)], {})
     await node.mig.cancel(outcome.transition.id)
     node.sim.inject_xid((await node.gpu(6)).uuid, 79)
-    with pytest.raises(DeviceBusy, match="unhealthy"):
+    with pytest.raises(DeviceBusy, match="unhealthy|lost"):
         await node.claims.prepare("d2", [gpu("6")], {})
 
 
@@ -293,3 +293,18 @@ def test_newer_fields_are_ignored() -> None:
     payload = json.loads(raw.partition(b"\n")[2])
     assert "future_field" in json.dumps(payload)
     assert decode(raw).claims["c-new"].state == "prepare_completed"
+
+
+async def test_concurrent_slices_spread_instead_of_colliding(node: Node) -> None:
+    """14 concurrent 1g.10gb slice prepares on two empty MIG GPUs: every one fits, so every one
+    succeeds (choices made at once must not all pick the same placement)."""
+    await node.mig_to(0, [])
+    await node.mig_to(1, [])
+    results = await asyncio.gather(*(node.claims.prepare(f"s{i}", [slice_("1g.10gb")], {})
+                                     for i in range(14)), return_exceptions=True)
+    assert [r for r in results if isinstance(r, BaseException)] == []
+    placements = {(d.gpu, d.slice.start) for r in results if not isinstance(r, BaseException)
+                  for d in r.devices if d.slice is not None}
+    assert len(placements) == 14
+    with pytest.raises(DeviceBusy, match="no room"):
+        await node.claims.prepare("s-extra", [slice_("1g.10gb")], {})
