@@ -8,7 +8,6 @@ import json
 import platform
 import re
 import sys
-import tarfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -122,6 +121,8 @@ def _support_bundle(args: argparse.Namespace, client: AgentClient) -> int:
         except OSError as err:
             found["agent.log"] = f"cannot read {args.log_file}: {err.strerror}\n"
     secrets = (client.token,) if client.token else ()
+    import tarfile  # noqa: PLC0415 - only the support bundle writes an archive
+
     with tarfile.open(output, "w:gz") as archive:
         for member, content in sorted(found.items()):
             text = content if isinstance(content, str) else json.dumps(content, indent=2)

@@ -20,7 +20,10 @@ Command = Callable[[argparse.Namespace, AgentClient], int]
 
 def _serve(args: argparse.Namespace) -> int:
     from agent import daemon, logs, systemd  # noqa: PLC0415 - keeps client verbs fast
+    from agent.host import limit_malloc_arenas  # noqa: PLC0415
     from agent.settings import resolve  # noqa: PLC0415
+
+    limit_malloc_arenas()
 
     try:
         settings = resolve({

@@ -9,8 +9,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from agent.cli.client import AgentClient, ClientError
 from agent.cli.tables import table
 from agent.gpu.types import Placement
@@ -155,6 +153,8 @@ def _export(args: argparse.Namespace, client: AgentClient) -> int:
             for i in doc["instances"]))
     if not layouts:
         raise ClientError("no MIG-capable GPU on this node")
+    import yaml  # noqa: PLC0415 - only this verb writes YAML
+
     config = export_config(layouts)
     sys.stdout.write(json.dumps(config, indent=2) + "\n" if args.json
                      else yaml.safe_dump(config, sort_keys=False))

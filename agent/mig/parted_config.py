@@ -19,13 +19,13 @@ The format::
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -297,12 +297,11 @@ class MigConfigFile(BaseModel):
 # --- parsing -------------------------------------------------------------------------------
 
 
-class _Loader(yaml.SafeLoader):
-    """``yaml.safe_load`` that also rejects a key given twice in one mapping (a label written
-    twice would otherwise silently lose the first)."""
+def _no_duplicates(loader: Any, node: Any) -> dict[Any, Any]:
+    """A mapping constructor that rejects a key given twice (a label written twice would
+    otherwise silently lose the first)."""
+    import yaml  # noqa: PLC0415 - YAML is needed only to parse a config (saves RSS otherwise)
 
-
-def _no_duplicates(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
     seen: set[Any] = set()
     for key_node, _ in node.value:
         if key_node.tag == "tag:yaml.org,2002:merge":
@@ -317,15 +316,26 @@ def _no_duplicates(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any,
             raise yaml.constructor.ConstructorError(
                 "while constructing a mapping", node.start_mark,
                 f"found duplicate key {key!r}", key_node.start_mark)
-    return loader.construct_mapping(node, deep=True)
+    return dict(loader.construct_mapping(node, deep=True))
 
 
-_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _no_duplicates)
+@functools.cache
+def _loader() -> Any:
+    """``yaml.SafeLoader`` with :func:`_no_duplicates` (made on first use)."""
+    import yaml  # noqa: PLC0415
+
+    class _Loader(yaml.SafeLoader):
+        pass
+
+    _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _no_duplicates)
+    return _Loader
 
 
 def _load_yaml(text: str) -> Any:
+    import yaml  # noqa: PLC0415
+
     try:
-        return yaml.load(text, Loader=_Loader)  # a SafeLoader
+        return yaml.load(text, Loader=_loader())  # a SafeLoader
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
