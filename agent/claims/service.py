@@ -335,15 +335,25 @@ class ClaimService:
         for gpu in usable:
             if gpu.uuid in geometries:
                 geometry = geometries[gpu.uuid]
-                pending = [p for p in self._pending.get(gpu.uuid, ())
-                           if not any(i.placement.overlaps(p.placement)
-                                      for i in geometry.instances)]
+                # Slices reserved or recorded since the walk (another prepare may have made
+                # one while this one read) count as taken too.
+                taken = [*self._pending.get(gpu.uuid, ()), *self._recorded_slices(gpu.uuid)]
+                extra: list[Instance] = []
+                for t in taken:
+                    if not any(i.placement.overlaps(t.placement)
+                               for i in (*geometry.instances, *extra)):
+                        extra.append(t)
                 candidates.append(Candidate(gpu.index, catalog_of(gpu.profiles), Geometry(
-                    mig_enabled=True, instances=(*geometry.instances, *pending))))
+                    mig_enabled=True, instances=(*geometry.instances, *extra))))
         choice = choose(candidates, profile, start)
         if choice is None:
             return None
         return next(g for g in usable if g.index == choice.index), choice.placement
+
+    def _recorded_slices(self, gpu: str) -> list[Instance]:
+        return [Instance(d.slice.profile, Placement(d.slice.start, d.slice.size))
+                for r in self.checkpoint.data.claims.values() if r.state != "lost"
+                for d in r.devices if d.slice is not None and d.slice.gpu == gpu]
 
     async def _create(self, uid: str, record: ClaimRecord, request: DeviceRequest, *, gpu: Gpu,
                       profile: str, placement: Placement) -> None:

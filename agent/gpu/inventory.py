@@ -40,6 +40,8 @@ _PROFILE_INDEX_ME = 0x7
 # Words of the CPU set passed to nvmlDeviceGetCpuAffinity: 1024 CPUs, more than any host has.
 _CPU_SET_WORDS = 16
 _NOT_AVAILABLE = ("NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_INVALID_ARGUMENT")
+# A MIG device handle whose instance was destroyed mid-walk answers one of these.
+_GONE = ("NVML_ERROR_INVALID_ARGUMENT", "NVML_ERROR_NOT_FOUND")
 
 
 def _text(value: Any) -> str:
@@ -166,22 +168,23 @@ def read_mig_devices(session: NvmlSession, handle: Any, uuid: str,
                  for gi in read_instances(session, handle, uuid, profiles)}
     devices: list[MigDevice] = []
     for index, mig in mig_device_handles(session, handle, uuid):
-        gi_id = int(session.call("nvmlDeviceGetGpuInstanceId", mig, gpu=uuid))
-        attributes = session.call("nvmlDeviceGetAttributes", mig, gpu=uuid)
+        try:
+            gi_id = int(session.call("nvmlDeviceGetGpuInstanceId", mig, gpu=uuid))
+            attributes = session.call("nvmlDeviceGetAttributes", mig, gpu=uuid)
+            device_uuid = _text(session.call("nvmlDeviceGetUUID", mig, gpu=uuid))
+            ci_id = int(session.call("nvmlDeviceGetComputeInstanceId", mig, gpu=uuid))
+        except NvmlError as err:
+            if err.name not in _GONE:
+                raise
+            continue  # destroyed while this walk ran; the next refresh does not list it
         if gi_id not in instances:
             # Created between the two walks; the next refresh sees it whole.
             continue
         profile, placement = instances[gi_id]
         devices.append(MigDevice(
-            index=index,
-            uuid=_text(session.call("nvmlDeviceGetUUID", mig, gpu=uuid)),
-            profile=profile,
-            gi_id=gi_id,
-            ci_id=int(session.call("nvmlDeviceGetComputeInstanceId", mig, gpu=uuid)),
-            placement=placement,
-            memory_mib=int(attributes.memorySizeMB),
-            multiprocessors=int(attributes.multiprocessorCount),
-        ))
+            index=index, uuid=device_uuid, profile=profile, gi_id=gi_id, ci_id=ci_id,
+            placement=placement, memory_mib=int(attributes.memorySizeMB),
+            multiprocessors=int(attributes.multiprocessorCount)))
     return tuple(devices)
 
 

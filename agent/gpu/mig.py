@@ -24,6 +24,9 @@ from agent.gpu.types import (
 )
 
 _NOT_AVAILABLE = ("NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_INVALID_ARGUMENT")
+# What a handle answers once its instance is destroyed: a walk in the read pool can race a
+# destroy on the GPU's mutation thread, and an instance gone mid-walk is simply not there.
+_GONE = ("NVML_ERROR_INVALID_ARGUMENT", "NVML_ERROR_NOT_FOUND")
 # NVML reports "no instance" in process records as 0xFFFFFFFF.
 _NO_INSTANCE = 0xFFFFFFFF
 # Enough room for every CI a GI can hold (7 on a 7g).
@@ -52,10 +55,14 @@ def _compute_instances(session: NvmlSession, gi: Any, uuid: str) -> list[tuple[A
     for profile in _ci_profiles(session, gi, uuid):
         array = (nvml.c_nvmlComputeInstance_t * _MAX_CIS)()
         count = ctypes.c_uint(_MAX_CIS)
-        session.call("nvmlGpuInstanceGetComputeInstances", gi, int(profile.id), array,
-                     ctypes.byref(count), gpu=uuid)
-        for ci in array[: count.value]:
-            found.append((ci, session.call("nvmlComputeInstanceGetInfo", ci, gpu=uuid)))
+        try:
+            session.call("nvmlGpuInstanceGetComputeInstances", gi, int(profile.id), array,
+                         ctypes.byref(count), gpu=uuid)
+            for ci in array[: count.value]:
+                found.append((ci, session.call("nvmlComputeInstanceGetInfo", ci, gpu=uuid)))
+        except NvmlError as err:
+            if err.name not in _GONE:
+                raise
     return found
 
 
@@ -71,7 +78,12 @@ def read_instances(session: NvmlSession, handle: Any, uuid: str,
         session.call("nvmlDeviceGetGpuInstances", handle, profile.id, array, ctypes.byref(count),
                      gpu=uuid)
         for gi in array[: count.value]:
-            info = session.call("nvmlGpuInstanceGetInfo", gi, gpu=uuid)
+            try:
+                info = session.call("nvmlGpuInstanceGetInfo", gi, gpu=uuid)
+            except NvmlError as err:
+                if err.name not in _GONE:
+                    raise
+                continue  # destroyed while this walk ran (a read racing a mutation)
             cis = tuple(sorted(
                 (ComputeInstanceState(int(ci.id), int(ci.profileId),
                                       Placement(int(ci.placement.start), int(ci.placement.size)))

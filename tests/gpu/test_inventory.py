@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from agent.errors import NotFound
 from agent.gpu import mig
-from agent.gpu.inventory import GpuInventory
+from agent.gpu.inventory import GpuInventory, read_mig_devices
 from agent.gpu.sim.presets import PRESETS
 from agent.gpu.types import Placement
 from tests.gpu.conftest import SessionFactory
@@ -130,3 +132,34 @@ async def test_a_gpu_lost_before_start_is_listed_unhealthy(open_session: Session
     assert not lost.health.healthy
     assert lost.static.uuid == "GPU-LOST-0"
     assert all(g.health.healthy for g in inventory.gpus[1:])
+
+
+async def test_a_walk_racing_destroys_skips_what_vanished(open_session: SessionFactory) -> None:
+    """Reads run in the read pool while a GPU's mutations run on its own thread: an instance
+    destroyed mid-walk is simply absent, never an error (found by the claims benchmark)."""
+    node, session = open_session("dgx-h100")
+    await session.initialise()
+    uuid = node.gpu_uuids()[0]
+    handle = node.nvml.nvmlDeviceGetHandleByIndex(0)
+    mig.set_mig_mode(session, handle, uuid, True)
+    inventory = GpuInventory(session)
+    await inventory.load()
+    profiles = inventory.gpus[0].profiles
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            gi = mig.create_gpu_instance(session, handle, uuid, 19, Placement(6, 1))
+            mig.create_compute_instance(session, handle, uuid, gi)
+            mig.destroy_compute_instances(session, handle, uuid, gi)
+            mig.destroy_gpu_instance(session, handle, uuid, gi)
+
+    worker = threading.Thread(target=churn)
+    worker.start()
+    try:
+        for _ in range(200):
+            mig.read_instances(session, handle, uuid, profiles)
+            read_mig_devices(session, handle, uuid, profiles)
+    finally:
+        stop.set()
+        worker.join()
