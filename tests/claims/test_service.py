@@ -200,7 +200,7 @@ async def test_draining_and_unhealthy_devices_are_refused(node: Node) -> None:
         await node.claims.prepare("d1", [gpu(device.uuid)], {})
     await node.mig.cancel(outcome.transition.id)
     node.sim.inject_xid((await node.gpu(6)).uuid, 79)
-    with pytest.raises(DeviceBusy, match="unhealthy|lost"):
+    with pytest.raises(DeviceBusy, match=r"unhealthy|lost"):
         await node.claims.prepare("d2", [gpu("6")], {})
 
 
