@@ -145,7 +145,7 @@ async def apply_config(request: web.Request) -> web.Response:
                                         explicit_mode=True, apply_id=record.id)
         record.gpus.append((gpu.uuid, index, outcome.transition.id
                             if outcome.transition else None))
-    service.applies[record.id] = record
+    service.remember_apply(record)
     return json_response(_apply_model(service, record), status=202,
                          headers={"Location": f"/v1/mig/apply/{record.id}"})
 

@@ -14,7 +14,8 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Literal
@@ -92,7 +93,8 @@ class ClaimService:
         self.cdi = cdi
         self._events = events
         self._tombstone_s = tombstone_s
-        self._uid_locks: dict[str, asyncio.Lock] = {}
+        # Per-UID lock and how many calls hold or wait on it; dropped when that reaches 0.
+        self._uid_locks: dict[str, tuple[asyncio.Lock, int]] = {}
         self._gpu_locks: dict[str, asyncio.Lock] = {}
         self._held: dict[str, str] = {}  # device key -> claim uid
         # Slices chosen but not yet made, per GPU: counted by every later choice, so
@@ -146,7 +148,7 @@ class ClaimService:
         """Prepare a claim; a repeat with the same devices returns the same answer."""
         self._usable()
         digest = _digest(requests)
-        async with self._uid_locks.setdefault(uid, asyncio.Lock()):
+        async with self._claim_lock(uid):
             record = self.checkpoint.data.claims.get(uid)
             if record is not None and record.state == "prepare_completed":
                 if record.request_digest != digest:
@@ -376,12 +378,29 @@ class ClaimService:
         device.slice.gi_id, device.slice.ci_id = created[0], created[1]
         self._schedule_node_spec()
 
+    @asynccontextmanager
+    async def _claim_lock(self, uid: str) -> AsyncIterator[None]:
+        """Hold the claim's lock; the entry goes once no call holds or waits on it, on every
+        path (failed prepares and repeated unprepares too), so the map stays bounded by the
+        claims in flight."""
+        lock, users = self._uid_locks.get(uid, (asyncio.Lock(), 0))
+        self._uid_locks[uid] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._uid_locks[uid]
+            if users > 1:
+                self._uid_locks[uid] = (lock, users - 1)
+            else:
+                del self._uid_locks[uid]
+
     # -- unprepare -------------------------------------------------------------------------
 
     async def unprepare(self, uid: str) -> None:
         """Unprepare; an unknown claim is a success (unprepare may be repeated)."""
         self._usable()
-        async with self._uid_locks.setdefault(uid, asyncio.Lock()):
+        async with self._claim_lock(uid):
             record = self.checkpoint.data.claims.get(uid)
             self.checkpoint.data.tombstones[uid] = time.time()
             if record is None:
@@ -390,7 +409,6 @@ class ClaimService:
             record.state = "unprepare_started"
             await self.checkpoint.commit()
             await self._undo(record)
-        self._uid_locks.pop(uid, None)
         self._events.append("claim.unprepared", f"claim {uid} unprepared",
                             details={"claim": uid})
 

@@ -260,6 +260,12 @@ class MigService:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def remember_apply(self, record: ApplyRecord) -> None:
+        """Keep a node-wide apply for ``GET /v1/mig/apply/{id}`` (the newest ones only)."""
+        self.applies[record.id] = record
+        while len(self.applies) > HISTORY:
+            self.applies.popitem(last=False)
+
     def _remember_transition(self, transition: Transition) -> None:
         self._history[transition.id] = transition
         while len(self._history) > HISTORY:
