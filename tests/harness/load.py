@@ -35,8 +35,6 @@ import asyncio
 import contextlib
 import json
 import math
-import os
-import platform
 import random
 import re
 import tempfile
@@ -49,6 +47,7 @@ from typing import Any
 import aiohttp
 
 from agent.claims.checkpoint import decode
+from bench.claims import machine, percentile
 from tests.integration.agent_process import AgentProcess, start_agent
 
 WHOLE_GPUS = ("0", "1")
@@ -83,19 +82,6 @@ class Figures:
     def errors(self, op: str) -> int:
         return sum(n for code, n in self.codes[op].items()
                    if code not in EXPECTED[op.split(":", maxsplit=1)[0]])
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (``q`` in 0..100); 0 for no values."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
-
-
-def machine() -> str:
-    return (f"{os.cpu_count()} CPUs {platform.processor() or platform.machine()}, "
-            f"Python {platform.python_version()}")
 
 
 class _Wait(Exception):
