@@ -31,6 +31,10 @@ A100_80 = 81920
     # 70.5 GB: Go's math.Round gives 71, Python's round() would give 70.
     (3, 71168, H200, False, "3g.71gb"),
     (7, 143104, H200, False, "7g.141gb"),
+    # Driver 580.159.04 on a real H200 reports 256 MiB more from 2 slices up: same names.
+    (1, 33280, H200, False, "1g.35gb"),
+    (3, 71424, H200, False, "3g.71gb"),
+    (7, 143360, H200, False, "7g.141gb"),
     (1, 9984, A100_80, False, "1g.10gb"),
     (7, 81024, A100_80, False, "7g.80gb"),
 ])

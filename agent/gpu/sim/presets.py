@@ -327,7 +327,9 @@ H200 = GpuModel(
     sm_clock_max_mhz=1980, mem_clock_mhz=3201, idle_temp_c=31, load_temp_c=70,
     sm_per_slice=16, rev1_ci_multiprocessors=26, nvlinks=18, nvlink_version=6,
     pcie_generation=5,
-    gi_profiles=_hopper_profiles(_gib(16.00), _gib(32.25), _gib(69.50), _gib(139.75)),
+    # Driver 580.159.04 on a real H200 (tests/data/hardware/): 256 MiB more from 2 slices up
+    # than mig-parted #120's older capture (32.25, 69.50, 139.75 GiB); the names are the same.
+    gi_profiles=_hopper_profiles(_gib(16.00), _gib(32.50), _gib(69.75), _gib(140.00)),
 )
 
 L40S = GpuModel(

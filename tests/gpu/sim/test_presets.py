@@ -4,12 +4,16 @@ NVML calls the hardware layer makes."""
 from __future__ import annotations
 
 import ctypes
+import json
+from pathlib import Path
 from typing import Any
 
 import pynvml
 import pytest
 
 from agent.errors import InvalidRequest
+from agent.gpu.inventory import read_gi_profiles, read_static
+from agent.gpu.session import NvmlSession
 from agent.gpu.naming import mig_memory_gb, mig_profile_name
 from agent.gpu.sim.node import SimulatedNode
 from agent.gpu.sim.presets import PRESETS, get_preset, preset_names
@@ -71,6 +75,33 @@ def test_gpu_instance_profile_matches_the_real_table(make_node: NodeFactory, pre
     v1 = node.nvml.nvmlDeviceGetGpuInstanceProfileInfo(handle, index, version=1)
     assert isinstance(v1, pynvml.c_nvmlGpuInstanceProfileInfo_t)
     assert (v1.id, v1.memorySizeMB) == (profile_id, mib)
+
+
+REAL_H200 = Path(__file__).parents[2] / "data" / "hardware" / "h200-driver-580.159.04.json"
+
+
+def test_hgx_h200_reads_like_a_real_h200(make_node: NodeFactory) -> None:
+    """What a real H200 answered to the agent's own inventory code (a read-only device check,
+    kept as a fixture): name, memory, every GPU-instance profile and its placements, with MIG
+    mode off, as there."""
+    real = json.loads(REAL_H200.read_text())
+    node = make_node("hgx-h200")
+    session = NvmlSession(node.nvml)
+    try:
+        static = read_static(session, 0)
+        handle = session.gpu_handle(static.uuid)
+        assert int(node.nvml.nvmlDeviceGetMemoryInfo(handle).total) == real["memory_total_bytes"]
+        assert {key: getattr(static, key) for key in real["gpu"]} == real["gpu"]
+        profiles = [{"name": p.name, "id": p.id, "slices": p.slices, "memory_mib": p.memory_mib,
+                     "multiprocessors": p.multiprocessors, "copy_engines": p.copy_engines,
+                     "decoders": p.decoders, "encoders": p.encoders,
+                     "jpeg_engines": p.jpeg_engines, "ofa_engines": p.ofa_engines,
+                     "max_instances": p.max_instances,
+                     "placements": [{"start": x.start, "size": x.size} for x in p.placements]}
+                    for p in read_gi_profiles(session, handle, static)]
+    finally:
+        session.close()
+    assert profiles == real["gi_profiles"]
 
 
 def test_index_constants_the_sku_lacks_are_not_supported(h100: SimulatedNode) -> None:
