@@ -13,8 +13,8 @@ import pytest
 
 from agent.errors import InvalidRequest
 from agent.gpu.inventory import read_gi_profiles, read_static
-from agent.gpu.session import NvmlSession
 from agent.gpu.naming import mig_memory_gb, mig_profile_name
+from agent.gpu.session import NvmlSession
 from agent.gpu.sim.node import SimulatedNode
 from agent.gpu.sim.presets import PRESETS, get_preset, preset_names
 
