@@ -37,21 +37,23 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, data: bytes, *, mode: int = 0o644) -> None:
+def write_atomic(path: Path, data: bytes, *, mode: int = 0o644, durable: bool = True) -> None:
     """Replace ``path`` with ``data``: temp file in the same directory, fsync, rename, fsync dir.
+    ``durable=False`` skips both fsyncs: readers still see the old or the new file, never a
+    part, but a power loss may lose the change (for files rebuilt at every start).
 
     A failure (disk full, read-only directory, I/O error) leaves ``path`` as it was, removes
     the temp file and raises :class:`StorageUnavailable` (an ``OSError`` with the same errno).
     """
     try:
-        _write_atomic(path, data, mode)
+        _write_atomic(path, data, mode, durable)
     except StorageUnavailable:
         raise
     except OSError as err:
         raise StorageUnavailable(str(path), err) from err
 
 
-def _write_atomic(path: Path, data: bytes, mode: int) -> None:
+def _write_atomic(path: Path, data: bytes, mode: int, durable: bool) -> None:
     directory = path.parent
     directory.mkdir(parents=True, exist_ok=True)
     # Unique per call (O_EXCL): two threads writing the same file must never share, and so
@@ -63,7 +65,8 @@ def _write_atomic(path: Path, data: bytes, mode: int) -> None:
         while view:
             written = os.write(fd, view)
             view = view[written:]
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     except BaseException:
         os.close(fd)
         with contextlib.suppress(FileNotFoundError):
@@ -76,7 +79,8 @@ def _write_atomic(path: Path, data: bytes, mode: int) -> None:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         raise
-    fsync_dir(directory)
+    if durable:
+        fsync_dir(directory)
 
 
 def keep_aside(path: Path, reason: str) -> Path:

@@ -6,6 +6,7 @@ import argparse
 
 from bench import (
     claims,
+    load,
     metrics_scrape,
     mig_disruption,
     mig_transition,
@@ -15,7 +16,7 @@ from bench import (
 )
 
 BENCHMARKS = ("startup", "mig-disruption", "mig-transition", "topology-select", "metrics-scrape",
-              "claims", "packing")
+              "claims", "packing", "load")
 
 
 def main() -> None:
@@ -53,6 +54,10 @@ def main() -> None:
         print()
     if args.only in (None, "packing"):
         packing.main()
+    if args.only is None:
+        print()
+    if args.only in (None, "load"):
+        load.main([])
 
 
 if __name__ == "__main__":

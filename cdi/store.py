@@ -1,13 +1,18 @@
 """The spec directory the runtimes read: atomic writes, idempotent removal, and the list of
-files this agent owns (those of its own kinds), so stale ones can be cleaned up."""
+files this agent owns (those of its own kinds), so stale ones can be cleaned up.
+
+Writes are atomic (a runtime reads the old file or the new one, never a part) but not
+fsync'd: every spec is derived state, rebuilt from the checkpoint and NVML before the agent
+turns ready, and a power loss that could lose a write also reboots the node, which loses the
+devices the specs name (``/var/run/cdi`` is a tmpfs on most hosts anyway). The checkpoint,
+which is the record, is the one durable write of a prepare."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 
-from agent.durable import fsync_dir, write_atomic
+from agent.durable import write_atomic
 from cdi.names import spec_file_name, split_kind, transient_file_name
 from cdi.spec import Spec
 from cdi.version import minimum_version
@@ -28,7 +33,7 @@ class SpecStore:
                              f"exactly {needed}")
         name = transient_file_name(spec.kind, spec_id) if spec_id else spec_file_name(spec.kind)
         path = self.directory / name
-        write_atomic(path, spec.to_json(), mode=0o644)
+        write_atomic(path, spec.to_json(), mode=0o644, durable=False)
         return path
 
     def remove(self, path: Path) -> bool:
@@ -37,8 +42,6 @@ class SpecStore:
             path.unlink()
         except FileNotFoundError:
             return False
-        with contextlib.suppress(FileNotFoundError):
-            fsync_dir(self.directory)
         return True
 
     def owned(self) -> list[Path]:

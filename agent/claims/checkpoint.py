@@ -88,7 +88,7 @@ class CheckpointCorrupt(Exception):
 
 
 def encode(data: CheckpointData) -> bytes:
-    payload = data.model_dump_json(indent=1).encode()
+    payload = data.model_dump_json().encode()
     header = json.dumps({"format": _MAGIC, "sha256": hashlib.sha256(payload).hexdigest()})
     return header.encode() + b"\n" + payload
 
@@ -170,11 +170,22 @@ class ClaimCheckpoint:
         self.fsyncs += 1
         self._durable = max(self._durable, version)
 
+    def tombstone(self, uid: str) -> None:
+        """Note that ``uid`` was unprepared now (oldest first: see :meth:`prune_tombstones`)."""
+        self.data.tombstones.pop(uid, None)
+        self.data.tombstones[uid] = time.time()
+
     def prune_tombstones(self, window_s: float) -> None:
+        """Drop tombstones older than the window. They are kept in the order they were written,
+        so this stops at the first one still inside it: it runs on every prepare, and a busy
+        node holds thousands."""
         cutoff = time.time() - window_s
-        for uid, at in list(self.data.tombstones.items()):
-            if at < cutoff:
-                del self.data.tombstones[uid]
+        tombstones = self.data.tombstones
+        while tombstones:
+            uid, at = next(iter(tombstones.items()))
+            if at >= cutoff:
+                break
+            del tombstones[uid]
 
     def snapshot(self) -> dict[str, Any]:
         return self.data.model_dump(mode="json")

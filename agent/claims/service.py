@@ -402,15 +402,35 @@ class ClaimService:
         self._usable()
         async with self._claim_lock(uid):
             record = self.checkpoint.data.claims.get(uid)
-            self.checkpoint.data.tombstones[uid] = time.time()
+            self.checkpoint.tombstone(uid)
             if record is None:
                 await self.checkpoint.commit()
                 return
-            record.state = "unprepare_started"
-            await self.checkpoint.commit()
-            await self._undo(record)
+            if any(device.slice is not None for device in record.devices):
+                # Marked durably before a slice is destroyed, so that start-up finishes the
+                # job after a crash.
+                record.state = "unprepare_started"
+                await self.checkpoint.commit()
+                await self._undo(record)
+            else:
+                await self._forget(record)
         self._events.append("claim.unprepared", f"claim {uid} unprepared",
                             details={"claim": uid})
+
+    async def _forget(self, record: ClaimRecord) -> None:
+        """Unprepare a claim without slices in one commit: drop it durably, then release its
+        devices and remove its spec. A refused commit changes nothing; a crash after it
+        leaves an orphan spec, which start-up removes."""
+        del self.checkpoint.data.claims[record.uid]
+        try:
+            await self.checkpoint.commit()
+        except BaseException:
+            self.checkpoint.data.claims[record.uid] = record
+            raise
+        for device in record.devices:
+            if self._held.get(_key(device)) == record.uid:
+                del self._held[_key(device)]
+        await asyncio.to_thread(self.cdi.store.remove, self.cdi.claim_path(record.uid))
 
     async def _undo(self, record: ClaimRecord) -> None:
         """Destroy the claim's on-demand slices, remove its spec, release its devices, drop

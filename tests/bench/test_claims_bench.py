@@ -34,9 +34,11 @@ def test_claims_bench_runs_and_group_commits(tmp_path: Path) -> None:
     assert set(batches) == {("gpu", 1), ("mig", 1), ("mig", 16), ("slice", 1), ("slice", 16)}
     one = batches[("gpu", 1)]
     # One prepare alone: one checkpoint write (group commit of one) and its two fsyncs (file,
-    # directory) plus the claim spec's two.
+    # directory); the claim's CDI spec is written atomically but not fsync'd (rebuilt at start).
     assert (one.prepares, one.errors, one.prepare_checkpoint_writes) == (1, 0, 1)
-    assert one.prepare_fsyncs == 4
+    assert one.prepare_fsyncs == 2
+    # Its unprepare (no slice): one commit.
+    assert one.unprepare_checkpoint_writes == 1
     # 16 at once share checkpoint writes: far fewer than 16.
     many = batches[("mig", 16)]
     assert many.prepares == 16 and many.errors == 0

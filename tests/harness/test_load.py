@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.harness.load import run, table
+from bench.load import run, table
 
 
 def test_load_loses_no_claim_and_answers_only_specified_codes(tmp_path: Path) -> None:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.agent_process import AgentProcess, start_agent
 from tests.cdi.conftest import cdi_checker  # noqa: F401 - shared with the CDI tests
-from tests.integration.agent_process import AgentProcess, start_agent
 
 
 @pytest.fixture(scope="module")

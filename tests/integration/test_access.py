@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.agent_process import AgentProcess, start_agent
+from bench.agent_process import AgentProcess, start_agent
 from tests.tools import require_tool
 
 OPS = "ops-secret-Zq81mXv0aa"

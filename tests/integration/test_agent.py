@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from agent.api.app import all_routes
-from tests.integration.agent_process import AgentProcess, start_agent
+from bench.agent_process import AgentProcess, start_agent
 
 PROBLEM = "application/problem+json"
 

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from agent.claims.checkpoint import decode
+from bench.agent_process import AgentProcess, Reply, start_agent
 from tests.cdi.conftest import Checker
-from tests.integration.agent_process import AgentProcess, Reply, start_agent
 
 
 def prepare(agent: AgentProcess, uid: str, devices: list[dict[str, Any]]) -> Reply:

@@ -24,8 +24,9 @@ whose prepare was sent before it answered and that were not refused or unprepare
 was asked for); at the end no claim remains, the checkpoint on disk equals ``/v1/claims``
 (both empty) and GPUs 0-6 have their start layout again.
 
-``python -m tests.harness.load --operations N --clients C --seed S`` prints a table
-(operations are claim prepares plus unprepares; scrapes and MIG changes come on top).
+``python -m bench --only load`` (10,000 operations, 64 clients) or ``python -m bench.load
+--operations N --clients C --seed S`` prints a table (operations are claim prepares plus
+unprepares; scrapes and MIG changes come on top); the CI test runs a bounded version.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ from typing import Any
 import aiohttp
 
 from agent.claims.checkpoint import decode
+from bench.agent_process import AgentProcess, start_agent
 from bench.claims import machine, percentile
-from tests.integration.agent_process import AgentProcess, start_agent
 
 WHOLE_GPUS = ("0", "1")
 MIG_GPUS = ("2", "3", "4")

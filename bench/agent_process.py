@@ -1,4 +1,5 @@
-"""Starting and talking to a real ``gpu-agent serve`` process, for integration tests."""
+"""Starting and talking to a real ``gpu-agent serve`` process: integration tests, the harnesses
+and the benchmarks use the same one."""
 
 from __future__ import annotations
 
