@@ -191,7 +191,8 @@ async def _run(settings: Settings, backend: Backend) -> int:
     claims = ClaimService(
         session=session, inventory=inventory, mig_service=service, events=events,
         checkpoint=ClaimCheckpoint(settings.state_dir / "claims.checkpoint",
-                                   boot_id(settings.proc_root)),
+                                   boot_id(settings.proc_root),
+                                   on_write=metrics.claims_checkpoint_writes.inc),
         cdi=CdiWriter(settings.cdi_dir, settings.proc_root, settings.driver_root),
         tombstone_s=settings.claim_tombstone_s)
     health = GpuHealth(events=events, metrics=metrics, lost_reason=session.lost_reason)

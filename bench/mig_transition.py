@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,10 +53,10 @@ class Sample:
 
 
 class Agent:
-    def __init__(self, state: Path) -> None:
+    def __init__(self, state: Path, extra: Sequence[str] = ()) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "agent", "serve", "--simulate", "dgx-h100", "--state-dir",
-             str(state), "--listen", "127.0.0.1:0"],
+             str(state), "--listen", "127.0.0.1:0", *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         listeners = state / "listeners.json"
         while not listeners.exists():

@@ -7,10 +7,9 @@ written as null, and the spec declares the minimum ``cdiVersion`` its content ne
 
 from __future__ import annotations
 
-import json
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Model(BaseModel):
@@ -72,10 +71,16 @@ class ContainerEdits(_Model):
         return not any(getattr(self, name) for name in type(self).model_fields)
 
 
+def _sorted(annotations: dict[str, str] | None) -> dict[str, str] | None:
+    return None if annotations is None else dict(sorted(annotations.items()))
+
+
 class Device(_Model):
     name: str
     annotations: dict[str, str] | None = None
     container_edits: ContainerEdits = Field(alias="containerEdits")
+
+    _sorted_annotations = field_validator("annotations")(_sorted)
 
 
 class Spec(_Model):
@@ -85,8 +90,11 @@ class Spec(_Model):
     devices: tuple[Device, ...] = Field(min_length=1)
     container_edits: ContainerEdits | None = Field(default=None, alias="containerEdits")
 
+    _sorted_annotations = field_validator("annotations")(_sorted)
+
     def to_json(self) -> bytes:
-        """Canonical bytes: JSON keys as the spec names them, unset fields left out, sorted
-        keys, so the same content always gives the same file."""
-        doc: dict[str, Any] = self.model_dump(by_alias=True, exclude_none=True)
-        return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
+        """Canonical bytes: JSON keys as the spec names them, in the models' field order
+        (``cdiVersion`` first), unset fields left out, annotations sorted, so the same content
+        always gives the same file. (pydantic's serialiser: a tenth of ``json.dumps`` with an
+        indent, which falls back to pure Python, and this runs on every prepare.)"""
+        return self.model_dump_json(by_alias=True, exclude_none=True, indent=2).encode() + b"\n"

@@ -16,6 +16,8 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -119,10 +121,12 @@ def decode(raw: bytes) -> CheckpointData:
 class ClaimCheckpoint:
     """The in-memory checkpoint and its durable copy."""
 
-    def __init__(self, path: Path, boot_id: str) -> None:
+    def __init__(self, path: Path, boot_id: str,
+                 on_write: Callable[[], None] | None = None) -> None:
         self.path = path
         self.data = CheckpointData(boot_id=boot_id)
         self.fsyncs = 0
+        self._on_write = on_write
         self._version = 0
         self._durable = 0
         self._writing: asyncio.Future[None] | None = None
@@ -153,21 +157,41 @@ class ClaimCheckpoint:
         """Note an in-memory change; :meth:`commit` makes it durable."""
         self._version += 1
 
-    async def commit(self) -> None:
-        """Return once every change noted so far is on disk, sharing writes with concurrent
-        callers (group commit)."""
+    def commit(self) -> asyncio.Future[None]:
+        """A future done once every change noted so far is on disk. When no write is under
+        way, one starts now (not at the first await), so the caller can do other work while
+        it is fsync'd; concurrent callers share writes (group commit)."""
         self.changed()
-        target = self._version
+        if self._writing is None or self._writing.done():
+            writing = self._start_write()
+            # It holds every change so far. Shielded: a caller cancelled while waiting must
+            # not cancel a write that others wait for too.
+            return asyncio.shield(writing)
+        return asyncio.ensure_future(self._until(self._version))
+
+    async def _until(self, target: int) -> None:
         while self._durable < target:
             if self._writing is None or self._writing.done():
-                self._writing = asyncio.ensure_future(self._write())
+                self._start_write()
+            assert self._writing is not None
             await asyncio.shield(self._writing)
 
-    async def _write(self) -> None:
+    def _start_write(self) -> asyncio.Future[None]:
         version = self._version
         data = encode(self.data)
-        await asyncio.to_thread(write_atomic, self.path, data, mode=0o600)
+        writing = asyncio.get_running_loop().run_in_executor(
+            None, partial(write_atomic, self.path, data, mode=0o600))
+        # Registered before any waiter's wake-up, so it runs first: waiters see _durable moved.
+        writing.add_done_callback(partial(self._written, version))
+        self._writing = writing
+        return writing
+
+    def _written(self, version: int, writing: asyncio.Future[None]) -> None:
+        if writing.cancelled() or writing.exception() is not None:
+            return  # the waiters get the error
         self.fsyncs += 1
+        if self._on_write is not None:
+            self._on_write()
         self._durable = max(self._durable, version)
 
     def tombstone(self, uid: str) -> None:

@@ -215,11 +215,13 @@ class ClaimService:
             self.checkpoint.data.claims[uid] = record
             # The spec and the checkpoint are written at the same time: either order of a crash
             # between them is repaired at start-up (specs are rebuilt for completed claims and
-            # removed when no claim owns them), and the answer waits for both.
+            # removed when no claim owns them), and the answer waits for both. The checkpoint
+            # write starts first; the spec is built while it is fsync'd.
+            committed = self.checkpoint.commit()
             await asyncio.gather(
                 asyncio.to_thread(self.cdi.write_claim, uid, [
                     (d, minors[d.gpu]) for d in record.devices]),
-                self.checkpoint.commit())
+                committed)
         except BaseException:
             await self._undo(record)
             raise

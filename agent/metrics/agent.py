@@ -69,6 +69,9 @@ class AgentMetrics:
             registry=self.registry)
         self.xid_errors = Counter("xid_errors", "XID errors reported by NVML events",
                                   ["xid"], namespace=NAMESPACE, registry=self.registry)
+        self.claims_checkpoint_writes = Counter(
+            "claims_checkpoint_writes", "Durable writes of the claims checkpoint; concurrent "
+            "prepares share one (group commit)", namespace=NAMESPACE, registry=self.registry)
         if process:
             ProcessCollector(registry=self.registry)
         self.ready.set(0)

@@ -185,3 +185,15 @@ def test_the_reference_library_rejects_a_broken_spec(tmp_path: Path,
     assert report["exit"] == 1
     messages = " ".join(e for errs in report["errors"].values() for e in errs)
     assert "colour" in messages and "empty" in messages
+
+
+def test_annotations_serialise_sorted_whatever_their_order() -> None:
+    """Canonical: the same content gives the same bytes, however a caller built the dict."""
+    edits = gpu_edits(0)
+    one = Device(name="a", annotations={"b": "2", "a": "1"}, container_edits=edits)
+    two = Device(name="a", annotations={"a": "1", "b": "2"}, container_edits=edits)
+    assert one == two
+    specs = [Spec(cdi_version="0.6.0", kind=CLAIM_KIND, devices=(d,),
+                  annotations={"z": "", "y": ""}) for d in (one, two)]
+    assert specs[0].to_json() == specs[1].to_json()
+    assert specs[0].to_json().index(b'"cdiVersion"') < specs[0].to_json().index(b'"kind"')

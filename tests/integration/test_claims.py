@@ -92,9 +92,19 @@ def test_two_concurrent_prepares_of_one_device(agent: AgentProcess) -> None:
     assert "race-" in loser.body["detail"]
 
 
+def _checkpoint_writes(agent: AgentProcess) -> float:
+    metrics = agent.request("GET", "/metrics", token=None).body
+    line = next(x for x in metrics.splitlines()
+                if x.startswith("gpu_agent_claims_checkpoint_writes_total "))
+    return float(line.split()[1])
+
+
 def test_stale_retry_after_unprepare_is_refused(agent: AgentProcess) -> None:
+    writes = _checkpoint_writes(agent)
     assert prepare(agent, "c1", [{"request": "gpu", "device": "0"}]).status == 200
     assert agent.request("DELETE", "/v1/claims/c1").status == 204
+    # One durable checkpoint write each, counted where an SRE can see them.
+    assert _checkpoint_writes(agent) == writes + 2
     assert agent.request("DELETE", "/v1/claims/c1").status == 204
     late = prepare(agent, "c1", [{"request": "gpu", "device": "0"}])
     assert late.status == 409
