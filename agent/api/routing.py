@@ -87,7 +87,8 @@ def _spec_of(request: web.Request) -> Route | None:
 
 @web.middleware
 async def request_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Request id in and out, and one access-log line per request."""
+    """Request id in and out, and one log line per request: ``agent.audit`` for a mutation
+    (who, what, result, time), ``agent.access`` for anything else."""
     offered = request.headers.get("X-Request-Id", "")
     request[REQUEST_ID] = offered if _REQUEST_ID.match(offered) else uuid.uuid4().hex
     request[PRINCIPAL] = "-"
@@ -104,12 +105,13 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
         route = spec.path if spec else "unmatched"
         request.app[AGENT].metrics.http_requests.labels(request.method, route, str(status)).inc()
         peer = _peer(request)
-        access_log.info("request", extra={
-            "method": request.method, "path": request.path, "status": status,
-            "duration_ms": round(elapsed_ms, 2), "request_id": request[REQUEST_ID],
-            "peer": peer, "principal": request[PRINCIPAL]})
         if spec.mutating if spec else request.method not in ("GET", "HEAD", "OPTIONS"):
-            await _audit(request, status, peer)
+            await _audit(request, status, peer, elapsed_ms)
+        else:
+            access_log.info("request", extra={
+                "method": request.method, "path": request.path, "status": status,
+                "duration_ms": round(elapsed_ms, 2), "request_id": request[REQUEST_ID],
+                "peer": peer, "principal": request[PRINCIPAL]})
 
 
 def _peer(request: web.Request) -> str:
@@ -119,7 +121,7 @@ def _peer(request: web.Request) -> str:
     return peer_credentials(sock) or request.remote or "unix"
 
 
-async def _audit(request: web.Request, status: int, peer: str) -> None:
+async def _audit(request: web.Request, status: int, peer: str, elapsed_ms: float) -> None:
     """One ``agent.audit`` line per mutating request: who, what, result (never a secret)."""
     try:
         raw = await request.read()
@@ -130,7 +132,7 @@ async def _audit(request: web.Request, status: int, peer: str) -> None:
         "path": request.path, "query": request.query_string or "-",
         "body": summarise_body(raw, request.content_type), "status": status,
         "result": "ok" if status < 400 else "refused" if status in (401, 403) else "failed",
-        "request_id": request[REQUEST_ID]})
+        "duration_ms": round(elapsed_ms, 2), "request_id": request[REQUEST_ID]})
 
 
 @web.middleware

@@ -231,5 +231,5 @@ def test_no_secret_in_the_log(h100: AgentProcess) -> None:
     lines = [line for line in h100.log().splitlines() if "simulated agent token" not in line]
     assert lines
     assert not any(h100.token in line for line in lines)
-    assert any("msg=request" in line and "principal=sim" in line for line in lines)
+    assert any("msg=audit" in line and "who=sim" in line for line in lines)  # named, not shown
     assert not any("Warning" in line or "Traceback" in line for line in lines)
