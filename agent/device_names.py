@@ -14,6 +14,15 @@ _MIG = re.compile(r"^gpu-(\d+)-mig-([a-z0-9]+)-(\d+)-(\d+)$")
 _GPU = re.compile(r"^gpu-(\d+)$")
 
 
+def ascii_integer(text: str, *, digits: int = 18) -> int | None:
+    """``text`` as a non-negative integer when it is one in ASCII digits (at most ``digits``
+    of them), else None. ``str.isdigit`` alone accepts ``"²"``, which ``int`` refuses, and
+    ``int`` refuses more than 4,300 digits: either would be a 500 for a GPU reference."""
+    if 0 < len(text) <= digits and text.isascii() and text.isdigit():
+        return int(text)
+    return None
+
+
 def profile_label(profile: str) -> str:
     """``1g.10gb+me`` → ``1g10gbme``."""
     return re.sub(r"[^a-z0-9]", "", profile.lower())

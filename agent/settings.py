@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agent.device_names import ascii_integer
 from agent.errors import InvalidRequest
 
 DEFAULT_SOCKET = "unix:/run/gpu-agent/agent.sock"
@@ -37,9 +38,10 @@ class Listener:
                 raise ValueError("unix: needs a socket path, e.g. unix:/run/gpu-agent/agent.sock")
             return cls(path=Path(text[5:]))
         host, sep, port = text.rpartition(":")
-        if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        number = ascii_integer(port, digits=5)
+        if not sep or number is None or number > 65535:
             raise ValueError(f"{text!r} is neither HOST:PORT nor unix:PATH")
-        return cls(host=host.strip("[]") or "0.0.0.0", port=int(port))
+        return cls(host=host.strip("[]") or "0.0.0.0", port=number)
 
     def __str__(self) -> str:
         return f"unix:{self.path}" if self.path else f"{self.host}:{self.port}"

@@ -8,6 +8,7 @@ import pytest
 
 from agent.device_names import (
     ParsedName,
+    ascii_integer,
     gpu_device_name,
     mig_device_name,
     parse_device_name,
@@ -30,3 +31,12 @@ def test_names_round_trip_and_are_dns_labels(name: str, parsed: ParsedName) -> N
 @pytest.mark.parametrize("name", ["gpu", "gpu-a", "GPU-0", "gpu-0-mig-1g.10gb-19-0", "mig-1"])
 def test_other_strings_are_not_device_names(name: str) -> None:
     assert parse_device_name(name) is None
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("0", 0), ("7", 7), ("0042", 42), ("9" * 18, int("9" * 18)),
+    ("", None), ("-1", None), ("+1", None), (" 1", None), ("1.0", None), ("\u00b2", None),
+    ("\u0663", None), ("\uff11", None), ("9" * 19, None),
+])
+def test_ascii_integer(text: str, value: int | None) -> None:
+    assert ascii_integer(text) == value

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, model_validator
 
 from agent.api.models import MigModeModel, PlacementModel, Strict
+from agent.device_names import ascii_integer
 from agent.gpu.types import GiProfile, Placement
 from agent.mig.geometry import (
     Desired,
@@ -64,7 +65,7 @@ class MigRequest(Strict):
         if self.mig_enabled is None and self.profiles is None and self.instances is None:
             raise ValueError("give profiles, instances or mig_enabled")
         for name in self.profiles or ():
-            if len(name) > 32 or not name[:1].isdigit():
+            if len(name) > 32 or ascii_integer(name[:1]) is None:
                 raise ValueError(f"profiles: {name!r} is not a MIG profile name like 1g.10gb")
         return self
 

@@ -8,6 +8,7 @@ import agent
 from agent.api.context import AGENT, AgentContext
 from agent.api.models import EventList, EventModel, NodeModel, Status
 from agent.api.routing import json_response
+from agent.device_names import ascii_integer
 from agent.errors import InvalidRequest, NotReady
 from agent.host import boot_id
 from agent.metrics import exposition
@@ -48,11 +49,12 @@ async def get_node(request: web.Request) -> web.Response:
 
 async def list_events(request: web.Request) -> web.Response:
     raw = request.query.get("since", "0")
-    if not raw.isdigit():
-        raise InvalidRequest(f"since: {raw!r} is not a non-negative integer",
+    since = ascii_integer(raw)
+    if since is None:
+        raise InvalidRequest(f"since: {raw[:40]!r} is not a non-negative integer",
                              [{"field": "since", "reason": "not a non-negative integer"}])
-    events = request.app[AGENT].events.since(int(raw))
-    last = events[-1].seq if events else int(raw)
+    events = request.app[AGENT].events.since(since)
+    last = events[-1].seq if events else since
     return json_response(EventList(events=[EventModel.of(e) for e in events], last_seq=last))
 
 

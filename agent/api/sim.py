@@ -19,6 +19,7 @@ from agent.api.models import (
 )
 from agent.api.problems import parse_body
 from agent.api.routing import json_response
+from agent.device_names import ascii_integer
 from agent.errors import InvalidRequest
 
 
@@ -40,10 +41,11 @@ async def add_process(request: web.Request) -> web.Response:
 
 async def remove_process(request: web.Request) -> web.Response:
     raw = request.match_info["pid"]
-    if not raw.isdigit():
-        raise InvalidRequest(f"pid: {raw!r} is not a process id",
+    pid = ascii_integer(raw, digits=7)
+    if pid is None:
+        raise InvalidRequest(f"pid: {raw[:40]!r} is not a process id",
                              [{"field": "pid", "reason": "not a positive integer"}])
-    await asyncio.to_thread(request.app[AGENT].sim.remove_process, int(raw))
+    await asyncio.to_thread(request.app[AGENT].sim.remove_process, pid)
     return web.Response(status=204)
 
 

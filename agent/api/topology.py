@@ -10,6 +10,7 @@ from agent.api.models import Strict
 from agent.api.node import require_ready
 from agent.api.problems import parse_body
 from agent.api.routing import Route, json_response
+from agent.device_names import ascii_integer
 from agent.errors import InvalidRequest, NotReady
 from agent.topology.graph import TopologyGraph
 from agent.topology.select import Selection, select
@@ -123,7 +124,7 @@ def _resolve(graph: TopologyGraph, refs: list[GpuRef], field: str) -> list[int]:
     for ref in refs:
         text = str(ref)
         match = next((g.index for g in graph.gpus
-                      if text == g.uuid or (text.isdigit() and int(text) == g.index)), None)
+                      if text == g.uuid or ascii_integer(text) == g.index), None)
         if match is None:
             raise InvalidRequest(f"{field}: no GPU {ref!r} on this node (an index "
                                  f"0-{graph.size - 1} or a GPU UUID)",

@@ -329,10 +329,9 @@ class ClaimService:
 
     async def _choose(self, profile: str, start: int | None,
                       usable: Sequence[Gpu]) -> tuple[Gpu, Placement] | None:
-        geometries = {}
-        for gpu in usable:
-            if self._mig.active(gpu.uuid) is None:
-                geometries[gpu.uuid] = (await self._mig.current(gpu))[0]
+        idle = [gpu for gpu in usable if self._mig.active(gpu.uuid) is None]
+        walks = await asyncio.gather(*(self._mig.current(gpu) for gpu in idle))
+        geometries = {gpu.uuid: walk[0] for gpu, walk in zip(idle, walks, strict=True)}
         # From here to the caller's reservation nothing awaits: the pending slices counted
         # now are exactly those reserved before this choice.
         candidates = []

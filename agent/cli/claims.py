@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from agent.cli.client import AgentClient, ClientError
 from agent.cli.tables import table
-from agent.device_names import parse_device_name
+from agent.device_names import ascii_integer, parse_device_name
 
 if TYPE_CHECKING:
     from agent.gpu.types import Gpu
@@ -206,7 +206,7 @@ def parse_slice(text: str) -> dict[str, Any]:
     request: dict[str, Any] = {"request": "slice"}
     rest, colon, start = text.rpartition(":")
     if colon:
-        if not start.isdigit():
+        if ascii_integer(start) is None:
             raise ClientError(f"--slice {text!r}: START must be a memory slice number "
                               "(PROFILE[@GPU][:START])")
         request["placement"] = {"start": int(start)}

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from agent.cli.client import AgentClient
+from agent.device_names import ascii_integer
 from agent.topology.matrix import render
 
 
@@ -29,7 +30,8 @@ def add_parsers(sub: Any, client_opts: argparse.ArgumentParser) -> None:
 
 
 def _ref(text: str) -> int | str:
-    return int(text) if text.isdigit() else text
+    index = ascii_integer(text)
+    return text if index is None else index
 
 
 def run(args: argparse.Namespace, client: AgentClient) -> int:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
+from agent.device_names import ascii_integer
 from agent.errors import GpuLost, NotFound, NvmlError
 from agent.gpu.mig import mig_device_handles, read_instances
 from agent.gpu.naming import mig_profile_name
@@ -274,7 +275,7 @@ class GpuInventory:
     def find(self, ref: str) -> Gpu:
         """A GPU by index (``"0"``) or UUID; :class:`NotFound` otherwise."""
         for gpu in self._gpus:
-            if ref == gpu.uuid or (ref.isdigit() and int(ref) == gpu.index):
+            if ref == gpu.uuid or ascii_integer(ref) == gpu.index:
                 return gpu
         raise NotFound(f"no GPU {ref!r} on this node (known: indices 0-{len(self._gpus) - 1} "
                        "or GPU UUIDs)", gpu=ref)

@@ -111,6 +111,8 @@ async def test_request_id_is_echoed_or_generated(make_client: ClientMaker) -> No
     ("POST", "/v1/sim/processes", {"device": "GPU-unknown"}, 404),
     ("DELETE", "/v1/sim/processes/99999", None, 404),
     ("DELETE", "/v1/sim/processes/abc", None, 422),
+    ("DELETE", "/v1/sim/processes/\u00b2", None, 422),  # "²".isdigit(), int("²") fails
+    ("DELETE", "/v1/sim/processes/" + "9" * 5000, None, 422),
     ("POST", "/v1/sim/faults", {"function": "nvmlNoSuchCall", "error": "NVML_ERROR_UNKNOWN"}, 422),
     ("POST", "/v1/sim/faults", {"function": "nvmlDeviceGetName", "error": "NOPE"}, 422),
     ("PUT", "/v1/sim/latency", {"nvmlDeviceGetName": -1}, 422),
@@ -135,3 +137,18 @@ async def test_a_query_by_post_is_authorised_like_a_read(make_client: ClientMake
     client = await make_client()
     reply = await client.post("/v1/topology/select", json={"count": 2})
     assert reply.status in (200, 503), await reply.text()  # 503: topology not loaded here
+
+
+@pytest.mark.parametrize(("path", "status"), [
+    ("/v1/gpus/\u00b2", 404),  # found by a 4,900-request fuzz run: was a 500
+    ("/v1/gpus/\u0663", 404),  # an Arabic-Indic 3 is no GPU index either
+    ("/v1/gpus/" + "9" * 5000, 404),  # beyond int()'s 4,300 digits
+    ("/v1/events?since=\u00b2", 422),
+    ("/v1/events?since=" + "9" * 5000, 422),
+])
+async def test_unicode_and_huge_numbers_are_4xx(make_client: ClientMaker, path: str,
+                                                status: int) -> None:
+    client = await make_client()
+    reply = await client.get(path)
+    assert reply.status == status, await reply.text()
+    assert reply.content_type == "application/problem+json"
