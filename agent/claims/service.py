@@ -14,7 +14,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -67,6 +67,10 @@ class DeviceRequest:
     profile: str | None = None
     gpu: str | None = None
     start: int | None = None
+
+
+class _Stale(Exception):
+    """The inventory snapshot no longer matches the hardware: resolve on a fresh read."""
 
 
 def _digest(requests: Sequence[DeviceRequest]) -> str:
@@ -165,46 +169,37 @@ class ClaimService:
                 await self._undo(record)
             return await self._prepare(uid, requests, metadata, digest)
 
-    async def _gpus_for(self, requests: Sequence[DeviceRequest]) -> tuple[Gpu, ...]:
-        """The inventory to resolve against: the last snapshot when every named device is in
-        it and one cheap NVML read per device confirms it (a MIG device still answers, a GPU
-        still has the MIG mode the snapshot says, and is not lost), else a fresh read of every
-        GPU. Slice requests always read afresh (they walk the GPUs anyway)."""
-        gpus = self._inventory.gpus
-        if not gpus or any(r.kind == "slice" for r in requests):
-            return await self._inventory.refresh()
-        try:
-            for request in requests:
-                gpu, device = _resolve(request.device or "", gpus)
-                if not await self._session.read(partial(self._confirms, gpu, device)):
-                    return await self._inventory.refresh()
-        except (InvalidRequest, NvmlError):
-            return await self._inventory.refresh()
-        return gpus
-
-    def _confirms(self, gpu: Gpu, device: MigDevice | None) -> bool:
-        """Whether the hardware still shows what the snapshot says (NVML worker thread)."""
-        if device is not None:
-            self._session.call("nvmlDeviceGetHandleByUUID", device.uuid, gpu=gpu.uuid)
-            return True
-        handle = self._session.gpu_handle(gpu.uuid)
-        if not gpu.static.mig_capable:
-            self._session.call("nvmlDeviceGetMinorNumber", handle, gpu=gpu.uuid)
-            return True
-        current, _ = self._session.call("nvmlDeviceGetMigMode", handle, gpu=gpu.uuid)
-        return gpu.mig_mode is not None and bool(current) == gpu.mig_mode.current
-
     async def _prepare(self, uid: str, requests: Sequence[DeviceRequest],
                        metadata: Mapping[str, str], digest: str) -> ClaimRecord:
-        gpus = await self._gpus_for(requests)
+        """Existing devices resolve against the last inventory snapshot, confirmed by one
+        cheap NVML read per device while the checkpoint is written; when the snapshot is out
+        of date (or for slices, which walk the GPUs anyway) against a fresh read."""
+        snapshot = self._inventory.gpus
+        if snapshot and not any(r.kind == "slice" for r in requests):
+            try:
+                return await self._prepare_on(uid, requests, metadata, digest, snapshot,
+                                              confirm=True)
+            except _Stale:
+                pass
+        gpus = await self._inventory.refresh()
+        return await self._prepare_on(uid, requests, metadata, digest, gpus, confirm=False)
+
+    async def _prepare_on(self, uid: str, requests: Sequence[DeviceRequest],
+                          metadata: Mapping[str, str], digest: str, gpus: Sequence[Gpu], *,
+                          confirm: bool) -> ClaimRecord:
         now = time.time()
         record = ClaimRecord(uid=uid, state="prepare_started", devices=[],
                              request_digest=digest, metadata=dict(metadata),
                              created_at=now, updated_at=now)
         try:
-            for request in requests:
-                if request.kind == "gpu":
-                    self._reserve(uid, record, self._existing(uid, request, gpus))
+            try:
+                for request in requests:
+                    if request.kind == "gpu":
+                        self._reserve(uid, record, self._existing(uid, request, gpus))
+            except InvalidRequest:
+                if confirm:  # maybe made since the snapshot
+                    raise _Stale from None
+                raise
             for request in requests:
                 if request.kind == "slice":
                     await self._make_slice(uid, record, request, gpus)
@@ -213,21 +208,46 @@ class ClaimService:
             record.state = "prepare_completed"
             record.updated_at = time.time()
             self.checkpoint.data.claims[uid] = record
-            # The spec and the checkpoint are written at the same time: either order of a crash
-            # between them is repaired at start-up (specs are rebuilt for completed claims and
-            # removed when no claim owns them), and the answer waits for both. The checkpoint
-            # write starts first; the spec is built while it is fsync'd.
+            # The checkpoint write starts first; while it is fsync'd the spec is written and
+            # the snapshot confirmed (an NVML read can take 0.1-0.5 ms on a real GPU). The
+            # answer waits for all three. A crash between the two writes, in either order, is
+            # repaired at start-up (specs are rebuilt for completed claims and removed when no
+            # claim owns them); a claim recorded on a stale snapshot is undone just below.
             committed = self.checkpoint.commit()
-            await asyncio.gather(
-                asyncio.to_thread(self.cdi.write_claim, uid, [
-                    (d, minors[d.gpu]) for d in record.devices]),
-                committed)
+            waits: list[Awaitable[object]] = [committed, asyncio.to_thread(
+                self.cdi.write_claim, uid, [(d, minors[d.gpu]) for d in record.devices])]
+            if confirm:
+                waits.append(self._session.read(partial(self._still_there, requests, gpus)))
+            done = await asyncio.gather(*waits)
+            if confirm and not done[2]:
+                raise _Stale
         except BaseException:
             await self._undo(record)
             raise
         self._events.append("claim.prepared", f"claim {uid} prepared: " + ", ".join(
             d.device_name for d in record.devices), details={"claim": uid})
         return record
+
+    def _still_there(self, requests: Sequence[DeviceRequest], gpus: Sequence[Gpu]) -> bool:
+        """Whether the hardware still shows what the snapshot says of every requested device:
+        a MIG device still answers, a GPU still has the snapshot's MIG mode and is not lost
+        (NVML worker thread)."""
+        try:
+            for request in requests:
+                gpu, device = _resolve(request.device or "", gpus)
+                if device is not None:
+                    self._session.call("nvmlDeviceGetHandleByUUID", device.uuid, gpu=gpu.uuid)
+                    continue
+                handle = self._session.gpu_handle(gpu.uuid)
+                if not gpu.static.mig_capable:
+                    self._session.call("nvmlDeviceGetMinorNumber", handle, gpu=gpu.uuid)
+                    continue
+                current, _ = self._session.call("nvmlDeviceGetMigMode", handle, gpu=gpu.uuid)
+                if gpu.mig_mode is None or bool(current) != gpu.mig_mode.current:
+                    return False
+        except (InvalidRequest, NvmlError):
+            return False
+        return True
 
     def _reserve(self, uid: str, record: ClaimRecord, device: PreparedDevice) -> None:
         key = _key(device)

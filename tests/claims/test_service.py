@@ -308,3 +308,34 @@ async def test_concurrent_slices_spread_instead_of_colliding(node: Node) -> None
     assert len(placements) == 14
     with pytest.raises(DeviceBusy, match="no room"):
         await node.claims.prepare("s-extra", [slice_("1g.10gb")], {})
+
+
+async def test_a_snapshot_out_of_date_is_caught_and_changes_nothing(node: Node) -> None:
+    """Existing devices resolve against the last inventory snapshot, confirmed by NVML while
+    the checkpoint is written. Someone replaces a MIG device behind the agent's back: the
+    vanished one is refused (422) with nothing left behind; the new one, not in the snapshot
+    yet, is found on a fresh read."""
+    await node.mig_to(2, ["3g.40gb"])
+    old = (await node.gpu(2)).mig_devices[0]  # the snapshot now lists it
+    nvml = node.sim.nvml
+    handle = nvml.nvmlDeviceGetHandleByIndex(2)
+    gi = nvml.nvmlDeviceGetGpuInstanceById(handle, old.gi_id)
+    nvml.nvmlComputeInstanceDestroy(nvml.nvmlGpuInstanceGetComputeInstanceById(gi, old.ci_id))
+    nvml.nvmlGpuInstanceDestroy(gi)
+    new_gi = nvml.nvmlDeviceCreateGpuInstance(handle, nvml.nvmlDeviceGetGpuInstanceProfileInfo(
+        handle, nvml.NVML_GPU_INSTANCE_PROFILE_3_SLICE).id)
+    nvml.nvmlGpuInstanceCreateComputeInstance(new_gi, nvml.NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE)
+    assert [d.uuid for d in node.inventory.find("2").mig_devices] == [old.uuid]  # out of date
+
+    with pytest.raises(InvalidRequest):
+        await node.claims.prepare("gone", [gpu(old.uuid)], {})
+    assert "gone" not in decode((node.state / "claims.checkpoint").read_bytes()).claims
+    assert not (node.cdi_dir / "k8s.gpu.nodeagent.dev-claim_gone.json").exists()
+
+    fresh = GpuInventory(node.session)
+    await fresh.load()
+    new = fresh.find("2").mig_devices[0]
+    assert new.uuid != old.uuid
+    record = await node.claims.prepare("new", [gpu(new.uuid)], {})
+    assert [d.uuid for d in record.devices] == [new.uuid]
+    assert set(decode((node.state / "claims.checkpoint").read_bytes()).claims) == {"new"}
