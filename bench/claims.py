@@ -60,7 +60,7 @@ if TYPE_CHECKING:
 
 CLIENTS = (1, 16, 64)
 CYCLES = 384  # per row at least; 8 per client at least
-SAMPLES = 300  # interleaved write / prepare pairs in-process
+SAMPLES = 1000  # interleaved write / prepare pairs in-process
 CONCURRENT = (1, 16, 56)  # in-process prepares at once (56: every MIG device of the node)
 REPEATS = 3  # of each in-process concurrent batch
 GPUS = 8

@@ -45,6 +45,7 @@ _MIB = 1024 * 1024
 # Fake addresses look like heap pointers and step by 64 bytes; they are never dereferenced.
 _FIRST_ADDRESS = 0x7F3A_5000_0000
 _ADDRESS_STEP = 0x40
+_PRUNE_AT = 4096  # handles kept before those of destroyed instances are forgotten
 _ARCHITECTURES = {"ampere": pynvml.NVML_DEVICE_ARCH_AMPERE,
                   "hopper": pynvml.NVML_DEVICE_ARCH_HOPPER, "ada": pynvml.NVML_DEVICE_ARCH_ADA}
 _HANDLE_TYPES = {"gpu": pynvml.c_nvmlDevice_t, "mig": pynvml.c_nvmlDevice_t,
@@ -58,13 +59,24 @@ _LOOKUP_CALLS = frozenset({"nvmlDeviceGetHandleByIndex", "nvmlDeviceGetHandleByU
 @dataclass(frozen=True)
 class _Ref:
     """What a fake address points at. The objects stay referenced after destruction so a
-    stale handle still names its GPU (for faults) and reads as INVALID_ARGUMENT."""
+    stale handle still names its GPU (for faults) and reads as INVALID_ARGUMENT; the dead
+    ones are dropped in batches (see :meth:`SimulatedNvml._prune`), after which a stale
+    handle still reads as INVALID_ARGUMENT."""
 
     kind: Kind
     gpu: GpuState | None = None
     gi: GiState | None = None
     ci: CiState | None = None
     event_set: EventSet | None = None
+
+
+def _alive(ref: _Ref) -> bool:
+    """Whether the GPU or compute instance a handle names still exists."""
+    gpu, gi, ci = ref.gpu, ref.gi, ref.ci
+    if gi is not None and gpu is not None and all(g is not gi for g in gpu.gpu_instances):
+        return False
+    return not (ci is not None and gi is not None
+                and all(c is not ci for c in gi.compute_instances))
 
 
 Method = Callable[Concatenate["SimulatedNvml", P], R]
@@ -141,6 +153,7 @@ class SimulatedNvml:
         self._next_address = _FIRST_ADDRESS
         self._refs: dict[int, _Ref] = {}
         self._addresses: dict[tuple[Kind, object], int] = {}
+        self._prune_at = _PRUNE_AT
 
     # -- machinery -------------------------------------------------------------------------
 
@@ -202,7 +215,19 @@ class SimulatedNvml:
             self._next_address += _ADDRESS_STEP
             self._addresses[(kind, obj)] = address
             self._refs[address] = _Ref(kind=kind, **ref)
+            if len(self._refs) > self._prune_at:
+                self._prune()
         return ctypes.cast(ctypes.c_void_p(address), _HANDLE_TYPES[kind])
+
+    def _prune(self) -> None:
+        """Forget handles of destroyed instances: every GI and CI ever made would otherwise
+        stay referenced for the life of the process (a soak's RSS grew by megabytes)."""
+        dead = [(key, address) for key, address in self._addresses.items()
+                if not _alive(self._refs[address])]
+        for key, address in dead:
+            del self._addresses[key]
+            del self._refs[address]
+        self._prune_at = max(_PRUNE_AT, 2 * len(self._refs))
 
     def _gpu_handle(self, gpu: GpuState) -> Any:
         return self._handle("gpu", gpu, gpu=gpu)
@@ -220,14 +245,9 @@ class SimulatedNvml:
         """The live object behind a handle of one of ``kinds``: INVALID_ARGUMENT for anything
         else (including a destroyed instance), GPU_IS_LOST for any handle of a lost GPU."""
         ref = self._refs.get(_address(handle) or 0)
-        if ref is None or ref.kind not in kinds:
+        if ref is None or ref.kind not in kinds or not _alive(ref):
             fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        gpu, gi, ci = ref.gpu, ref.gi, ref.ci
-        if gi is not None and gpu is not None and all(g is not gi for g in gpu.gpu_instances):
-            fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        if ci is not None and gi is not None and all(c is not ci for c in gi.compute_instances):
-            fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        if gpu is not None and gpu.lost:
+        if ref.gpu is not None and ref.gpu.lost:
             fail(pynvml.NVML_ERROR_GPU_IS_LOST)
         return ref
 

@@ -206,6 +206,26 @@ def test_handles_of_destroyed_instances_are_stale(h100: SimulatedNode) -> None:
     assert _gi_info(h100, gi2)[0] == 2
 
 
+def test_handles_of_destroyed_instances_are_forgotten_but_stay_stale(
+        h100: SimulatedNode) -> None:
+    """Thousands of create/destroy cycles keep a bounded handle table (a soak's RSS grew
+    while every instance ever made stayed referenced); a handle forgotten so stays stale."""
+    handle = enable_mig(h100)
+    first = create_gi(h100, handle, 19, (0, 1))
+    h100.nvml.nvmlGpuInstanceDestroy(first)
+    for _ in range(3_000):
+        gi = create_gi(h100, handle, 19, (0, 1))
+        ci = h100.nvml.nvmlGpuInstanceCreateComputeInstance(gi, 0)
+        h100.nvml.nvmlComputeInstanceDestroy(ci)
+        h100.nvml.nvmlGpuInstanceDestroy(gi)
+    assert len(h100.nvml._refs) < 5_000  # 6,000 instances were made
+    with pytest.raises(pynvml.NVMLError) as excinfo:
+        h100.nvml.nvmlGpuInstanceGetInfo(first)
+    assert nvml_code(excinfo) == ERR_INVALID
+    live = create_gi(h100, handle, 19, (0, 1))
+    assert h100.nvml.nvmlGpuInstanceGetInfo(live).placement.start == 0
+
+
 def test_gi_without_ci_is_invisible_to_mig_device_enumeration(h100: SimulatedNode) -> None:
     """A GI with no CI shows in GetGpuInstances but has no MIG device handle (dra #1452)."""
     handle = enable_mig(h100)
