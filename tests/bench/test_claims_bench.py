@@ -66,18 +66,20 @@ def test_packing_bench_runs_and_the_best_is_the_best() -> None:
     assert result.large_events == 300 and result.small_requests == 9
     assert [a.policy for a in result.large] == ["ours", "first-fit", "no fragmentation"]
     assert [a.policy for a in result.small] == [
-        "ours", "first-fit", "no fragmentation", packing.BEST_REQUESTS, packing.BEST_CAPACITY]
-    for a in result.large + result.small[:3]:
+        "ours", "first-fit", "no fragmentation", packing.BEST_ONLINE, packing.BEST_REQUESTS,
+        packing.BEST_CAPACITY]
+    for a in result.large + result.small[:4]:
         assert a.requests == sum(n for _, _, n in a.by_profile)
         assert a.admitted == sum(k for _, k, _ in a.by_profile)
         assert 0 < (a.fraction or 0) <= 1 and 0 < (a.capacity_fraction or 0) <= 1
     best_n = result.small_of(packing.BEST_REQUESTS).admitted
     best_c = result.small_of(packing.BEST_CAPACITY).admitted_capacity
     assert best_n is not None and best_c is not None
-    for policy in ("ours", "first-fit"):
+    for policy in ("ours", "first-fit", packing.BEST_ONLINE):
         assert (result.small_of(policy).admitted or 0) <= best_n
         assert (result.small_of(policy).admitted_capacity or 0) <= best_c
     assert 0 < result.ours_vs_best <= 1 and 0 < result.ours_vs_best_capacity <= 1
+    assert 0 < result.online_vs_best <= 1
     lines = packing.report(result)
     assert lines[0].startswith("# Packing") and "CPUs" in lines[0]
     assert any(line.startswith("ours / best placement") for line in lines)
@@ -111,6 +113,18 @@ def test_exact_search_on_a_hand_made_trace() -> None:
     busy = _trace((0.0, 3.0, "7g.80gb"), (1.0, 2.0, "7g.80gb"))
     assert packing.optimum(catalog, busy, one) == 1
     assert [a for _, a in packing.repacked(catalog, busy)] == [True, False]
+
+
+def test_best_online_on_hand_made_traces() -> None:
+    _, catalog = read_catalog("dgx-h100")
+    # A 1g.10gb, then a 4g.40gb while it is there: the best online rule, not knowing which
+    # profile comes next, keeps slice 0-3 free for it anyway (a 4g or a 3g may come).
+    trace = _trace((0.0, 10.0, "1g.10gb"), (1.0, 2.0, "4g.40gb"))
+    assert packing.best_online(catalog, [trace], 1.0) == [[("1g.10gb", True),
+                                                           ("4g.40gb", True)]]
+    # What fits nowhere is turned away, as for the policies.
+    busy = _trace((0.0, 3.0, "7g.80gb"), (1.0, 2.0, "7g.80gb"))
+    assert [a for _, a in packing.best_online(catalog, [busy], 1.0)[0]] == [True, False]
 
 
 @pytest.mark.parametrize("preset", ["dgx-h100"])
