@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
+import secrets
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -19,6 +20,10 @@ from agent.errors import Forbidden
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 access_log = logging.getLogger("agent.access")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+# Generated request ids: 32 hex digits, a random prefix per process and a counter (a uuid4 per
+# request cost a getrandom call and 4% of the event loop under load).
+_ID_PREFIX = secrets.token_hex(10)
+_ID_COUNTER = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -90,7 +95,8 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
     """Request id in and out, and one log line per request: ``agent.audit`` for a mutation
     (who, what, result, time), ``agent.access`` for anything else."""
     offered = request.headers.get("X-Request-Id", "")
-    request[REQUEST_ID] = offered if _REQUEST_ID.match(offered) else uuid.uuid4().hex
+    request[REQUEST_ID] = (offered if _REQUEST_ID.match(offered)
+                           else f"{_ID_PREFIX}{next(_ID_COUNTER) & 0xFFFFFFFFFFFF:012x}")
     request[PRINCIPAL] = "-"
     started = time.perf_counter()
     status = 500
