@@ -70,6 +70,7 @@ class Kind:
 
 KINDS = [
     Kind("checkpoint", _checkpoint, ("checkpoints/v1.checkpoint",
+                                     "checkpoints/v1-compact.checkpoint",
                                      "checkpoints/v2-newer-fields.checkpoint")),
     Kind("journal", _journal, ("journal/v1.json", "journal/v2-newer-fields.json")),
     Kind("mig-desired", _durable_map, ("mig/desired-v1-no-checksum.json", "mig/desired-v1.json",
