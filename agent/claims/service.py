@@ -14,7 +14,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -71,6 +71,10 @@ class DeviceRequest:
 
 class _Stale(Exception):
     """The inventory snapshot no longer matches the hardware: resolve on a fresh read."""
+
+
+async def _true() -> bool:
+    return True
 
 
 def _digest(requests: Sequence[DeviceRequest]) -> str:
@@ -203,30 +207,41 @@ class ClaimService:
             for request in requests:
                 if request.kind == "slice":
                     await self._make_slice(uid, record, request, gpus)
-            minors = {g.uuid: g.static.minor for g in gpus}
             record.cdi_spec = str(self.cdi.claim_path(uid))
             record.state = "prepare_completed"
             record.updated_at = time.time()
             self.checkpoint.data.claims[uid] = record
-            # The checkpoint write starts first; while it is fsync'd the spec is written and
-            # the snapshot confirmed (an NVML read can take 0.1-0.5 ms on a real GPU). The
-            # answer waits for all three. A crash between the two writes, in either order, is
-            # repaired at start-up (specs are rebuilt for completed claims and removed when no
-            # claim owns them); a claim recorded on a stale snapshot is undone just below.
-            committed = self.checkpoint.commit()
-            waits: list[Awaitable[object]] = [committed, asyncio.to_thread(
-                self.cdi.write_claim, uid, [(d, minors[d.gpu]) for d in record.devices])]
-            if confirm:
-                waits.append(self._session.read(partial(self._still_there, requests, gpus)))
-            done = await asyncio.gather(*waits)
-            if confirm and not done[2]:
-                raise _Stale
+            if not await self._record(record, requests, gpus, confirm=confirm):
+                raise _Stale  # recorded on a stale snapshot: undone just below
         except BaseException:
             await self._undo(record)
             raise
         self._events.append("claim.prepared", f"claim {uid} prepared: " + ", ".join(
             d.device_name for d in record.devices), details={"claim": uid})
         return record
+
+    async def _record(self, record: ClaimRecord, requests: Sequence[DeviceRequest],
+                      gpus: Sequence[Gpu], *, confirm: bool) -> bool:
+        """Make a completed claim durable and write its spec; with ``confirm``, whether the
+        snapshot it was resolved on still matches the hardware.
+
+        The checkpoint write starts first; while it is fsync'd the snapshot is confirmed (an
+        NVML read can take 0.1-0.5 ms on a real GPU) and the spec written, and this waits for
+        all three. A crash between the two writes, in either order, is repaired at start-up:
+        specs are rebuilt for completed claims and removed when no claim owns them."""
+        committed = self.checkpoint.commit()
+        confirmed = asyncio.ensure_future(self._session.read(
+            partial(self._still_there, requests, gpus)) if confirm else _true())
+        minors = {g.uuid: g.static.minor for g in gpus}
+        # On the loop: a claim spec is a few KiB written without fsync to /var/run/cdi, a
+        # tmpfs on hosts (tens of microseconds); handing it to a thread cost more than that.
+        try:
+            self.cdi.write_claim(record.uid, [(d, minors[d.gpu]) for d in record.devices])
+        except BaseException:
+            await asyncio.gather(committed, confirmed, return_exceptions=True)
+            raise
+        _, still_there = await asyncio.gather(committed, confirmed)
+        return bool(still_there)
 
     def _still_there(self, requests: Sequence[DeviceRequest], gpus: Sequence[Gpu]) -> bool:
         """Whether the hardware still shows what the snapshot says of every requested device:
@@ -451,7 +466,7 @@ class ClaimService:
         for device in record.devices:
             if self._held.get(_key(device)) == record.uid:
                 del self._held[_key(device)]
-        await asyncio.to_thread(self.cdi.store.remove, self.cdi.claim_path(record.uid))
+        self.cdi.store.remove(self.cdi.claim_path(record.uid))  # on the loop, as it is written
 
     async def _undo(self, record: ClaimRecord) -> None:
         """Destroy the claim's on-demand slices, remove its spec, release its devices, drop
