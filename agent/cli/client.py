@@ -6,6 +6,7 @@ import http.client
 import json
 import os
 import socket
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,11 +70,34 @@ def discover(url: str | None, token_file: str | None) -> tuple[str, str | None]:
     return url or DEFAULT_SOCKET, token
 
 
+def tls_context(cacert: str | None, cert: str | None, key: str | None) -> ssl.SSLContext | None:
+    """The TLS settings for an ``https://`` agent: a CA to trust instead of the system's, and a
+    client certificate for an agent started with ``--tls-client-ca``; None for the defaults.
+    Flags first, then ``GPU_AGENT_CACERT`` / ``GPU_AGENT_CERT`` / ``GPU_AGENT_KEY``."""
+    cacert = cacert or os.environ.get("GPU_AGENT_CACERT")
+    cert = cert or os.environ.get("GPU_AGENT_CERT")
+    key = key or os.environ.get("GPU_AGENT_KEY")
+    if cacert is None and cert is None:
+        if key is not None:
+            raise ClientError("--key needs --cert")
+        return None
+    try:
+        context = ssl.create_default_context(cafile=cacert)
+        if cert is not None:
+            context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as err:
+        reason = getattr(err, "strerror", None) or str(err)
+        raise ClientError(f"cannot load the TLS files: {reason}") from err
+    return context
+
+
 class AgentClient:
-    def __init__(self, url: str, token: str | None = None, timeout: float = 30.0) -> None:
+    def __init__(self, url: str, token: str | None = None, timeout: float = 30.0,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.url = url
         self.token = token
         self.timeout = timeout
+        self.tls = tls
 
     def _connection(self) -> http.client.HTTPConnection:
         if self.url.startswith("unix:"):
@@ -81,7 +105,7 @@ class AgentClient:
         parts = urlsplit(self.url)
         if parts.scheme == "https":
             return http.client.HTTPSConnection(parts.hostname or "localhost", parts.port,
-                                               timeout=self.timeout)
+                                               timeout=self.timeout, context=self.tls)
         return http.client.HTTPConnection(parts.hostname or "localhost", parts.port or 80,
                                           timeout=self.timeout)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import agent
 from agent.cli import admin, claims, mig, topo
-from agent.cli.client import AgentClient, ClientError, discover
+from agent.cli.client import AgentClient, ClientError, discover, tls_context
 from agent.cli.tables import gpu_table, node_lines
 from agent.errors import AgentError
 
@@ -207,6 +207,15 @@ def parser() -> argparse.ArgumentParser:
     client_opts.add_argument("--url", help="agent address: http(s)://HOST:PORT or unix:PATH "
                                            "(default: the local socket)")
     client_opts.add_argument("--token-file", help="token file (or GPU_AGENT_TOKEN[_FILE])")
+    client_opts.add_argument("--cacert", metavar="PEM",
+                             help="CA to trust for an https:// agent (or GPU_AGENT_CACERT; "
+                                  "default: the system's)")
+    client_opts.add_argument("--cert", metavar="PEM",
+                             help="client certificate, for an agent started with "
+                                  "--tls-client-ca (or GPU_AGENT_CERT)")
+    client_opts.add_argument("--key", metavar="PEM",
+                             help="the private key of --cert (or GPU_AGENT_KEY; default: in "
+                                  "the --cert file)")
     client_opts.add_argument("--json", action="store_true", help="print JSON")
     sub = top.add_subparsers(dest="command", required=True)
     _add_serve(sub)
@@ -235,7 +244,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return claims.generate(args)  # offline: opens NVML itself, talks to no agent
     try:
         url, token = discover(args.url, args.token_file)
-        return COMMANDS[args.command](args, AgentClient(url, token))
+        tls = tls_context(getattr(args, "cacert", None), getattr(args, "cert", None),
+                          getattr(args, "key", None))
+        return COMMANDS[args.command](args, AgentClient(url, token, tls=tls))
     except ClientError as err:
         print(f"gpu-agent: {err}", file=sys.stderr)
         return 1

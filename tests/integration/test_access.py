@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from bench.agent_process import AgentProcess, start_agent
+from tests.integration.test_cli import cli
 from tests.tools import require_tool
 
 OPS = "ops-secret-Zq81mXv0aa"
@@ -176,6 +177,20 @@ def test_tls_requires_a_client_certificate(tmp_path: Path, pki: Path) -> None:
         known = ssl.create_default_context(cafile=str(pki / "ca.pem"))
         known.load_cert_chain(str(pki / "client.pem"), str(pki / "client.key"))
         assert _tls_get(agent.url, "/healthz", known) == 200
+        # The CLI: the CA and a client certificate by flags, or by environment; without the
+        # certificate, a one-line error.
+        ok = cli("node", "--url", agent.url, "--cacert", str(pki / "ca.pem"), "--cert",
+                 str(pki / "client.pem"), "--key", str(pki / "client.key"))
+        assert ok.returncode == 0, ok.stderr
+        assert "simulated:dgx-h100" in ok.stdout, ok.stdout  # the backend line
+        env = {"GPU_AGENT_CACERT": str(pki / "ca.pem"), "GPU_AGENT_CERT": str(pki / "client.pem"),
+               "GPU_AGENT_KEY": str(pki / "client.key")}
+        assert cli("gpus", "--url", agent.url, env=env).returncode == 0
+        refused = cli("node", "--url", agent.url, "--cacert", str(pki / "ca.pem"))
+        assert refused.returncode == 1
+        assert refused.stderr.startswith("gpu-agent: cannot reach the agent")
+        missing = cli("node", "--url", agent.url, "--cacert", str(pki / "nope.pem"))
+        assert missing.returncode == 1 and "cannot load the TLS files" in missing.stderr
         # The Unix socket is unaffected by TLS.
         assert agent.request("GET", "/healthz", unix=True, token=None).status == 200
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,9 +11,11 @@ from pathlib import Path
 from bench.agent_process import AgentProcess
 
 
-def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def cli(*args: str, cwd: Path | None = None,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "agent", *args], capture_output=True, text=True,
-                          timeout=60, check=False, cwd=cwd)
+                          timeout=60, check=False, cwd=cwd,
+                          env=None if env is None else {**os.environ, **env})
 
 
 def test_gpus_table_and_json(h100: AgentProcess) -> None:
