@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,17 @@ class AgentProcess:
     def socket_path(self) -> Path:
         return self.state_dir / "agent.sock"
 
+    @property
+    def address(self) -> tuple[str, int]:
+        """Host and port of the TCP listener."""
+        host, port = self.url.split("://", 1)[1].rsplit(":", 1)
+        return host, int(port)
+
+    def listener(self, kind: str) -> str:
+        """The first address the agent wrote in ``listeners.json`` under ``kind`` (e.g.
+        ``"metrics"`` for ``--metrics-listen``)."""
+        return str(json.loads((self.state_dir / "listeners.json").read_text())[kind][0])
+
     def request(self, method: str, path: str, body: Any = None, *, token: str | None = "auto",
                 unix: bool = False, raw: bytes | None = None,
                 headers: dict[str, str] | None = None) -> Reply:
@@ -67,8 +79,7 @@ class AgentProcess:
         if unix:
             conn: http.client.HTTPConnection = _Unix(self.socket_path)
         else:
-            host, port = self.url.removeprefix("http://").rsplit(":", 1)
-            conn = http.client.HTTPConnection(host, int(port), timeout=30)
+            conn = http.client.HTTPConnection(*self.address, timeout=30)
         try:
             conn.request(method, path, body=data, headers=sent)
             response = conn.getresponse()
@@ -80,6 +91,14 @@ class AgentProcess:
         if payload and headers_out.get("content-type", "").split(";")[0].endswith("json"):
             parsed = json.loads(payload)
         return Reply(response.status, headers_out, parsed)
+
+    def poll(self, path: str, until: Callable[[Any], bool], interval: float = 0.002) -> Any:
+        """GET ``path`` until ``until(body)`` holds; that body."""
+        while True:
+            body = self.request("GET", path).body
+            if until(body):
+                return body
+            time.sleep(interval)
 
     def wait_ready(self, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
@@ -104,6 +123,12 @@ class AgentProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         return self.proc.wait(timeout)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of a process so far, all its threads (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def start_agent(state_dir: Path, *, preset: str | None = "dgx-h100", extra: list[str] | None = None,

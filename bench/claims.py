@@ -25,7 +25,6 @@ claim CDI specs, the node-wide spec, directory entries) per prepare.
 from __future__ import annotations
 
 import asyncio
-import http.client
 import itertools
 import math
 import os
@@ -42,21 +41,12 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from agent.claims.cdi_writer import CdiWriter
-from agent.claims.checkpoint import ClaimCheckpoint, encode
-from agent.claims.service import ClaimService, DeviceRequest
+from agent.claims.checkpoint import encode
+from agent.claims.service import DeviceRequest
 from agent.durable import write_atomic
 from agent.errors import AgentError
-from agent.events import EventLog
-from agent.gpu.inventory import GpuInventory
-from agent.gpu.session import NvmlSession
-from agent.gpu.sim.node import SimulatedNode
-from agent.host import boot_id
-from agent.metrics.agent import AgentMetrics
-from agent.mig.geometry import DesiredProfiles
-from agent.mig.service import MigService
-from agent.mig.transition import DrainPolicy, TransitionState
-from bench.mig_transition import Agent
+from bench.agent_process import AgentProcess, cpu_seconds, start_agent
+from bench.services import ServiceNode, open_services
 
 if TYPE_CHECKING:
     from _typeshed import HasFileno
@@ -215,42 +205,31 @@ def _filesystem(path: Path) -> str:
 # --- over HTTP, against the agent process --------------------------------------------------
 
 
-def _set_all_mig(agent: Agent, body: dict[str, Any]) -> None:
+def _set_all_mig(agent: AgentProcess, body: dict[str, Any]) -> None:
     """The same MIG request on every GPU at once, then wait for all of them."""
     ids = []
     for index in range(GPUS):
-        status, answer = agent.call("PUT", f"/v1/gpus/{index}/mig", body)
-        if status not in (200, 202):
-            raise RuntimeError(f"PUT /v1/gpus/{index}/mig: {status} {answer}")
-        if answer["transition"] is not None:
-            ids.append(answer["transition"]["id"])
+        reply = agent.request("PUT", f"/v1/gpus/{index}/mig", body)
+        if reply.status not in (200, 202):
+            raise RuntimeError(f"PUT /v1/gpus/{index}/mig: {reply.status} {reply.body}")
+        if reply.body["transition"] is not None:
+            ids.append(reply.body["transition"]["id"])
     for transition in ids:
-        done = agent.wait(f"/v1/transitions/{transition}", "terminal")
+        done = agent.poll(f"/v1/transitions/{transition}", lambda answer: answer["terminal"])
         if done["state"] != "succeeded":
             raise RuntimeError(f"transition {transition}: {done['state']} {done['error']}")
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User plus system CPU time of a process so far (all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _checkpoint_writes(agent: Agent) -> float | None:
+def _checkpoint_writes(agent: AgentProcess) -> float | None:
     """The agent's checkpoint-write counter, or None when it does not export one."""
-    conn = http.client.HTTPConnection(agent.host, agent.port, timeout=30)
-    try:
-        conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {agent.token}"})
-        text = conn.getresponse().read().decode()
-    finally:
-        conn.close()
+    text = agent.request("GET", "/metrics").body
     for line in text.splitlines():
         if line.startswith(FSYNC_METRIC + " ") or line.startswith(FSYNC_METRIC + "{"):
             return float(line.rsplit(" ", 1)[1])
     return None
 
 
-async def _load(agent: Agent, pool: Sequence[dict[str, Any]], *, clients: int, cycles: int,
+async def _load(agent: AgentProcess, pool: Sequence[dict[str, Any]], *, clients: int, cycles: int,
                 tag: str) -> tuple[list[float], list[float], int, float]:
     """Run ``cycles`` prepare/unprepare cycles with ``clients`` concurrent clients sharing
     ``pool``; (prepare times, unprepare times, errors, elapsed seconds)."""
@@ -263,7 +242,7 @@ async def _load(agent: Agent, pool: Sequence[dict[str, Any]], *, clients: int, c
     tickets = iter(range(cycles))
     headers = {"Authorization": f"Bearer {agent.token}"}
     connector = aiohttp.TCPConnector(limit=clients, force_close=False)
-    async with aiohttp.ClientSession(f"http://{agent.host}:{agent.port}", headers=headers,
+    async with aiohttp.ClientSession(agent.url, headers=headers,
                                      connector=connector) as http:
 
         async def client() -> None:
@@ -298,7 +277,7 @@ async def _load(agent: Agent, pool: Sequence[dict[str, Any]], *, clients: int, c
     return prepares, unprepares, errors, elapsed
 
 
-def _http_rows(agent: Agent, scenario: str, pool: Sequence[dict[str, Any]],
+def _http_rows(agent: AgentProcess, scenario: str, pool: Sequence[dict[str, Any]],
                clients: Sequence[int], cycles: int) -> list[HttpRow]:
     rows = []
     asyncio.run(_load(agent, pool, clients=min(4, len(pool)), cycles=min(16, cycles),
@@ -306,10 +285,10 @@ def _http_rows(agent: Agent, scenario: str, pool: Sequence[dict[str, Any]],
     for n in clients:
         count = max(cycles, 8 * n)
         before = _checkpoint_writes(agent)
-        cpu = _cpu_seconds(agent.proc.pid)
+        cpu = cpu_seconds(agent.proc.pid)
         prepares, unprepares, errors, elapsed = asyncio.run(
             _load(agent, pool, clients=n, cycles=count, tag=f"{scenario}-{n}"))
-        cpu = _cpu_seconds(agent.proc.pid) - cpu
+        cpu = cpu_seconds(agent.proc.pid) - cpu
         after = _checkpoint_writes(agent)
         rows.append(HttpRow(
             scenario=scenario, clients=n, pool=len(pool), cycles=len(prepares), errors=errors,
@@ -323,15 +302,15 @@ def _http_rows(agent: Agent, scenario: str, pool: Sequence[dict[str, Any]],
 
 def run_http(directory: Path, clients: Sequence[int] = CLIENTS,
              cycles: int = CYCLES, spec_dir: Path | None = None) -> tuple[HttpRow, ...]:
-    agent = Agent(directory / "agent-state",
-                  ("--cdi-dir", str(spec_dir or directory / "agent-cdi")))
+    agent = start_agent(directory / "agent-state",
+                        extra=["--cdi-dir", str(spec_dir or directory / "agent-cdi")])
     try:
-        agent.call("PUT", "/v1/sim/latency", {})
+        agent.request("PUT", "/v1/sim/latency", {})
         rows = _http_rows(agent, "gpu", [{"request": "gpu", "device": str(i)}
                                          for i in range(GPUS)], clients, cycles)
         _set_all_mig(agent, {"profiles": [ONE_G] * SLICE_SLOTS})
-        _, body = agent.call("GET", "/v1/gpus")
-        mig = [{"request": "gpu", "device": d["uuid"]} for g in body["gpus"]
+        mig = [{"request": "gpu", "device": d["uuid"]}
+               for g in agent.request("GET", "/v1/gpus").body["gpus"]
                for d in g["mig_devices"]]
         rows += _http_rows(agent, "mig", mig, clients, cycles)
         _set_all_mig(agent, {"profiles": []})
@@ -371,57 +350,17 @@ class _FsyncCounter:
             os.fsync = real
 
 
-@dataclass
-class _Node:
-    sim: SimulatedNode
-    session: NvmlSession
-    inventory: GpuInventory
-    mig: MigService
-    claims: ClaimService
-
-    async def mig_to(self, profiles: list[str]) -> None:
-        await self.inventory.refresh()
-        outcomes = [await self.mig.request(gpu, DesiredProfiles.of(profiles), DrainPolicy())
-                    for gpu in self.inventory.gpus]
-        for outcome in outcomes:
-            if outcome.transition is not None:
-                await outcome.transition.finished.wait()
-                if outcome.transition.state != TransitionState.SUCCEEDED:
-                    raise RuntimeError(f"MIG change ended {outcome.transition.state}")
-
-    async def settle(self, counter: _FsyncCounter) -> None:
-        """Wait until background writes (the coalesced node-spec rewrite after a MIG change
-        or a slice) have stopped, so they are not charged to the next batch."""
-        while True:
-            before = counter.calls
-            await asyncio.sleep(0.05)
-            if counter.calls == before:
-                return
-
-    async def close(self) -> None:
-        await self.mig.close()
-        self.session.close()
-        self.sim.close()
+async def _settle(counter: _FsyncCounter) -> None:
+    """Wait until background writes (the coalesced node-spec rewrite after a MIG change or a
+    slice) have stopped, so they are not charged to the next batch."""
+    while True:
+        before = counter.calls
+        await asyncio.sleep(0.05)
+        if counter.calls == before:
+            return
 
 
-async def _open(directory: Path, spec_dir: Path | None = None) -> _Node:
-    state, proc = directory / "state", directory / "proc"
-    sim = SimulatedNode("dgx-h100", state, proc)
-    session = NvmlSession(sim.nvml)
-    await session.initialise()
-    inventory = GpuInventory(session)
-    await inventory.load()
-    events = EventLog()
-    mig = MigService(session=session, inventory=inventory, events=events,
-                     metrics=AgentMetrics(), state_dir=state, proc_root=proc)
-    claims = ClaimService(session=session, inventory=inventory, mig_service=mig, events=events,
-                          checkpoint=ClaimCheckpoint(state / "claims.checkpoint", boot_id(proc)),
-                          cdi=CdiWriter(spec_dir or directory / "cdi", proc))
-    await claims.reconcile()
-    return _Node(sim, session, inventory, mig, claims)
-
-
-async def _batches(node: _Node, kind: str, requests: Sequence[DeviceRequest], *,
+async def _batches(node: ServiceNode, kind: str, requests: Sequence[DeviceRequest], *,
                    concurrent: Sequence[int], repeats: int, counter: _FsyncCounter,
                    uids: Iterator[int]) -> list[Batch]:
     service, checkpoint = node.claims, node.claims.checkpoint
@@ -449,7 +388,7 @@ async def _batches(node: _Node, kind: str, requests: Sequence[DeviceRequest], *,
             writes_before = checkpoint.fsyncs
             await asyncio.gather(*(service.unprepare(uid) for uid, _ in batch))
             unprepare_writes += checkpoint.fsyncs - writes_before
-            await node.settle(counter)
+            await _settle(counter)
         out.append(Batch(kind=kind, concurrent=n, prepares=prepares, errors=errors,
                          prepare_checkpoint_writes=writes, prepare_fsyncs=fsyncs,
                          unprepare_checkpoint_writes=unprepare_writes, prepare_s=seconds))
@@ -458,7 +397,7 @@ async def _batches(node: _Node, kind: str, requests: Sequence[DeviceRequest], *,
 
 async def _in_process(directory: Path, samples: int, concurrent: Sequence[int],
                       repeats: int, spec_dir: Path | None) -> InProcess:
-    node = await _open(directory, spec_dir)
+    node = await open_services(directory, spec_dir=spec_dir)
     counter = _FsyncCounter()
     uids = itertools.count()
     try:
@@ -487,15 +426,15 @@ async def _in_process(directory: Path, samples: int, concurrent: Sequence[int],
         with counter.installed():
             batches = await _batches(node, "gpu", gpus, concurrent=concurrent,
                                      repeats=repeats, counter=counter, uids=uids)
-            await node.mig_to([ONE_G] * SLICE_SLOTS)
-            await node.settle(counter)
+            await node.mig_all([ONE_G] * SLICE_SLOTS)
+            await _settle(counter)
             await node.inventory.refresh()
             mig = [DeviceRequest(request="gpu", kind="gpu", device=d.uuid)
                    for g in node.inventory.gpus for d in g.mig_devices]
             batches += await _batches(node, "mig", mig, concurrent=concurrent,
                                       repeats=repeats, counter=counter, uids=uids)
-            await node.mig_to([])
-            await node.settle(counter)
+            await node.mig_all([])
+            await _settle(counter)
             slices = [DeviceRequest(request="slice", kind="slice", profile=ONE_G)] * len(mig)
             batches += await _batches(node, "slice", slices, concurrent=concurrent,
                                       repeats=repeats, counter=counter, uids=uids)

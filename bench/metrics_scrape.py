@@ -17,16 +17,12 @@ import http.client
 import json
 import os
 import platform
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import psutil
 from prometheus_client import CollectorRegistry, generate_latest
@@ -35,6 +31,7 @@ from prometheus_client.core import GaugeMetricFamily
 from agent.metrics.agent import AgentMetrics
 from agent.metrics.exposition import CachedBlock, DeviceSeries, labels_text, render, scrape
 from agent.metrics.fields import FIELDS
+from bench.agent_process import start_agent
 
 INTERVAL_S = 5.0
 SCRAPES = 400
@@ -63,46 +60,21 @@ class Agent:
     """The agent under test, with a JSON access log to read server-side durations from."""
 
     def __init__(self, state: Path) -> None:
-        self.log = state.parent / "agent.log"
-        state.mkdir(parents=True)
-        with self.log.open("wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "agent", "serve", "--simulate", "dgx-h100",
-                 "--state-dir", str(state), "--listen", "127.0.0.1:0", "--metrics-listen",
-                 "127.0.0.1:0", "--collect-interval", str(INTERVAL_S), "--log-format", "json"],
-                stdout=log, stderr=subprocess.STDOUT)
-        listeners = state / "listeners.json"
-        while not listeners.exists():
-            time.sleep(0.01)
-        found = json.loads(listeners.read_text())
-        self.api = found["listeners"][0].removeprefix("http://")
-        self.metrics = found["metrics"][0].removeprefix("http://")
-        self.token = (state / "tokens").read_text().split(":")[1].strip()
-        self.process = psutil.Process(self.proc.pid)
-        while self.call("GET", "/readyz")[0] != 200:
-            time.sleep(0.01)
-
-    def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        host, port = self.api.rsplit(":", 1)
-        conn = http.client.HTTPConnection(host, int(port), timeout=60)
-        try:
-            conn.request(method, path, body=None if body is None else json.dumps(body),
-                         headers={"Authorization": f"Bearer {self.token}",
-                                  "Content-Type": "application/json"})
-            response = conn.getresponse()
-            return response.status, json.loads(response.read() or b"null")
-        finally:
-            conn.close()
+        self.process = start_agent(state, extra=[
+            "--metrics-listen", "127.0.0.1:0", "--collect-interval", str(INTERVAL_S),
+            "--log-format", "json"])
+        self.log = self.process.log_path
+        self.metrics = self.process.listener("metrics").removeprefix("http://")
+        self.usage = psutil.Process(self.process.proc.pid)
 
     def split_all(self) -> None:
         for gpu in range(8):
-            status, body = self.call("PUT", f"/v1/gpus/{gpu}/mig", {"profiles": PROFILES})
-            if status not in (200, 202):
-                raise RuntimeError(f"GPU {gpu}: {status} {body}")
-            while body.get("transition") and self.call(
-                    "GET", f"/v1/transitions/{body['transition']['id']}")[1]["state"] not in (
-                    "succeeded", "failed", "rolled_back", "aborted", "pending_reset"):
-                time.sleep(0.01)
+            reply = self.process.request("PUT", f"/v1/gpus/{gpu}/mig", {"profiles": PROFILES})
+            if reply.status not in (200, 202):
+                raise RuntimeError(f"GPU {gpu}: {reply.status} {reply.body}")
+            if reply.body.get("transition"):
+                self.process.poll(f"/v1/transitions/{reply.body['transition']['id']}",
+                                  lambda body: body["terminal"], interval=0.01)
 
     def scrapes(self, count: int, encoding: str) -> tuple[list[float], int, int]:
         """Client-side seconds per scrape on one keep-alive connection; size; series."""
@@ -149,15 +121,14 @@ class Agent:
         return self.log.stat().st_size
 
     def cpu_s(self) -> float:
-        times = self.process.cpu_times()
+        times = self.usage.cpu_times()
         return float(times.user + times.system)
 
     def rss_mib(self) -> float:
-        return float(self.process.memory_info().rss) / 2**20
+        return float(self.usage.memory_info().rss) / 2**20
 
     def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(30)
+        self.process.stop(timeout=30)
 
 
 def real_agent(idle_s: float, soak_s: float) -> list[str]:

@@ -9,20 +9,16 @@ simulated NVML mutation times on its critical path; then the same change on all 
 
 from __future__ import annotations
 
-import http.client
-import json
 import os
 import platform
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from bench.agent_process import AgentProcess, start_agent
 
 LATENCY_S = {
     "nvmlDeviceCreateGpuInstanceWithPlacement": 0.4,
@@ -52,45 +48,6 @@ class Sample:
     all_gpus_s: float
 
 
-class Agent:
-    def __init__(self, state: Path, extra: Sequence[str] = ()) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "agent", "serve", "--simulate", "dgx-h100", "--state-dir",
-             str(state), "--listen", "127.0.0.1:0", *extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        listeners = state / "listeners.json"
-        while not listeners.exists():
-            time.sleep(0.01)
-        url = json.loads(listeners.read_text())["listeners"][0]
-        self.host, port = url.removeprefix("http://").rsplit(":", 1)
-        self.port = int(port)
-        self.token = (state / "tokens").read_text().split(":")[1].strip()
-        while self.call("GET", "/readyz")[0] != 200:
-            time.sleep(0.01)
-
-    def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=120)
-        try:
-            conn.request(method, path, body=None if body is None else json.dumps(body),
-                         headers={"Authorization": f"Bearer {self.token}",
-                                  "Content-Type": "application/json"})
-            response = conn.getresponse()
-            return response.status, json.loads(response.read() or b"null")
-        finally:
-            conn.close()
-
-    def wait(self, path: str, done: str) -> dict[str, Any]:
-        while True:
-            _, body = self.call("GET", path)
-            if body[done] if done == "terminal" else body["state"] != "running":
-                return dict(body)
-            time.sleep(0.002)
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(30)
-
-
 def _desired(profiles: list[str] | None) -> dict[str, Any]:
     return {"mig_enabled": False} if profiles is None else {"profiles": profiles}
 
@@ -102,35 +59,37 @@ def _config(profiles: list[str] | None) -> dict[str, Any]:
     return {"version": "v1", "mig-configs": {"x": [entry]}}
 
 
-def _set_all(agent: Agent, profiles: list[str] | None) -> float:
+def _set_all(agent: AgentProcess, profiles: list[str] | None) -> float:
     started = time.perf_counter()
-    status, body = agent.call("POST", "/v1/mig/apply", {"config": _config(profiles),
-                                                        "label": "x"})
-    if status != 202:
-        raise RuntimeError(f"apply failed: {body}")
-    result = agent.wait(f"/v1/mig/apply/{body['apply_id']}", "state")
+    reply = agent.request("POST", "/v1/mig/apply", {"config": _config(profiles), "label": "x"})
+    if reply.status != 202:
+        raise RuntimeError(f"apply failed: {reply.body}")
+    result = agent.poll(f"/v1/mig/apply/{reply.body['apply_id']}",
+                        lambda body: body["state"] != "running")
     if result["state"] != "succeeded":
         raise RuntimeError(f"apply ended {result['state']}")
     return time.perf_counter() - started
 
 
-def measure(agent: Agent, scenario: tuple[str, list[str] | None, list[str] | None]) -> Sample:
+def measure(agent: AgentProcess,
+            scenario: tuple[str, list[str] | None, list[str] | None]) -> Sample:
     name, start, end = scenario
-    agent.call("PUT", "/v1/sim/latency", {})
+    agent.request("PUT", "/v1/sim/latency", {})
     _set_all(agent, start)
-    agent.call("PUT", "/v1/sim/latency", LATENCY_S)
+    agent.request("PUT", "/v1/sim/latency", LATENCY_S)
     began = time.perf_counter()
-    status, body = agent.call("PUT", "/v1/gpus/0/mig", _desired(end))
-    if status != 202:
-        raise RuntimeError(f"{name}: {status} {body}")
-    done = agent.wait(f"/v1/transitions/{body['transition']['id']}", "terminal")
+    reply = agent.request("PUT", "/v1/gpus/0/mig", _desired(end))
+    if reply.status != 202:
+        raise RuntimeError(f"{name}: {reply.status} {reply.body}")
+    done = agent.poll(f"/v1/transitions/{reply.body['transition']['id']}",
+                      lambda body: body["terminal"])
     one = time.perf_counter() - began
     if done["state"] != "succeeded":
         raise RuntimeError(f"{name}: {done['state']} {done['error']}")
     hardware = sum(_STEP_COST.get(s["name"].split()[0], 0.0) for s in done["steps"])
-    agent.call("PUT", "/v1/sim/latency", {})
+    agent.request("PUT", "/v1/sim/latency", {})
     _set_all(agent, start)
-    agent.call("PUT", "/v1/sim/latency", LATENCY_S)
+    agent.request("PUT", "/v1/sim/latency", LATENCY_S)
     every = _set_all(agent, end)
     return Sample(name, hardware, one, every)
 
@@ -143,7 +102,7 @@ def main(runs: int = 3) -> None:
           f"{'overhead ms':>11} {'<=1.05x+20ms':>12} {'8 GPUs s':>9} {'8 vs 1':>7} "
           f"{'<=1.15x':>7}")
     with tempfile.TemporaryDirectory() as tmp:
-        agent = Agent(Path(tmp) / "state")
+        agent = start_agent(Path(tmp) / "state")
         try:
             for scenario in SCENARIOS:
                 samples = [measure(agent, scenario) for _ in range(runs)]

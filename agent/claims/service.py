@@ -480,7 +480,7 @@ class ClaimService:
                 self._schedule_node_spec()
             if self._held.get(_key(device)) == record.uid:
                 del self._held[_key(device)]
-        await asyncio.to_thread(self.cdi.store.remove, self.cdi.claim_path(record.uid))
+        self.cdi.store.remove(self.cdi.claim_path(record.uid))  # on the loop, as it is written
         if self.checkpoint.data.claims.get(record.uid) is record:
             del self.checkpoint.data.claims[record.uid]
         await self.checkpoint.commit()

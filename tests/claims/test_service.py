@@ -7,25 +7,17 @@ import asyncio
 import json
 import shutil
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from agent.claims.cdi_writer import CdiWriter
 from agent.claims.checkpoint import ClaimCheckpoint, decode
-from agent.claims.service import ClaimService, DeviceRequest
+from agent.claims.service import DeviceRequest
 from agent.errors import CheckpointUnusable, ClaimUnprepared, Conflict, DeviceBusy, InvalidRequest
-from agent.events import EventLog
 from agent.gpu.inventory import GpuInventory
-from agent.gpu.session import NvmlSession
-from agent.gpu.sim.node import SimulatedNode
-from agent.gpu.types import Gpu
-from agent.host import boot_id
-from agent.metrics.agent import AgentMetrics
 from agent.mig.geometry import DesiredDisabled, DesiredProfiles
-from agent.mig.service import MigService
-from agent.mig.transition import DrainPolicy, TransitionState
+from agent.mig.transition import DrainPolicy
+from bench.services import ServiceNode, open_services
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -38,61 +30,14 @@ def slice_(profile: str, gpu_ref: str | None = None, start: int | None = None) -
     return DeviceRequest(request="slice", kind="slice", profile=profile, gpu=gpu_ref, start=start)
 
 
-@dataclass
-class Node:
-    sim: SimulatedNode
-    session: NvmlSession
-    inventory: GpuInventory
-    mig: MigService
-    claims: ClaimService
-    state: Path
-    cdi_dir: Path
-    events: EventLog
-
-    async def gpu(self, index: int) -> Gpu:
-        await self.inventory.refresh()
-        return self.inventory.find(str(index))
-
-    async def mig_to(self, index: int, profiles: list[str]) -> None:
-        outcome = await self.mig.request(await self.gpu(index), DesiredProfiles.of(profiles),
-                                         DrainPolicy())
-        if outcome.transition is not None:
-            await outcome.transition.finished.wait()
-            assert outcome.transition.state == TransitionState.SUCCEEDED
-
-    async def close(self) -> None:
-        await self.mig.close()
-        self.session.close()
-        self.sim.close()
-
-
-async def open_node(tmp_path: Path, *, tombstone_s: float = 600.0) -> Node:
-    state = tmp_path / "state"
-    sim = SimulatedNode("dgx-h100", state, tmp_path / "proc")
-    session = NvmlSession(sim.nvml)
-    await session.initialise()
-    inventory = GpuInventory(session)
-    await inventory.load()
-    events = EventLog()
-    mig = MigService(session=session, inventory=inventory, events=events,
-                     metrics=AgentMetrics(), state_dir=state, proc_root=tmp_path / "proc")
-    claims = ClaimService(session=session, inventory=inventory, mig_service=mig, events=events,
-                          checkpoint=ClaimCheckpoint(state / "claims.checkpoint",
-                                                     boot_id(tmp_path / "proc")),
-                          cdi=CdiWriter(tmp_path / "cdi", tmp_path / "proc"),
-                          tombstone_s=tombstone_s)
-    await claims.reconcile()
-    return Node(sim, session, inventory, mig, claims, state, tmp_path / "cdi", events)
-
-
 @pytest.fixture
-async def node(tmp_path: Path) -> AsyncIterator[Node]:
-    opened = await open_node(tmp_path)
+async def node(tmp_path: Path) -> AsyncIterator[ServiceNode]:
+    opened = await open_services(tmp_path)
     yield opened
     await opened.close()
 
 
-async def test_prepare_is_idempotent_and_exclusive(node: Node) -> None:
+async def test_prepare_is_idempotent_and_exclusive(node: ServiceNode) -> None:
     first = await node.claims.prepare("c1", [gpu("0")], {"namespace": "ns"})
     again = await node.claims.prepare("c1", [gpu("0")], {"namespace": "ns"})
     assert again is first
@@ -105,14 +50,14 @@ async def test_prepare_is_idempotent_and_exclusive(node: Node) -> None:
     assert (node.cdi_dir / "k8s.gpu.nodeagent.dev-claim_c1.json").exists()
 
 
-async def test_concurrent_prepares_of_one_device_one_wins(node: Node) -> None:
+async def test_concurrent_prepares_of_one_device_one_wins(node: ServiceNode) -> None:
     results = await asyncio.gather(*(node.claims.prepare(f"c{i}", [gpu("gpu-3")], {})
                                      for i in range(8)), return_exceptions=True)
     assert sum(not isinstance(r, BaseException) for r in results) == 1
     assert all(isinstance(r, DeviceBusy) for r in results if isinstance(r, BaseException))
 
 
-async def test_unprepare_unknown_is_fine_and_stale_retry_is_refused(node: Node) -> None:
+async def test_unprepare_unknown_is_fine_and_stale_retry_is_refused(node: ServiceNode) -> None:
     await node.claims.unprepare("never-prepared")
     await node.claims.prepare("c1", [gpu("1")], {})
     await node.claims.unprepare("c1")
@@ -125,7 +70,7 @@ async def test_unprepare_unknown_is_fine_and_stale_retry_is_refused(node: Node) 
 
 
 async def test_tombstones_expire(tmp_path: Path) -> None:
-    node = await open_node(tmp_path, tombstone_s=0.0)
+    node = await open_services(tmp_path, tombstone_s=0.0)
     try:
         await node.claims.prepare("c1", [gpu("1")], {})
         await node.claims.unprepare("c1")
@@ -135,14 +80,14 @@ async def test_tombstones_expire(tmp_path: Path) -> None:
         await node.close()
 
 
-async def test_unknown_devices_and_profiles_are_invalid(node: Node) -> None:
+async def test_unknown_devices_and_profiles_are_invalid(node: ServiceNode) -> None:
     for request in (gpu("9"), gpu("MIG-nope"), gpu("gpu-0-mig-1g10gb-19-0"), slice_("9g.9gb")):
         with pytest.raises(InvalidRequest):
             await node.claims.prepare("c1", [request], {})
     assert node.claims.claims() == []
 
 
-async def test_on_demand_slice_is_made_recorded_and_destroyed(node: Node) -> None:
+async def test_on_demand_slice_is_made_recorded_and_destroyed(node: ServiceNode) -> None:
     await node.mig_to(2, [])  # MIG on, no instances
     with pytest.raises(DeviceBusy, match="MIG enabled"):
         await node.claims.prepare("c0", [gpu("2")], {})
@@ -162,7 +107,7 @@ async def test_on_demand_slice_is_made_recorded_and_destroyed(node: Node) -> Non
     assert (await node.gpu(2)).mig_devices == ()
 
 
-async def test_slices_pack_to_keep_room_for_large_profiles(node: Node) -> None:
+async def test_slices_pack_to_keep_room_for_large_profiles(node: ServiceNode) -> None:
     await node.mig_to(0, [])
     placed = []
     for i in range(3):
@@ -175,7 +120,7 @@ async def test_slices_pack_to_keep_room_for_large_profiles(node: Node) -> None:
     assert big.devices[0].slice is not None
 
 
-async def test_existing_mig_device_by_every_name(node: Node) -> None:
+async def test_existing_mig_device_by_every_name(node: ServiceNode) -> None:
     await node.mig_to(4, ["3g.40gb", "2g.20gb"])
     g = await node.gpu(4)
     device = next(d for d in g.mig_devices if d.profile == "3g.40gb")
@@ -187,7 +132,7 @@ async def test_existing_mig_device_by_every_name(node: Node) -> None:
         await node.claims.unprepare(f"m{i}")
 
 
-async def test_draining_and_unhealthy_devices_are_refused(node: Node) -> None:
+async def test_draining_and_unhealthy_devices_are_refused(node: ServiceNode) -> None:
     await node.mig_to(5, ["7g.80gb"])
     g5 = await node.gpu(5)
     device = g5.mig_devices[0]
@@ -204,7 +149,7 @@ async def test_draining_and_unhealthy_devices_are_refused(node: Node) -> None:
         await node.claims.prepare("d2", [gpu("6")], {})
 
 
-async def test_group_commit_needs_fewer_fsyncs_than_prepares(node: Node) -> None:
+async def test_group_commit_needs_fewer_fsyncs_than_prepares(node: ServiceNode) -> None:
     """56 concurrent prepares (every 1g.10gb MIG device of the node) share checkpoint writes,
     and every acknowledged claim is on disk."""
     for index in range(8):
@@ -220,7 +165,7 @@ async def test_group_commit_needs_fewer_fsyncs_than_prepares(node: Node) -> None
 
 
 async def test_restart_rolls_back_half_done_prepares(tmp_path: Path) -> None:
-    node = await open_node(tmp_path)
+    node = await open_services(tmp_path)
     await node.mig_to(1, [])
     node.sim.add_fault("nvmlGpuInstanceCreateComputeInstance", "NVML_ERROR_UNKNOWN")
     with pytest.raises(Exception, match="NVML_ERROR_UNKNOWN"):
@@ -233,7 +178,7 @@ async def test_restart_rolls_back_half_done_prepares(tmp_path: Path) -> None:
     await node.claims.checkpoint.commit()
     (node.cdi_dir / "k8s.gpu.nodeagent.dev-claim_orphan.json").write_text("{}")
     await node.close()
-    node = await open_node(tmp_path)
+    node = await open_services(tmp_path)
     try:
         assert node.claims.claims() == []
         assert sorted(p.name for p in node.cdi_dir.iterdir()) == ["nodeagent.dev-gpu.json"]
@@ -243,11 +188,11 @@ async def test_restart_rolls_back_half_done_prepares(tmp_path: Path) -> None:
 
 
 async def test_a_reboot_marks_claims_lost(tmp_path: Path) -> None:
-    node = await open_node(tmp_path)
+    node = await open_services(tmp_path)
     await node.claims.prepare("c1", [gpu("0")], {})
     node.sim.reload_driver()  # what a reboot does to the simulated node: a new boot id
     await node.close()
-    node = await open_node(tmp_path)
+    node = await open_services(tmp_path)
     try:
         assert node.claims.claim("c1").state == "lost"
         assert "rebooted" in (node.claims.claim("c1").lost_reason or "")
@@ -258,14 +203,14 @@ async def test_a_reboot_marks_claims_lost(tmp_path: Path) -> None:
 
 
 async def test_corrupt_checkpoint_is_kept_and_freezes_claims(tmp_path: Path) -> None:
-    node = await open_node(tmp_path)
+    node = await open_services(tmp_path)
     await node.claims.prepare("c1", [gpu("0")], {})
     await node.close()
     path = tmp_path / "state" / "claims.checkpoint"
     data = bytearray(path.read_bytes())
     data[-5] ^= 0x20
     path.write_bytes(bytes(data))
-    node = await open_node(tmp_path)
+    node = await open_services(tmp_path)
     try:
         kept = list(path.parent.glob("claims.checkpoint.corrupt-*"))
         assert len(kept) == 1 and kept[0].read_bytes() == bytes(data)
@@ -295,7 +240,7 @@ def test_newer_fields_are_ignored() -> None:
     assert decode(raw).claims["c-new"].state == "prepare_completed"
 
 
-async def test_concurrent_slices_spread_instead_of_colliding(node: Node) -> None:
+async def test_concurrent_slices_spread_instead_of_colliding(node: ServiceNode) -> None:
     """14 concurrent 1g.10gb slice prepares on two empty MIG GPUs: every one fits, so every one
     succeeds (choices made at once must not all pick the same placement)."""
     await node.mig_to(0, [])
@@ -310,7 +255,7 @@ async def test_concurrent_slices_spread_instead_of_colliding(node: Node) -> None
         await node.claims.prepare("s-extra", [slice_("1g.10gb")], {})
 
 
-async def test_a_snapshot_out_of_date_is_caught_and_changes_nothing(node: Node) -> None:
+async def test_a_snapshot_out_of_date_is_caught_and_changes_nothing(node: ServiceNode) -> None:
     """Existing devices resolve against the last inventory snapshot, confirmed by NVML while
     the checkpoint is written. Someone replaces a MIG device behind the agent's back: the
     vanished one is refused (422) with nothing left behind; the new one, not in the snapshot

@@ -33,6 +33,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from bench.agent_process import cpu_seconds
 from tests.device import readonly_nvml
 
 PORT = 18080
@@ -189,16 +190,11 @@ def run_agent(out: Path, work: Path, seconds: float, ready_timeout: float) -> di
     return result
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _idle_cpu(pid: int, seconds: float) -> dict[str, float]:
     """The whole agent's CPU over ``seconds`` with no requests: the collector and XID watcher."""
-    cpu, started = _cpu_seconds(pid), time.monotonic()
+    cpu, started = cpu_seconds(pid), time.monotonic()
     time.sleep(seconds)
-    used, wall = _cpu_seconds(pid) - cpu, time.monotonic() - started
+    used, wall = cpu_seconds(pid) - cpu, time.monotonic() - started
     return {"seconds": round(wall, 1), "cpu_seconds": round(used, 3),
             "percent_of_a_core": round(100 * used / wall, 3)}
 

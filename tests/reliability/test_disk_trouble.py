@@ -24,7 +24,8 @@ from agent.events import EventLog
 from agent.mig.geometry import DesiredProfiles
 from agent.mig.journal import TransitionJournal
 from agent.mig.transition import DrainPolicy, TransitionState
-from tests.claims.test_service import gpu, open_node, slice_
+from bench.services import open_services
+from tests.claims.test_service import gpu, slice_
 
 
 class Disk:
@@ -95,7 +96,7 @@ def test_durable_map_change_not_kept_when_not_durable(tmp_path: Path, disk: Disk
 
 @pytest.mark.parametrize("error", TROUBLE, ids=["ENOSPC", "EROFS"])
 async def test_claims_fail_cleanly_and_recover(tmp_path: Path, disk: Disk, error: int) -> None:
-    node = await open_node(tmp_path)
+    node = await open_services(tmp_path)
     try:
         await node.claims.prepare("kept", [gpu("0")], {})
         await node.mig_to(2, ["3g.40gb"])
@@ -128,7 +129,7 @@ async def test_claims_fail_cleanly_and_recover(tmp_path: Path, disk: Disk, error
 @pytest.mark.parametrize("error", TROUBLE, ids=["ENOSPC", "EROFS"])
 async def test_geometry_change_refused_untouched_and_recovers(tmp_path: Path, disk: Disk,
                                                               error: int) -> None:
-    node = await open_node(tmp_path)
+    node = await open_services(tmp_path)
     try:
         await node.mig_to(3, ["3g.40gb"])
         before = (await node.gpu(3)).mig_devices

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from agent.errors import ClaimUnprepared, DeviceBusy
-from tests.claims.test_service import gpu, open_node
+from bench.services import open_services
+from tests.claims.test_service import gpu
 from tests.soak import Bounds, Sample, SoakResult, run_soak
 
 
@@ -39,7 +40,7 @@ async def test_claim_locks_do_not_pile_up(tmp_path: Path) -> None:
     """Regression (found reading the soak's claim path): a repeated or unknown unprepare and a
     refused prepare each left a per-UID lock behind for good, so a kubelet retrying unprepares
     grew the agent without bound. Now the map only holds claims with a call in flight."""
-    node = await open_node(tmp_path)
+    node = await open_services(tmp_path)
     try:
         for i in range(50):
             await node.claims.unprepare(f"never-{i}")
