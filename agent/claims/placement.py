@@ -105,7 +105,7 @@ def choose(candidates: Sequence[Candidate], profile: str,
                 or not geometry.is_valid(catalog):
             continue
         used, counts = geometry.used_slices(), geometry.counts()
-        room, stranded = _state(catalog, used, tuple(counts.items()))
+        room, stranded = _state(catalog, used, tuple(sorted(counts.items())))
         if not room.get(profile, 0):
             continue  # instance limit, +me or no free placement: fits nowhere here
         after_counts = tuple(sorted({**counts, profile: counts.get(profile, 0) + 1}.items()))
