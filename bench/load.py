@@ -48,7 +48,7 @@ from typing import Any
 import aiohttp
 
 from agent.claims.checkpoint import decode
-from bench.agent_process import AgentProcess, start_agent
+from tests.agent_process import AgentProcess, start_agent
 from bench.claims import machine, percentile
 
 WHOLE_GPUS = ("0", "1")

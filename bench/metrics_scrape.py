@@ -31,7 +31,7 @@ from prometheus_client.core import GaugeMetricFamily
 from agent.metrics.agent import AgentMetrics
 from agent.metrics.exposition import CachedBlock, DeviceSeries, labels_text, render, scrape
 from agent.metrics.fields import FIELDS
-from bench.agent_process import start_agent
+from tests.agent_process import start_agent
 
 INTERVAL_S = 5.0
 SCRAPES = 400

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.agent_process import AgentProcess, start_agent
+from tests.agent_process import AgentProcess, start_agent
 
 LATENCY_S = {
     "nvmlDeviceCreateGpuInstanceWithPlacement": 0.4,

@@ -30,7 +30,7 @@ from typing import Any
 
 import psutil
 
-from bench.agent_process import AgentProcess, start_agent
+from tests.agent_process import AgentProcess, start_agent
 
 GEOMETRY_GPU = "7"
 CLAIM_GPUS = ("0", "1")

@@ -33,7 +33,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.agent_process import cpu_seconds
+from tests.agent_process import cpu_seconds
 from tests.device import readonly_nvml
 
 PORT = 18080

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.claims.checkpoint import decode
-from bench.agent_process import AgentProcess, start_agent
+from tests.agent_process import AgentProcess, start_agent
 
 MUTATING = {"destroy_ci": "nvmlComputeInstanceDestroy", "destroy_gi": "nvmlGpuInstanceDestroy",
             "set_mode": "nvmlDeviceSetMigMode",

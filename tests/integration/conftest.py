@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.agent_process import AgentProcess, start_agent
+from tests.agent_process import AgentProcess, start_agent
 from tests.cdi.conftest import cdi_checker  # noqa: F401 - shared with the CDI tests
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.agent_process import AgentProcess, start_agent
+from tests.agent_process import AgentProcess, start_agent
 from tests.integration.test_cli import cli
 from tests.tools import require_tool
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.agent_process import AgentProcess, start_agent
+from tests.agent_process import AgentProcess, start_agent
 
 
 def _cli(agent: AgentProcess, *args: str) -> subprocess.CompletedProcess[str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from agent.api.app import all_routes
-from bench.agent_process import AgentProcess, start_agent
+from tests.agent_process import AgentProcess, start_agent
 
 PROBLEM = "application/problem+json"
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from agent.claims.checkpoint import decode
-from bench.agent_process import AgentProcess, Reply, start_agent
+from tests.agent_process import AgentProcess, Reply, start_agent
 from tests.cdi.conftest import Checker
 
 

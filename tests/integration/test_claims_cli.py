@@ -15,7 +15,7 @@ from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT7
 
 from agent.cli.claims import parse_slice
-from bench.agent_process import AgentProcess, start_agent
+from tests.agent_process import AgentProcess, start_agent
 from cdi.spec import Spec
 from cdi.version import minimum_version
 from tests.integration.test_cli import cli

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.agent_process import AgentProcess
+from tests.agent_process import AgentProcess
 
 
 def cli(*args: str, cwd: Path | None = None,

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from agent.api.app import all_routes
-from bench.agent_process import start_agent
+from tests.agent_process import start_agent
 from tests.tools import require_tool
 
 COOKBOOK = Path(__file__).resolve().parents[2] / "docs" / "cookbook.md"

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from agent.mig.parted_config import standard_configs
-from bench.agent_process import AgentProcess, start_agent
+from tests.agent_process import AgentProcess, start_agent
 from tests.mig.catalogs import H100_80GB
 
 BALANCED = ["3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb"]

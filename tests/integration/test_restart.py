@@ -9,7 +9,7 @@ from pathlib import Path
 import pynvml
 
 from agent.gpu.sim.node import SimulatedNode
-from bench.agent_process import start_agent
+from tests.agent_process import start_agent
 
 
 def _make_mig_layout(state_dir: Path) -> None:

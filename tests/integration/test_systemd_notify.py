@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.agent_process import AgentProcess, start_agent
+from tests.agent_process import AgentProcess, start_agent
 
 pytest.importorskip("systemd.daemon", reason="systemd-python (the systemd extra) is needed")
 

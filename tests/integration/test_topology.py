@@ -12,7 +12,7 @@ import kubernetes_validate
 import pytest
 
 from agent.dra.rules import check
-from bench.agent_process import AgentProcess, start_agent
+from tests.agent_process import AgentProcess, start_agent
 from tests.integration.test_cli import cli
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from bench.agent_process import AgentProcess, start_agent
+from tests.agent_process import AgentProcess, start_agent
 from tests.metrics.textformat import parse
 from tests.tools import require_tool
 

@@ -15,7 +15,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.specs.openapi import checks
 
-from bench.agent_process import AgentProcess, start_agent
+from tests.agent_process import AgentProcess, start_agent
 
 # What issue 8 asks of every response. Not ``positive_data_acceptance``: cross-field rules
 # (e.g. a MIG PUT needs one of profiles/instances/mig_enabled) are not expressible in the
