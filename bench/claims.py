@@ -45,8 +45,8 @@ from agent.claims.checkpoint import encode
 from agent.claims.service import DeviceRequest
 from agent.durable import write_atomic
 from agent.errors import AgentError
-from tests.agent_process import AgentProcess, cpu_seconds, start_agent
 from bench.services import ServiceNode, open_services
+from tests.agent_process import AgentProcess, cpu_seconds, start_agent
 
 if TYPE_CHECKING:
     from _typeshed import HasFileno

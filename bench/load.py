@@ -48,8 +48,8 @@ from typing import Any
 import aiohttp
 
 from agent.claims.checkpoint import decode
-from tests.agent_process import AgentProcess, start_agent
 from bench.claims import machine, percentile
+from tests.agent_process import AgentProcess, start_agent
 
 WHOLE_GPUS = ("0", "1")
 MIG_GPUS = ("2", "3", "4")

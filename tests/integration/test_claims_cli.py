@@ -15,9 +15,9 @@ from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT7
 
 from agent.cli.claims import parse_slice
-from tests.agent_process import AgentProcess, start_agent
 from cdi.spec import Spec
 from cdi.version import minimum_version
+from tests.agent_process import AgentProcess, start_agent
 from tests.integration.test_cli import cli
 
 SCHEMA = Path(__file__).resolve().parents[1] / "data" / "cdi-schema"
