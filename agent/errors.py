@@ -58,11 +58,16 @@ class Conflict(AgentError):
 
 
 class NotReady(AgentError):
-    """The agent is up but cannot answer yet (NVML not initialised, recovery running)."""
+    """The agent is up but cannot answer yet (NVML not initialised, recovery running);
+    ``retry_after_s`` is when to try again."""
 
     status = 503
     type_name = "not-ready"
     title = "Not ready"
+
+    def __init__(self, detail: str, *, retry_after_s: int = 1) -> None:
+        super().__init__(detail)
+        self.retry_after_s = retry_after_s
 
 
 class StateLocked(AgentError):
@@ -126,6 +131,13 @@ class DeviceBusy(Conflict):
 
     type_name = "device-busy"
     title = "Device busy"
+
+
+class DeviceUnavailable(Conflict):
+    """A GPU or MIG device that cannot be handed out: lost, unhealthy (an XID), quarantined."""
+
+    type_name = "device-unavailable"
+    title = "Device unavailable"
 
 
 class ClaimUnprepared(Conflict):

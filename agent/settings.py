@@ -60,6 +60,9 @@ class Settings:
     proc_root: Path
     node_name: str
     gpu_reset_command: str | None = None
+    #: Per-boot files kept outside the state directory (a tmpfs on hosts): the marker that a
+    #: claims checkpoint was written on this boot. None: not kept.
+    run_dir: Path | None = None
     driver_root: Path | None = None
     claim_tombstone_s: float = 600.0
     reapply_mig: bool = True
@@ -91,7 +94,7 @@ _FLAG_TYPES: dict[str, str] = {
     "reapply_mig": "bool", "driver_root": "path", "claim_tombstone_s": "float",
     "collect_interval": "float", "metrics_listen": "str", "metrics_hostname_label": "str",
     "driver_name": "str", "dynamic_mig": "bool", "tls_cert": "path", "tls_key": "path",
-    "tls_client_ca": "path", "socket_group": "str",
+    "tls_client_ca": "path", "socket_group": "str", "run_dir": "path",
 }
 
 
@@ -192,6 +195,9 @@ def resolve(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> S
                        (state_dir / "proc" if simulate else Path("/proc"))).absolute(),
         node_name=str(merged.get("node_name") or env.get("NODE_NAME") or socket.gethostname()),
         gpu_reset_command=merged.get("gpu_reset_command"),
+        run_dir=Path(merged.get("run_dir") or (
+            state_dir.parent / f".{state_dir.name}.run" if simulate
+            else Path("/run/gpu-agent"))).absolute(),
         reapply_mig=bool(merged.get("reapply_mig", True)),
         driver_root=merged.get("driver_root"),
         claim_tombstone_s=float(merged.get("claim_tombstone_s", 600.0)),

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from agent.errors import AgentError
 
 if TYPE_CHECKING:
-    from agent.api.context import AgentContext
+    from agent.wiring import Node
 
 log = logging.getLogger("agent.systemd")
 
@@ -78,9 +78,9 @@ def watchdog_interval(env: Mapping[str, str] | None = None) -> float | None:
 class Notifier:
     """Tells systemd what the agent is doing; :meth:`attach` returns None outside systemd."""
 
-    def __init__(self, ctx: AgentContext, send: Callable[[str], Any],
+    def __init__(self, node: Node, send: Callable[[str], Any],
                  watchdog_s: float | None) -> None:
-        self._ctx = ctx
+        self._node = node
         self._send = send
         self.watchdog_s = watchdog_s
         self._task: asyncio.Task[None] | None = None
@@ -91,20 +91,20 @@ class Notifier:
         self._stall_after: float | None = None
 
     @classmethod
-    def attach(cls, ctx: AgentContext, env: Mapping[str, str] | None = None) -> Notifier | None:
+    def attach(cls, node: Node, env: Mapping[str, str] | None = None) -> Notifier | None:
         env = os.environ if env is None else env
         if not env.get("NOTIFY_SOCKET"):
             return None
         check_environment(env)
         daemon = _daemon_module()
-        return cls(ctx, daemon.notify, watchdog_interval(env))
+        return cls(node, daemon.notify, watchdog_interval(env))
 
     def start(self) -> None:
-        self._ctx.readiness.watchers.append(lambda _reason: self.tick())
+        self._node.readiness.watchers.append(lambda _reason: self.tick())
         self.tick()
         self._task = asyncio.create_task(self._run(), name="systemd-notify")
         stall = os.environ.get(STALL_ENV)
-        if stall and self._ctx.settings.simulate:
+        if stall and self._node.settings.simulate:
             self._stall_after = float(stall)
 
     def startup_finished(self) -> None:
@@ -124,9 +124,10 @@ class Notifier:
             self._task = None
 
     def status_line(self) -> str:
-        reason = self._ctx.readiness.reason
+        reason = self._node.readiness.reason
         if reason is None:
-            return f"ready: {len(self._ctx.inventory.gpus)} GPUs, backend {self._ctx.backend}"
+            node = self._node
+            return f"ready: {len(node.inventory.gpus)} GPUs, backend {node.backend.name}"
         return reason
 
     def tick(self) -> None:
@@ -136,7 +137,7 @@ class Notifier:
         if status != self._status:
             lines.append(f"STATUS={status}")
             self._status = status
-        if not self._ready_sent and (self._ctx.readiness.ready or self._startup_finished):
+        if not self._ready_sent and (self._node.readiness.ready or self._startup_finished):
             lines.insert(0, "READY=1")
             self._ready_sent = True
             self._maybe_arm_stall()
@@ -145,8 +146,7 @@ class Notifier:
 
     def healthy(self) -> str | None:
         """Why the heartbeat must not beat (a stalled collector), or None."""
-        collector = self._ctx.collector
-        return collector.stale_reason() if collector is not None else None
+        return self._node.collector.stale_reason()
 
     def beat(self) -> bool:
         reason = self.healthy()

@@ -45,8 +45,8 @@ from agent.claims.checkpoint import encode
 from agent.claims.service import DeviceRequest
 from agent.durable import write_atomic
 from agent.errors import AgentError
-from bench.services import ServiceNode, open_services
 from tests.agent_process import AgentProcess, cpu_seconds, start_agent
+from tests.service_node import ServiceNode, open_services
 
 if TYPE_CHECKING:
     from _typeshed import HasFileno

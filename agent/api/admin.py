@@ -13,7 +13,7 @@ from agent.api.node import require_ready
 from agent.api.problems import parse_body
 from agent.api.routing import Route, json_response
 from agent.claims.service import ClaimService
-from agent.errors import InvalidRequest, NotReady
+from agent.errors import InvalidRequest
 from agent.events import Severity
 from agent.gpu.types import Gpu
 from agent.mig.service import MigService
@@ -57,15 +57,14 @@ def _who(request: web.Request) -> str:
 async def _gpu(request: web.Request) -> tuple[AgentContext, MigService, Gpu]:
     ctx = request.app[AGENT]
     require_ready(ctx)
-    await ctx.inventory.refresh()
-    gpu = ctx.inventory.find(request.match_info["gpu"])
-    assert ctx.mig is not None
-    return ctx, ctx.mig, gpu
+    await ctx.node.inventory.refresh()
+    gpu = ctx.node.inventory.find(request.match_info["gpu"])
+    return ctx, ctx.node.mig, gpu
 
 
 async def clear_quarantine(request: web.Request) -> web.Response:
     _, service, gpu = await _gpu(request)
-    was = service.clear_quarantine(gpu, _who(request))
+    was = await service.clear_quarantine(gpu, _who(request))
     return json_response(QuarantineCleared(gpu=gpu.uuid, index=gpu.index, was=was))
 
 
@@ -77,9 +76,7 @@ async def resolve_transition(request: web.Request) -> web.Response:
 
 
 def _claims(ctx: AgentContext) -> ClaimService:
-    if ctx.claims is None:
-        raise NotReady("claims are not available on this agent")
-    return ctx.claims
+    return ctx.node.claims
 
 
 def _status(ctx: AgentContext) -> CheckpointStatus:
@@ -87,7 +84,7 @@ def _status(ctx: AgentContext) -> CheckpointStatus:
     path = claims.checkpoint.path
     kept = sorted(p.name for p in path.parent.glob(f"{path.name}.corrupt-*"))
     return CheckpointStatus(corrupt=str(claims.corrupt) if claims.corrupt else None, kept=kept,
-                            claims=len(claims.claims()), ready=ctx.readiness.ready)
+                            claims=len(claims.records()), ready=ctx.node.readiness.ready)
 
 
 async def checkpoint_status(request: web.Request) -> web.Response:
@@ -104,12 +101,12 @@ async def remediate_checkpoint(request: web.Request) -> web.Response:
     claims = _claims(ctx)
     await claims.remediate_checkpoint(body.file if body.action == "restore" else None)
     # Start-up stopped short of ready only for the checkpoint; everything else is up.
-    if claims.corrupt is None and not ctx.readiness.ready and ctx.inventory.loaded \
-            and "checkpoint" in (ctx.readiness.reason or ""):
-        ctx.readiness.set(None)
-        ctx.metrics.ready.set(1)
-        ctx.events.append("agent.ready", f"agent ready after the claims checkpoint was "
-                          f"remediated by {_who(request)}", severity=Severity.INFO)
+    if claims.corrupt is None and not ctx.node.readiness.ready and ctx.node.inventory.loaded \
+            and "checkpoint" in (ctx.node.readiness.reason or ""):
+        ctx.node.readiness.set(None)
+        ctx.node.metrics.ready.set(1)
+        ctx.node.events.append("agent.ready", f"agent ready after the claims checkpoint was "
+                               f"remediated by {_who(request)}", severity=Severity.INFO)
     return json_response(_status(ctx))
 
 

@@ -56,7 +56,7 @@ CORE_ROUTES = [
           tag="mig", errors=(409, 503)),
     Route("GET", "/v1/gpus/{gpu}/mig", mig.get_geometry,
           "Current MIG geometry from a fresh NVML walk, drain marks, drift", MigGeometryModel,
-          tag="mig", errors=(409, 503)),
+          tag="mig", errors=(409, 503), reconciled=True),
     Route("PUT", "/v1/gpus/{gpu}/mig", mig.put_geometry,
           "Desired MIG geometry: 202 and a transition, or 200 when already applied "
           "(?dry_run=true: the plan only)", MigChange, body=MigRequest, status=200,
@@ -64,10 +64,10 @@ CORE_ROUTES = [
           extra_responses={202: MigChange},
           query=(QueryParam("dry_run", {"type": "boolean"}, "Only plan"),)),
     Route("GET", "/v1/transitions", mig.list_transitions, "MIG transitions, newest first",
-          TransitionList, tag="mig", errors=(503,)),
+          TransitionList, tag="mig", errors=(503,), reconciled=True),
     Route("GET", "/v1/transitions/{id}", mig.get_transition,
           "One transition: state, steps with timings, blockers, error", TransitionModel,
-          tag="mig", errors=(503,)),
+          tag="mig", errors=(503,), reconciled=True),
     Route("POST", "/v1/transitions/{id}/cancel", mig.cancel_transition,
           "Cancel a transition that is still draining (ends aborted, nothing changed)",
           TransitionModel, scope="geometry", tag="mig", errors=(409, 503)),
@@ -77,7 +77,7 @@ CORE_ROUTES = [
           errors=(409, 503)),
     Route("GET", "/v1/mig/apply/{apply_id}", mig.get_apply,
           "A node-wide apply: each GPU's transition and the overall state", ApplyModel,
-          tag="mig", errors=(503,)),
+          tag="mig", errors=(503,), reconciled=True),
     Route("PUT", "/v1/claims/{uid}", claims.prepare_claim,
           "Prepare a claim: existing GPUs/MIG devices or MIG slices made on demand; "
           "idempotent", claims.ClaimModel, body=claims.ClaimRequest, scope="claims",
@@ -86,11 +86,11 @@ CORE_ROUTES = [
           "Unprepare a claim (an unknown claim is a success)", None, status=204,
           scope="claims", tag="claims", errors=(422, 503)),
     Route("GET", "/v1/claims", claims.list_claims, "Prepared claims", claims.ClaimList,
-          tag="claims", errors=(503,)),
+          tag="claims", errors=(503,), reconciled=True),
     Route("GET", "/v1/claims/{uid}", claims.get_claim, "One claim", claims.ClaimModel,
-          tag="claims", errors=(422, 503)),
+          tag="claims", errors=(422, 503), reconciled=True),
     Route("GET", "/v1/cdi", claims.list_cdi, "The CDI specs the agent maintains",
-          claims.CdiList, tag="claims", errors=(503,)),
+          claims.CdiList, tag="claims", errors=(503,), reconciled=True),
     Route("GET", "/v1/events", node.list_events, "Recent events (bounded ring)", EventList,
           query=(QueryParam("since", {"type": "integer", "minimum": 0},
                             "Only events with a larger sequence number"),), errors=(422,)),
@@ -133,14 +133,14 @@ def all_routes(*, simulated: bool) -> list[Route]:
 
 
 def build_app(ctx: AgentContext) -> web.Application:
-    """The application for one agent; ``/v1/sim`` exists only when ``ctx.sim`` is set."""
+    """The application for one agent; ``/v1/sim`` exists only when ``ctx.node.sim`` is set."""
     app = web.Application(
-        client_max_size=ctx.settings.max_body_bytes,
+        client_max_size=ctx.node.settings.max_body_bytes,
         middlewares=[request_middleware, problem_middleware, auth_middleware],
     )
     app[AGENT] = ctx
-    app[MAX_BODY_BYTES] = ctx.settings.max_body_bytes
-    routes = all_routes(simulated=ctx.sim is not None)
+    app[MAX_BODY_BYTES] = ctx.node.settings.max_body_bytes
+    routes = all_routes(simulated=ctx.node.sim is not None)
     register(app, routes)
     app[node.OPENAPI] = build_openapi(routes, version=agent.__version__)
     return app

@@ -123,8 +123,7 @@ class CdiList(BaseModel):
 def _service(request: web.Request) -> ClaimService:
     ctx = request.app[AGENT]
     require_ready(ctx)
-    assert ctx.claims is not None
-    return ctx.claims
+    return ctx.node.claims
 
 
 def _uid(request: web.Request) -> str:
@@ -142,7 +141,7 @@ async def prepare_claim(request: web.Request) -> web.Response:
     metadata = {k: v for k, v in (body.metadata.model_dump() if body.metadata else {}).items()
                 if v is not None}
     record = await service.prepare(uid, [d.value() for d in body.devices], metadata)
-    return json_response(ClaimModel.of(record, request.app[AGENT].settings.node_name))
+    return json_response(ClaimModel.of(record, request.app[AGENT].node.settings.node_name))
 
 
 async def unprepare_claim(request: web.Request) -> web.Response:
@@ -151,14 +150,14 @@ async def unprepare_claim(request: web.Request) -> web.Response:
 
 
 async def list_claims(request: web.Request) -> web.Response:
-    pool = request.app[AGENT].settings.node_name
+    pool = request.app[AGENT].node.settings.node_name
     return json_response(ClaimList(claims=[ClaimModel.of(r, pool)
                                            for r in _service(request).claims()]))
 
 
 async def get_claim(request: web.Request) -> web.Response:
     record = _service(request).claim(_uid(request))
-    return json_response(ClaimModel.of(record, request.app[AGENT].settings.node_name))
+    return json_response(ClaimModel.of(record, request.app[AGENT].node.settings.node_name))
 
 
 async def list_cdi(request: web.Request) -> web.Response:

@@ -45,10 +45,10 @@ def _version(text: str | None) -> tuple[int, int]:
 async def list_slices(request: web.Request) -> web.Response:
     ctx = request.app[AGENT]
     require_ready(ctx)
-    if ctx.slices is None or ctx.topology is None or not ctx.topology.loaded:
+    if not ctx.node.topology.loaded:
         raise NotReady("topology not discovered yet")
     kubernetes = _version(request.query.get("kubernetes"))
-    items = await ctx.slices.slices(kubernetes)
+    items = await ctx.node.slices.slices(kubernetes)
     return json_response(ResourceSliceList(
         metadata={"annotations": {"gpu.nodeagent.dev/kubernetes": "{}.{}".format(*kubernetes)}},
         items=items))
@@ -58,7 +58,7 @@ ROUTES = [
     Route("GET", "/v1/resourceslices", list_slices,
           "This node's devices as resource.k8s.io/v1 ResourceSlices (full GPUs, MIG devices; "
           "with --dynamic-mig partitionable MIG with shared counters)", ResourceSliceList,
-          tag="dra", errors=(422, 503),
+          tag="dra", errors=(422, 503), reconciled=True,
           query=(QueryParam("kubernetes", {"type": "string", "enum": ["1.34", "1.35"]},
                             "API server version: 1.35 and newer want counters and devices "
                             "in separate slices (default 1.35)"),)),

@@ -36,13 +36,12 @@ from agent.mig.transition import DrainPolicy
 async def _gpu(request: web.Request) -> tuple[AgentContext, MigService, Gpu]:
     ctx = request.app[AGENT]
     require_ready(ctx)
-    await ctx.inventory.refresh()
-    gpu = ctx.inventory.find(request.match_info["gpu"])
+    await ctx.node.inventory.refresh()
+    gpu = ctx.node.inventory.find(request.match_info["gpu"])
     if not gpu.static.mig_capable:
         raise Conflict(f"GPU {gpu.index} ({gpu.static.name}) does not support MIG",
                        gpu=gpu.uuid)
-    assert ctx.mig is not None
-    return ctx, ctx.mig, gpu
+    return ctx, ctx.node.mig, gpu
 
 
 def _flag(request: web.Request, name: str) -> bool:
@@ -98,8 +97,7 @@ async def put_geometry(request: web.Request) -> web.Response:
 def _service(request: web.Request) -> MigService:
     ctx = request.app[AGENT]
     require_ready(ctx)
-    assert ctx.mig is not None
-    return ctx.mig
+    return ctx.node.mig
 
 
 async def list_transitions(request: web.Request) -> web.Response:
@@ -121,7 +119,7 @@ async def apply_config(request: web.Request) -> web.Response:
     body = await parse_body(request, ApplyRequest)
     ctx = request.app[AGENT]
     service = _service(request)
-    gpus = await ctx.inventory.refresh()
+    gpus = await ctx.node.inventory.refresh()
     config = parse_config(body.config)
     selection = select(config, body.label, [
         GpuIdentity(g.index, g.static.pci_device_id, g.static.pci_subsystem_id) for g in gpus])

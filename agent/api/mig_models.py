@@ -206,13 +206,13 @@ class MigGeometryModel(BaseModel):
 
     @classmethod
     def of(cls, *, gpu: str, index: int, mode: MigModeModel | None, geometry: Geometry,
-           draining: frozenset[int], last: Geometry | None, drift: str | None,
+           draining: frozenset[Placement], last: Geometry | None, drift: str | None,
            quarantined: str | None, active: str | None) -> MigGeometryModel:
         return cls(
             gpu=gpu, index=index, mig_mode=mode,
             instances=[GpuInstanceModel(profile=i.profile, placement=PlacementModel(
                 start=i.placement.start, size=i.placement.size), gi_id=i.gi_id, held=i.held,
-                draining=i.gi_id in draining) for i in geometry.instances],
+                draining=i.placement in draining) for i in geometry.instances],
             last_applied=None if last is None else
             [str(i) for i in last.instances] if last.mig_enabled else [],
             drift=drift, quarantined=quarantined, active_transition=active)

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 from agent.events import Event
 from agent.gpu.types import DriverInfo, Gpu, MigDevice
+from agent.ledger.ledger import Availability, Hold, NodeLedger
 
 
 class Strict(BaseModel):
@@ -49,6 +50,36 @@ class HealthModel(BaseModel):
     reasons: list[str]
 
 
+class AvailabilityModel(BaseModel):
+    available: bool = Field(description="Whether a new claim may take it now")
+    reasons: list[str] = Field(description="Why not, besides holders: lost, unhealthy (the "
+                                           "XID), quarantined, drained or being created by a "
+                                           "MIG transition")
+    holders: list[str] = Field(description="Claims holding it (or, for a GPU, anything on it)")
+
+    @classmethod
+    def of(cls, availability: Availability) -> AvailabilityModel:
+        return cls(available=availability.available, reasons=list(availability.reasons),
+                   holders=list(availability.holders))
+
+
+class HoldModel(BaseModel):
+    claim: str
+    state: Literal["reserved", "prepared", "releasing"] = Field(
+        description="reserved: being prepared; prepared: durable; releasing: being unprepared")
+    device: str = Field(description="'whole GPU' or the MIG memory slices start:size")
+    profile: str | None
+    on_demand: bool = Field(description="A slice made for the claim")
+
+    @classmethod
+    def of(cls, hold: Hold) -> HoldModel:
+        placement = hold.key.placement
+        return cls(claim=hold.holder, state=hold.state, profile=hold.profile,
+                   on_demand=hold.on_demand,
+                   device="whole GPU" if placement is None
+                   else f"slices {placement.start}:{placement.size}")
+
+
 class MigDeviceModel(BaseModel):
     index: int = Field(description="NVML MIG device index")
     uuid: str
@@ -59,15 +90,17 @@ class MigDeviceModel(BaseModel):
     memory_mib: int
     multiprocessors: int
     draining: bool
+    availability: AvailabilityModel
 
     @classmethod
-    def of(cls, device: MigDevice, *, draining: bool = False) -> MigDeviceModel:
+    def of(cls, device: MigDevice, availability: Availability, *,
+           draining: bool = False) -> MigDeviceModel:
         return cls(index=device.index, uuid=device.uuid, profile=device.profile,
                    gi_id=device.gi_id, ci_id=device.ci_id,
                    placement=PlacementModel(start=device.placement.start,
                                             size=device.placement.size),
                    memory_mib=device.memory_mib, multiprocessors=device.multiprocessors,
-                   draining=draining)
+                   draining=draining, availability=AvailabilityModel.of(availability))
 
 
 class GpuModel(BaseModel):
@@ -86,12 +119,16 @@ class GpuModel(BaseModel):
     mig_mode: MigModeModel | None = Field(description="null where the GPU cannot do MIG")
     mig_devices: list[MigDeviceModel]
     health: HealthModel
+    availability: AvailabilityModel = Field(description="The whole GPU, from the ledger")
+    holds: list[HoldModel] = Field(description="Every claim's hold on the GPU or a device "
+                                               "on it, reservations included")
+    transition: str | None = Field(description="The MIG transition owning the GPU, if any")
 
     @classmethod
-    def of(cls, gpu: Gpu, *, draining: frozenset[int] = frozenset(),
-           reasons: tuple[str, ...] = ()) -> GpuModel:
+    def of(cls, gpu: Gpu, ledger: NodeLedger) -> GpuModel:
         s = gpu.static
-        all_reasons = list(gpu.health.reasons) + list(reasons)
+        condition = ledger.condition(gpu)
+        draining = ledger.draining(gpu.uuid)
         return cls(
             index=s.index, minor=s.minor, uuid=s.uuid, name=s.name, brand=s.brand,
             architecture=s.architecture, cuda_compute_capability=s.cuda_compute_capability,
@@ -99,9 +136,13 @@ class GpuModel(BaseModel):
             cpu_affinity=s.cpu_affinity, mig_capable=s.mig_capable,
             mig_mode=MigModeModel(current=gpu.mig_mode.current, pending=gpu.mig_mode.pending)
             if gpu.mig_mode else None,
-            mig_devices=[MigDeviceModel.of(d, draining=d.gi_id in draining)
+            mig_devices=[MigDeviceModel.of(d, ledger.availability(gpu, d),
+                                           draining=d.placement in draining)
                          for d in gpu.mig_devices],
-            health=HealthModel(healthy=not all_reasons, reasons=all_reasons),
+            health=HealthModel(healthy=not condition, reasons=list(condition)),
+            availability=AvailabilityModel.of(ledger.availability(gpu)),
+            holds=[HoldModel.of(h) for h in ledger.holds(gpu.uuid)],
+            transition=ledger.busy(gpu.uuid),
         )
 
 

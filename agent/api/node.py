@@ -12,15 +12,14 @@ from agent.device_names import ascii_integer
 from agent.errors import InvalidRequest, NotReady
 from agent.host import boot_id
 from agent.metrics import exposition
-from agent.metrics.collector import EMPTY_SNAPSHOT
 
 OPENAPI = web.AppKey("openapi", dict)
 
 
 def require_ready(ctx: AgentContext) -> None:
     """Raise :class:`NotReady` with the reason while NVML or the inventory is not up."""
-    if not ctx.inventory.loaded:
-        raise NotReady(f"agent not ready: {ctx.readiness.reason or 'inventory not loaded'}")
+    if not ctx.node.inventory.loaded:
+        raise NotReady(f"agent not ready: {ctx.node.readiness.reason or 'inventory not loaded'}")
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -29,9 +28,9 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def readyz(request: web.Request) -> web.Response:
     ctx = request.app[AGENT]
-    readiness = ctx.readiness
+    readiness = ctx.node.readiness
     if readiness.ready:
-        stale = ctx.collector.stale_reason() if ctx.collector is not None else None
+        stale = ctx.node.collector.stale_reason()
         if stale is None:
             return json_response(Status(status="ready"))
         return json_response(Status(status="not ready", reason=stale), status=503)
@@ -42,9 +41,9 @@ async def get_node(request: web.Request) -> web.Response:
     ctx = request.app[AGENT]
     require_ready(ctx)
     return json_response(NodeModel.of(
-        hostname=ctx.settings.node_name, driver=ctx.inventory.driver,
-        boot_id=boot_id(ctx.settings.proc_root), backend=ctx.backend,
-        agent_version=agent.__version__, gpu_count=len(ctx.inventory.gpus)))
+        hostname=ctx.node.settings.node_name, driver=ctx.node.inventory.driver,
+        boot_id=boot_id(ctx.node.settings.proc_root), backend=ctx.node.backend.name,
+        agent_version=agent.__version__, gpu_count=len(ctx.node.inventory.gpus)))
 
 
 async def list_events(request: web.Request) -> web.Response:
@@ -53,7 +52,7 @@ async def list_events(request: web.Request) -> web.Response:
     if since is None:
         raise InvalidRequest(f"since: {raw[:40]!r} is not a non-negative integer",
                              [{"field": "since", "reason": "not a non-negative integer"}])
-    events = request.app[AGENT].events.since(since)
+    events = request.app[AGENT].node.events.since(since)
     last = events[-1].seq if events else since
     return json_response(EventList(events=[EventModel.of(e) for e in events], last_seq=last))
 
@@ -61,8 +60,8 @@ async def list_events(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     """The collector's last snapshot (never an NVML call) and the live gpu_agent_* registry."""
     ctx = request.app[AGENT]
-    snapshot = ctx.collector.snapshot if ctx.collector is not None else EMPTY_SNAPSHOT
-    body, headers = exposition.scrape(snapshot.block, ctx.metrics.registry,
+    ctx.node.publish_availability()
+    body, headers = exposition.scrape(ctx.node.collector.snapshot.block, ctx.node.metrics.registry,
                                       accept_encoding=request.headers.get("Accept-Encoding", ""))
     return web.Response(body=body, headers=headers)
 

@@ -11,7 +11,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from agent.api.context import MAX_BODY_BYTES, REQUEST_ID
-from agent.errors import AgentError, BadRequest, InvalidRequest, StorageUnavailable
+from agent.errors import AgentError, BadRequest, InvalidRequest, NotReady, StorageUnavailable
 
 log = logging.getLogger("agent.api")
 M = TypeVar("M", bound=BaseModel)
@@ -79,10 +79,11 @@ async def problem_middleware(request: web.Request, handler: Any) -> web.StreamRe
         response: web.StreamResponse = await handler(request)
         return response
     except AgentError as err:
+        headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else \
+            {"Retry-After": str(err.retry_after_s)} if isinstance(err, NotReady) else None
         return problem_response(request, status=err.status, type_name=err.type_name,
                                 title=err.title, detail=err.detail, extra=err.extra,
-                                headers={"WWW-Authenticate": "Bearer"} if err.status == 401
-                                else None)
+                                headers=headers)
     except OSError as err:
         if err.errno in STORAGE_ERRNOS:  # a durable write outside write_atomic's mapping
             storage = StorageUnavailable(str(err.filename or "the state directory"), err)

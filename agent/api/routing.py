@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from agent.api.access import audit_log, peer_credentials, summarise_body
 from agent.api.context import AGENT, PRINCIPAL, REQUEST_ID
-from agent.errors import Forbidden
+from agent.errors import Forbidden, NotReady
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 access_log = logging.getLogger("agent.access")
@@ -37,7 +37,10 @@ class QueryParam:
 class Route:
     """One endpoint. ``scope`` marks a mutating endpoint and the token scope it needs;
     ``public`` endpoints (probes, metrics) never ask for a token; ``changes_nothing`` marks a
-    POST that only computes an answer from its body (a query), authorised like a read."""
+    POST that only computes an answer from its body (a query), authorised like a read;
+    ``reconciled`` marks a read of state that start-up recovery reconciles (claims,
+    geometry, transitions, slices), served only once recovery has finished, like every
+    mutation."""
 
     method: str
     path: str
@@ -54,10 +57,17 @@ class Route:
     extra_responses: dict[int, type[BaseModel]] = field(default_factory=dict)
     content_type: str = "application/json"
     changes_nothing: bool = False
+    reconciled: bool = False
 
     @property
     def mutating(self) -> bool:
         return self.method not in ("GET", "HEAD") and not self.changes_nothing
+
+    @property
+    def needs_recovery(self) -> bool:
+        """Answered 503 until start-up recovery has finished. The simulator's controls change
+        the fake hardware, not the agent's state, so tests can use them at any time."""
+        return (self.mutating or self.reconciled) and self.tag != "simulation"
 
 
 def json_response(model: BaseModel, *, status: int = 200,
@@ -109,7 +119,8 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
         elapsed_ms = (time.perf_counter() - started) * 1000
         spec = _spec_of(request)
         route = spec.path if spec else "unmatched"
-        request.app[AGENT].metrics.http_requests.labels(request.method, route, str(status)).inc()
+        request.app[AGENT].node.metrics.http_requests.labels(request.method, route,
+                                                             str(status)).inc()
         peer = _peer(request)
         if spec.mutating if spec else request.method not in ("GET", "HEAD", "OPTIONS"):
             await _audit(request, status, peer, elapsed_ms)
@@ -147,7 +158,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     spec = _spec_of(request)
     ctx = request.app[AGENT]
     if spec is not None and not spec.public:
-        needs_token = spec.mutating or ctx.settings.auth_read
+        needs_token = spec.mutating or ctx.node.settings.auth_read
         if needs_token:
             if not ctx.tokens.configured:
                 raise Forbidden(
@@ -157,5 +168,10 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
             principal = ctx.tokens.authenticate(request.headers.get("Authorization"))
             request[PRINCIPAL] = principal.name
             principal.require(spec.scope or "read")
+    if spec is not None and spec.needs_recovery and not ctx.node.readiness.reconciled:
+        # Before recovery ends, who holds what is not known yet: acknowledging anything now
+        # could hand out a held device or lose an acknowledged claim.
+        raise NotReady(f"agent not ready: {ctx.node.readiness.reason or 'starting'}; retry "
+                       "once start-up recovery has finished", retry_after_s=1)
     return await handler(request)
 

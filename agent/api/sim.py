@@ -20,11 +20,19 @@ from agent.api.models import (
 from agent.api.problems import parse_body
 from agent.api.routing import json_response
 from agent.device_names import ascii_integer
-from agent.errors import InvalidRequest
+from agent.errors import InvalidRequest, NotFound
+from agent.gpu.sim.node import SimulatedNode
+
+
+def _sim(request: web.Request) -> SimulatedNode:
+    sim = request.app[AGENT].node.sim
+    if sim is None:  # the routes exist only with --simulate
+        raise NotFound("this agent is not simulated")
+    return sim
 
 
 def _sim_state(request: web.Request) -> SimState:
-    return SimState.model_validate(request.app[AGENT].sim.describe())
+    return SimState.model_validate(_sim(request).describe())
 
 
 async def sim_state(request: web.Request) -> web.Response:
@@ -33,7 +41,7 @@ async def sim_state(request: web.Request) -> web.Response:
 
 async def add_process(request: web.Request) -> web.Response:
     body = await parse_body(request, SimProcessRequest)
-    sim = request.app[AGENT].sim
+    sim = _sim(request)
     record = await asyncio.to_thread(sim.add_process, body.device, body.pid,
                                      body.used_memory_mib)
     return json_response(SimProcess.model_validate(record), status=201)
@@ -45,45 +53,45 @@ async def remove_process(request: web.Request) -> web.Response:
     if pid is None:
         raise InvalidRequest(f"pid: {raw[:40]!r} is not a process id",
                              [{"field": "pid", "reason": "not a positive integer"}])
-    await asyncio.to_thread(request.app[AGENT].sim.remove_process, pid)
+    await asyncio.to_thread(_sim(request).remove_process, pid)
     return web.Response(status=204)
 
 
 async def add_fault(request: web.Request) -> web.Response:
     body = await parse_body(request, SimFaultRequest)
-    record = await asyncio.to_thread(request.app[AGENT].sim.add_fault, body.function, body.error,
+    record = await asyncio.to_thread(_sim(request).add_fault, body.function, body.error,
                                      body.gpu, body.skip, body.times)
     return json_response(SimFault.model_validate(record), status=201)
 
 
 async def clear_faults(request: web.Request) -> web.Response:
-    await asyncio.to_thread(request.app[AGENT].sim.clear_faults)
+    await asyncio.to_thread(_sim(request).clear_faults)
     return web.Response(status=204)
 
 
 async def set_latency(request: web.Request) -> web.Response:
     body = await parse_body(request, SimLatencyRequest)
-    await asyncio.to_thread(request.app[AGENT].sim.set_latency, body.root)
+    await asyncio.to_thread(_sim(request).set_latency, body.root)
     return json_response(await asyncio.to_thread(_sim_state, request))
 
 
 async def inject_xid(request: web.Request) -> web.Response:
     body = await parse_body(request, SimXidRequest)
-    await asyncio.to_thread(request.app[AGENT].sim.inject_xid, body.gpu, body.xid)
+    await asyncio.to_thread(_sim(request).inject_xid, body.gpu, body.xid)
     return web.Response(status=202)
 
 
 async def reset_gpu(request: web.Request) -> web.Response:
     body = await parse_body(request, SimGpuRequest)
     ctx = request.app[AGENT]
-    await asyncio.to_thread(ctx.sim.reset_gpu, body.gpu)
-    ctx.session.clear_lost(body.gpu)
+    await asyncio.to_thread(_sim(request).reset_gpu, body.gpu)
+    ctx.node.session.clear_lost(body.gpu)
     return web.Response(status=204)
 
 
 async def reload_driver(request: web.Request) -> web.Response:
     ctx = request.app[AGENT]
-    await asyncio.to_thread(ctx.sim.reload_driver)
-    for gpu in ctx.inventory.gpus:
-        ctx.session.clear_lost(gpu.uuid)
+    await asyncio.to_thread(_sim(request).reload_driver)
+    for gpu in ctx.node.inventory.gpus:
+        ctx.node.session.clear_lost(gpu.uuid)
     return web.Response(status=204)

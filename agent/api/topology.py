@@ -91,9 +91,9 @@ class SelectionModel(BaseModel):
 
 def _service(ctx: AgentContext) -> TopologyService:
     require_ready(ctx)
-    if ctx.topology is None or not ctx.topology.loaded:
+    if not ctx.node.topology.loaded:
         raise NotReady("topology not discovered yet")
-    return ctx.topology
+    return ctx.node.topology
 
 
 def topology_model(graph: TopologyGraph, unavailable: dict[int, str]) -> TopologyModel:
@@ -115,7 +115,7 @@ def topology_model(graph: TopologyGraph, unavailable: dict[int, str]) -> Topolog
 async def get_topology(request: web.Request) -> web.Response:
     ctx = request.app[AGENT]
     service = _service(ctx)
-    gpus = await ctx.inventory.refresh()
+    gpus = await ctx.node.inventory.refresh()
     return json_response(topology_model(service.graph, service.unavailable(gpus)))
 
 
@@ -141,7 +141,7 @@ async def select_gpus(request: web.Request) -> web.Response:
     candidates = (None if body.candidates is None
                   else _resolve(graph, body.candidates, "candidates"))
     must = _resolve(graph, body.must_include, "must_include")
-    gpus = await ctx.inventory.refresh()
+    gpus = await ctx.node.inventory.refresh()
     selection = select(graph, body.count, candidates=candidates, must_include=must,
                        unavailable=service.unavailable(gpus))
     return json_response(SelectionModel.of(selection))
@@ -154,5 +154,5 @@ ROUTES = [
     Route("POST", "/v1/topology/select", select_gpus,
           "The best-connected set of N GPUs: maximal bottleneck bandwidth, then total, then "
           "NUMA locality, then what stays free", SelectionModel, body=SelectRequest,
-          tag="topology", errors=(409, 503), changes_nothing=True),
+          tag="topology", errors=(409, 503), changes_nothing=True, reconciled=True),
 ]

@@ -58,6 +58,8 @@ class PreparedDevice(_Record):
     device_name: str
     cdi_device: str
     slice: SliceRecord | None = None
+    placement: tuple[int, int] | None = Field(
+        default=None, description="Memory slices (start, size) of an existing MIG device")
 
 
 class ClaimRecord(_Record):
@@ -210,6 +212,13 @@ class ClaimCheckpoint:
             if at >= cutoff:
                 break
             del tombstones[uid]
+
+    def cap_tombstones(self, limit: int) -> None:
+        """Keep at most ``limit`` tombstones, dropping the oldest: unprepares cannot grow the
+        checkpoint without bound."""
+        tombstones = self.data.tombstones
+        while len(tombstones) > limit:
+            del tombstones[next(iter(tombstones))]
 
     def snapshot(self) -> dict[str, Any]:
         return self.data.model_dump(mode="json")

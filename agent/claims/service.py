@@ -1,10 +1,13 @@
 """Preparing and unpreparing resource claims: full GPUs, existing MIG devices and MIG slices
 made on demand, with CDI specs, a crash-safe checkpoint and reconciliation at start-up.
 
-Concurrency: a lock per claim UID (a retry waits for the first attempt), a lock per GPU for
-slice creation (NVML serialises a GPU's mutations anyway), and device reservations taken
-without any await between check and take, so two claims can never both get one device. No
-node-wide lock is held across NVML calls; checkpoint writes are group-committed.
+Who holds which device is the per-GPU ledger's to say (``agent/ledger/``): a claim reserves
+each device there before anything durable or any NVML mutation happens, and the check and
+the take never await in between, so two claims can never both get one device, however
+each names it. A slice is made or destroyed under the ledger's mutation lock of its GPU, as
+a one-instance transition through the MIG executor and journal. A lock per claim UID makes a
+retry wait for the first attempt. No node-wide lock is held across NVML calls; checkpoint
+writes are group-committed.
 """
 
 from __future__ import annotations
@@ -14,10 +17,12 @@ import hashlib
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Literal
 
 from agent.claims.cdi_writer import CdiWriter
@@ -35,6 +40,7 @@ from agent.claims.placement import Candidate, choose
 from agent.device_names import gpu_device_name, mig_device_name, parse_device_name, profile_label
 from agent.durable import write_atomic
 from agent.errors import (
+    AgentError,
     CheckpointUnusable,
     ClaimUnprepared,
     Conflict,
@@ -44,15 +50,23 @@ from agent.errors import (
     NvmlError,
 )
 from agent.events import EventLog, Severity
-from agent.gpu import mig
 from agent.gpu.inventory import GpuInventory
 from agent.gpu.session import NvmlSession
-from agent.gpu.types import GiProfile, Gpu, MigDevice, Placement
+from agent.gpu.types import Gpu, MigDevice, Placement
+from agent.ledger.keys import DeviceKey, key_of, resolve
+from agent.ledger.ledger import Hold, NodeLedger
 from agent.mig.catalog import catalog_of
+from agent.mig.executor import GpuMutator, RestoreFailed
 from agent.mig.geometry import Geometry, Instance
-from agent.mig.service import MigService
+from agent.mig.journal import TransitionJournal
+from agent.mig.slices import create_slice, destroy_slice
 
 log = logging.getLogger("agent.claims")
+#: Unprepared claim UIDs remembered to refuse late prepare retries: durably for claims that
+#: were prepared (bounded in count; oldest dropped first), in memory only for UIDs this agent
+#: never prepared, so unpreparing unknown claims costs nothing durable.
+MAX_TOMBSTONES = 4096
+MARKER = "claims-checkpoint.marker"
 
 
 @dataclass(frozen=True)
@@ -82,61 +96,61 @@ def _digest(requests: Sequence[DeviceRequest]) -> str:
                           .encode()).hexdigest()[:32]
 
 
-def _key(device: PreparedDevice) -> str:
-    """What two claims must never share: a whole GPU, or a GPU's memory-slice run."""
+def _key(device: PreparedDevice) -> DeviceKey:
+    """The ledger key of a recorded device: its GPU and, for a MIG device, its slices (a
+    record written before placements were recorded gets its placement at load)."""
     if device.kind == "gpu":
-        return f"gpu:{device.gpu}"
-    start = device.slice.start if device.slice else None
-    return f"mig:{device.gpu}:{device.gi_id if start is None else 's' + str(start)}"
+        return DeviceKey(device.gpu)
+    if device.slice is not None:
+        return DeviceKey(device.gpu, Placement(device.slice.start, device.slice.size))
+    assert device.placement is not None, "filled in at load"
+    return DeviceKey(device.gpu, Placement(*device.placement))
+
+
+def _hold(uid: str, device: PreparedDevice, profile: str | None, *,
+          state: Literal["reserved", "prepared"] = "reserved") -> Hold:
+    return Hold(uid, _key(device), state, profile=profile, on_demand=device.slice is not None)
 
 
 class ClaimService:
-    def __init__(self, *, session: NvmlSession, inventory: GpuInventory, mig_service: MigService,
-                 checkpoint: ClaimCheckpoint, cdi: CdiWriter, events: EventLog,
-                 tombstone_s: float = 600.0) -> None:
+    def __init__(self, *, session: NvmlSession, inventory: GpuInventory, ledger: NodeLedger,
+                 journal: TransitionJournal, checkpoint: ClaimCheckpoint, cdi: CdiWriter,
+                 events: EventLog, tombstone_s: float = 600.0,
+                 run_dir: Path | None = None) -> None:
         self._session = session
         self._inventory = inventory
-        self._mig = mig_service
+        self._ledger = ledger
+        self._journal = journal
         self.checkpoint = checkpoint
         self.cdi = cdi
         self._events = events
         self._tombstone_s = tombstone_s
+        self._marker = run_dir / MARKER if run_dir is not None else None
+        self._marked = False
+        self._previous_boot: str | None = None
         # Per-UID lock and how many calls hold or wait on it; dropped when that reaches 0.
         self._uid_locks: dict[str, tuple[asyncio.Lock, int]] = {}
-        self._gpu_locks: dict[str, asyncio.Lock] = {}
-        self._held: dict[str, str] = {}  # device key -> claim uid
-        # Slices chosen but not yet made, per GPU: counted by every later choice, so
-        # concurrent prepares spread over free placements instead of colliding on one.
-        self._pending: dict[str, list[Instance]] = {}
-        self.corrupt: CheckpointCorrupt | None = None
+        self._unknown_unprepared: OrderedDict[str, float] = OrderedDict()
+        #: Why claims are frozen (corrupt or missing checkpoint), or None.
+        self.corrupt: str | None = None
         self._node_spec_task: asyncio.Task[None] | None = None
         self._node_spec_lock = asyncio.Lock()
         self._node_spec_again = False
-        mig_service.claims = self
-
-    # -- what the MIG service asks (ClaimHolders) --------------------------------------------
-
-    def holders(self, gpu: str) -> Mapping[int, Sequence[str]]:
-        found: dict[int, list[str]] = {}
-        for record in self.checkpoint.data.claims.values():
-            if record.state == "lost":
-                continue
-            for d in record.devices:
-                if d.gpu == gpu and d.gi_id is not None:
-                    found.setdefault(d.gi_id, []).append(record.uid)
-        return found
-
-    def dynamic_slices(self, gpu: str) -> frozenset[tuple[str, Placement]]:
-        return frozenset((d.slice.profile, Placement(d.slice.start, d.slice.size))
-                         for r in self.checkpoint.data.claims.values() for d in r.devices
-                         if d.slice is not None and d.gpu == gpu)
+        ledger.watchers.append(lambda _gpu: self._schedule_node_spec())
 
     # -- reading ---------------------------------------------------------------------------
 
-    def claims(self) -> list[ClaimRecord]:
+    def records(self) -> list[ClaimRecord]:
+        """Every claim record, oldest first (empty while frozen: for metrics attribution)."""
         return sorted(self.checkpoint.data.claims.values(), key=lambda r: r.created_at)
 
+    def claims(self) -> list[ClaimRecord]:
+        """Every claim, oldest first; :class:`CheckpointUnusable` while claims are frozen."""
+        self._usable()
+        return self.records()
+
     def claim(self, uid: str) -> ClaimRecord:
+        self._usable()
         record = self.checkpoint.data.claims.get(uid)
         if record is None:
             raise NotFound(f"no claim {uid!r} is prepared on this node", claim=uid)
@@ -163,15 +177,22 @@ class ClaimService:
                     raise Conflict(f"claim {uid} is already prepared with other devices; "
                                    "unprepare it first", claim=uid)
                 return record
-            self.checkpoint.prune_tombstones(self._tombstone_s)
-            unprepared_at = self.checkpoint.data.tombstones.get(uid)
-            if unprepared_at is not None:
-                raise ClaimUnprepared(
-                    f"claim {uid} was unprepared {time.time() - unprepared_at:.0f} s ago; a late "
-                    "prepare retry cannot bring it back", claim=uid)
+            self._refuse_late_retry(uid)
             if record is not None:  # half-done earlier attempt, or lost in a reboot
                 await self._undo(record)
             return await self._prepare(uid, requests, metadata, digest)
+
+    def _refuse_late_retry(self, uid: str) -> None:
+        self.checkpoint.prune_tombstones(self._tombstone_s)
+        cutoff = time.time() - self._tombstone_s
+        while self._unknown_unprepared and next(iter(self._unknown_unprepared.values())) < cutoff:
+            self._unknown_unprepared.popitem(last=False)
+        unprepared_at = self.checkpoint.data.tombstones.get(uid) or \
+            self._unknown_unprepared.get(uid)
+        if unprepared_at is not None:
+            raise ClaimUnprepared(
+                f"claim {uid} was unprepared {time.time() - unprepared_at:.0f} s ago; a late "
+                "prepare retry cannot bring it back", claim=uid)
 
     async def _prepare(self, uid: str, requests: Sequence[DeviceRequest],
                        metadata: Mapping[str, str], digest: str) -> ClaimRecord:
@@ -191,19 +212,14 @@ class ClaimService:
     async def _prepare_on(self, uid: str, requests: Sequence[DeviceRequest],
                           metadata: Mapping[str, str], digest: str, gpus: Sequence[Gpu], *,
                           confirm: bool) -> ClaimRecord:
+        targets = self._targets(requests, gpus, confirm=confirm)
         now = time.time()
         record = ClaimRecord(uid=uid, state="prepare_started", devices=[],
                              request_digest=digest, metadata=dict(metadata),
                              created_at=now, updated_at=now)
         try:
-            try:
-                for request in requests:
-                    if request.kind == "gpu":
-                        self._reserve(uid, record, self._existing(uid, request, gpus))
-            except InvalidRequest:
-                if confirm:  # maybe made since the snapshot
-                    raise _Stale from None
-                raise
+            for request, gpu, device in targets:
+                self._reserve_existing(uid, record, request, gpu, device)
             for request in requests:
                 if request.kind == "slice":
                     await self._make_slice(uid, record, request, gpus)
@@ -216,9 +232,39 @@ class ClaimService:
         except BaseException:
             await self._undo(record)
             raise
+        self._ledger.settle(uid)
         self._events.append("claim.prepared", f"claim {uid} prepared: " + ", ".join(
             d.device_name for d in record.devices), details={"claim": uid})
         return record
+
+    def _targets(self, requests: Sequence[DeviceRequest], gpus: Sequence[Gpu], *,
+                 confirm: bool) -> list[tuple[DeviceRequest, Gpu, MigDevice | None]]:
+        """The existing devices the claim names, each once: the same device (or a GPU and
+        one of its MIG devices) named twice is refused, naming both entries."""
+        targets: list[tuple[DeviceRequest, Gpu, MigDevice | None]] = []
+        seen: list[tuple[int, DeviceKey]] = []
+        for position, request in enumerate(requests):
+            if request.kind != "gpu":
+                continue
+            try:
+                gpu, device = resolve(request.device or "", gpus)
+            except InvalidRequest:
+                if confirm:  # maybe made since the snapshot
+                    raise _Stale from None
+                raise
+            key = key_of(gpu, device)
+            for earlier, other in seen:
+                if other.conflicts(key):
+                    raise InvalidRequest(
+                        f"devices[{earlier}] ({requests[earlier].device!r}) and "
+                        f"devices[{position}] ({request.device!r}) name the same device",
+                        [{"field": f"devices[{earlier}].device", "reason": "same device as "
+                          f"devices[{position}]"},
+                         {"field": f"devices[{position}].device", "reason": "same device as "
+                          f"devices[{earlier}]"}])
+            seen.append((position, key))
+            targets.append((request, gpu, device))
+        return targets
 
     async def _record(self, record: ClaimRecord, requests: Sequence[DeviceRequest],
                       gpus: Sequence[Gpu], *, confirm: bool) -> bool:
@@ -249,7 +295,7 @@ class ClaimService:
         (NVML worker thread)."""
         try:
             for request in requests:
-                gpu, device = _resolve(request.device or "", gpus)
+                gpu, device = resolve(request.device or "", gpus)
                 if device is not None:
                     self._session.call("nvmlDeviceGetHandleByUUID", device.uuid, gpu=gpu.uuid)
                     continue
@@ -264,46 +310,35 @@ class ClaimService:
             return False
         return True
 
-    def _reserve(self, uid: str, record: ClaimRecord, device: PreparedDevice) -> None:
-        key = _key(device)
-        holder = self._held.get(key)
-        if holder is not None and holder != uid:
-            raise DeviceBusy(f"{device.device_name} is held by claim {holder}",
-                             device=device.device_name, holders=[holder])
-        self._held[key] = uid
-        record.devices.append(device)
-
-    def _usable_gpu(self, gpu: Gpu) -> None:
-        lost = self._session.lost_reason(gpu.uuid)
-        if lost:
-            raise DeviceBusy(f"GPU {gpu.index} is lost: {lost}", gpu=gpu.uuid)
-        if not gpu.health.healthy:
-            raise DeviceBusy(f"GPU {gpu.index} is unhealthy: {'; '.join(gpu.health.reasons)}",
-                             gpu=gpu.uuid)
-        reason = self._mig.quarantined(gpu.uuid)
-        if reason:
-            raise DeviceBusy(f"GPU {gpu.index} is quarantined: {reason}", gpu=gpu.uuid)
-
-    def _existing(self, uid: str, request: DeviceRequest, gpus: Sequence[Gpu]) -> PreparedDevice:
-        ref = request.device or ""
-        gpu, device = _resolve(ref, gpus)
-        self._usable_gpu(gpu)
+    def _reserve_existing(self, uid: str, record: ClaimRecord, request: DeviceRequest,
+                          gpu: Gpu, device: MigDevice | None) -> None:
+        """Check the device can be handed out and reserve it in the ledger (no await)."""
+        self._ledger.check_usable(gpu, device)
         if device is None:
             if gpu.mig_mode is not None and gpu.mig_mode.current:
                 raise DeviceBusy(f"GPU {gpu.index} has MIG enabled: claim one of its MIG devices "
                                  "or a slice, not the whole GPU", gpu=gpu.uuid)
+            busy = self._ledger.busy(gpu.uuid)
+            if busy is not None:
+                raise DeviceBusy(f"GPU {gpu.index} is busy with MIG transition {busy}",
+                                 gpu=gpu.uuid, transition=busy)
             name = gpu_device_name(gpu.static.minor)
-            return PreparedDevice(request=request.request, kind="gpu", gpu=gpu.uuid,
-                                  uuid=gpu.uuid, device_name=name,
-                                  cdi_device=self.cdi.qualified_name(uid, name))
-        if device.gi_id in self._mig.draining(gpu.uuid):
-            raise DeviceBusy(f"{device.uuid} is being drained for a MIG geometry change",
-                             device=device.uuid)
-        spec = next(p for p in gpu.profiles if p.name == device.profile)
-        name = mig_device_name(gpu.static.minor, device.profile, spec.id, device.placement.start)
-        return PreparedDevice(request=request.request, kind="mig", gpu=gpu.uuid,
-                              uuid=device.uuid, gi_id=device.gi_id, ci_id=device.ci_id,
-                              device_name=name, cdi_device=self.cdi.qualified_name(uid, name))
+            prepared = PreparedDevice(request=request.request, kind="gpu", gpu=gpu.uuid,
+                                      uuid=gpu.uuid, device_name=name,
+                                      cdi_device=self.cdi.qualified_name(uid, name))
+            profile = None
+        else:
+            spec = next(p for p in gpu.profiles if p.name == device.profile)
+            name = mig_device_name(gpu.static.minor, device.profile, spec.id,
+                                   device.placement.start)
+            prepared = PreparedDevice(
+                request=request.request, kind="mig", gpu=gpu.uuid, uuid=device.uuid,
+                gi_id=device.gi_id, ci_id=device.ci_id, device_name=name,
+                placement=(device.placement.start, device.placement.size),
+                cdi_device=self.cdi.qualified_name(uid, name))
+            profile = device.profile
+        self._ledger.take(_hold(uid, prepared, profile), name=name)
+        record.devices.append(prepared)
 
     async def _make_slice(self, uid: str, record: ClaimRecord, request: DeviceRequest,
                           gpus: Sequence[Gpu]) -> None:
@@ -332,87 +367,108 @@ class ClaimService:
             raise InvalidRequest(f"devices: unknown MIG profile {profile!r}; known: "
                                  f"{', '.join(sorted(known))}",
                                  [{"field": "devices.profile", "reason": "unknown profile"}])
+        if gpu_ref is not None:
+            self._ledger.check_usable(candidates[0])  # a pinned GPU says why it cannot serve
         usable = [g for g in candidates if g.mig_mode is not None and g.mig_mode.current
-                  and g.health.healthy and not self._mig.quarantined(g.uuid)]
+                  and not self._ledger.condition(g)]
         if not usable:
             raise DeviceBusy("no healthy GPU with MIG enabled to make a slice on"
                              + (f" (GPU {gpu_ref})" if gpu_ref else "")
                              + "; enable MIG with PUT /v1/gpus/{gpu}/mig first")
-        # Choose on a fresh walk without locks, then lock only the chosen GPU and check the
-        # choice still holds (another slice may have landed meanwhile); retry if not. No lock
-        # is held across GPUs, so slices on different GPUs are made in parallel.
+        # Choose on a fresh walk, reserve the choice in the ledger (counted by every later
+        # choice, so concurrent prepares spread over free placements), then make it under
+        # the GPU's mutation lock after checking it still holds; retry if not. No lock is
+        # held across GPUs, so slices on different GPUs are made in parallel.
         for _ in range(5):
             choice = await self._choose(profile, start, usable)
             if choice is None:
                 break
             gpu, placement = choice
-            mine = Instance(profile, placement)
-            self._pending.setdefault(gpu.uuid, []).append(mine)
+            spec = next(p for p in gpu.profiles if p.name == profile)
+            name = mig_device_name(gpu.static.minor, profile, spec.id, placement.start)
+            device = PreparedDevice(
+                request=request.request, kind="mig", gpu=gpu.uuid, device_name=name,
+                cdi_device=self.cdi.qualified_name(uid, name),
+                slice=SliceRecord(gpu=gpu.uuid, profile=profile, profile_id=spec.id,
+                                  start=placement.start, size=placement.size))
             try:
-                async with self._gpu_locks.setdefault(gpu.uuid, asyncio.Lock()):
-                    geometry, _ = await self._mig.current(gpu)
+                self._ledger.take(_hold(uid, device, profile), name=name)
+            except DeviceBusy:
+                continue  # reserved by another prepare since the choice: choose again
+            try:
+                async with self._ledger.slice_change(gpu.uuid):
+                    geometry = await self._walk(gpu)
                     if any(i.placement.overlaps(placement) for i in geometry.instances):
+                        self._ledger.release(uid, _key(device))
                         continue  # the hardware changed under the choice: choose again
-                    await self._create(uid, record, request, gpu=gpu, profile=profile,
-                                       placement=placement)
+                    await self._create(record, device, gpu, placement)
                     return
-            finally:
-                self._pending[gpu.uuid].remove(mine)
+            except DeviceBusy:  # a transition took the GPU meanwhile
+                if device not in record.devices:
+                    self._ledger.release(uid, _key(device))
+                if gpu_ref is not None:
+                    raise
+        busy = [self._ledger.busy(g.uuid) for g in usable]
+        if gpu_ref is not None and busy[0] is not None:
+            raise DeviceBusy(f"GPU {usable[0].index} is busy with MIG transition {busy[0]}",
+                             gpu=usable[0].uuid, transition=busy[0])
         raise DeviceBusy(f"no room for a {profile} slice"
                          + (f" starting at memory slice {start}" if start is not None else "")
                          + " on the eligible GPUs")
 
+    async def _walk(self, gpu: Gpu) -> Geometry:
+        """The GPU's geometry from a fresh NVML walk (read pool)."""
+        return await self._session.read(GpuMutator(self._session, gpu.uuid,
+                                                   gpu.profiles).geometry)
+
     async def _choose(self, profile: str, start: int | None,
                       usable: Sequence[Gpu]) -> tuple[Gpu, Placement] | None:
-        idle = [gpu for gpu in usable if self._mig.active(gpu.uuid) is None]
-        walks = await asyncio.gather(*(self._mig.current(gpu) for gpu in idle))
-        geometries = {gpu.uuid: walk[0] for gpu, walk in zip(idle, walks, strict=True)}
-        # From here to the caller's reservation nothing awaits: the pending slices counted
-        # now are exactly those reserved before this choice.
+        idle = [gpu for gpu in usable if self._ledger.busy(gpu.uuid) is None]
+        walks = await asyncio.gather(*(self._walk(gpu) for gpu in idle))
+        # From here to the caller's reservation nothing awaits: the reservations counted now
+        # are exactly those made before this choice.
         candidates = []
-        for gpu in usable:
-            if gpu.uuid in geometries:
-                geometry = geometries[gpu.uuid]
-                # Slices reserved or recorded since the walk (another prepare may have made
-                # one while this one read) count as taken too.
-                taken = [*self._pending.get(gpu.uuid, ()), *self._recorded_slices(gpu.uuid)]
-                extra: list[Instance] = []
-                for t in taken:
-                    if not any(i.placement.overlaps(t.placement)
-                               for i in (*geometry.instances, *extra)):
-                        extra.append(t)
-                candidates.append(Candidate(gpu.index, catalog_of(gpu.profiles), Geometry(
-                    mig_enabled=True, instances=(*geometry.instances, *extra))))
+        for gpu, geometry in zip(idle, walks, strict=True):
+            # Slices reserved in the ledger but not made yet count as taken too.
+            extra: list[Instance] = []
+            for hold in self._ledger.holds(gpu.uuid):
+                placement = hold.key.placement
+                if hold.profile is None or placement is None:
+                    continue
+                if not any(i.placement.overlaps(placement)
+                           for i in (*geometry.instances, *extra)):
+                    extra.append(Instance(hold.profile, placement))
+            candidates.append(Candidate(gpu.index, catalog_of(gpu.profiles), Geometry(
+                mig_enabled=True, instances=(*geometry.instances, *extra))))
         choice = choose(candidates, profile, start)
         if choice is None:
             return None
-        return next(g for g in usable if g.index == choice.index), choice.placement
+        return next(g for g in idle if g.index == choice.index), choice.placement
 
-    def _recorded_slices(self, gpu: str) -> list[Instance]:
-        return [Instance(d.slice.profile, Placement(d.slice.start, d.slice.size))
-                for r in self.checkpoint.data.claims.values() if r.state != "lost"
-                for d in r.devices if d.slice is not None and d.slice.gpu == gpu]
-
-    async def _create(self, uid: str, record: ClaimRecord, request: DeviceRequest, *, gpu: Gpu,
-                      profile: str, placement: Placement) -> None:
-        spec = next(p for p in gpu.profiles if p.name == profile)
-        name = mig_device_name(gpu.static.minor, profile, spec.id, placement.start)
-        device = PreparedDevice(
-            request=request.request, kind="mig", gpu=gpu.uuid, device_name=name,
-            cdi_device=self.cdi.qualified_name(uid, name),
-            slice=SliceRecord(gpu=gpu.uuid, profile=profile, profile_id=spec.id,
-                              start=placement.start, size=placement.size))
-        self._reserve(uid, record, device)
-        # Recorded, durably, before the GI exists: a crash from here on is rolled back at
-        # start-up by destroying exactly this slice, never anything else.
-        self.checkpoint.data.claims[uid] = record
-        await self.checkpoint.commit()
-        created = await self._session.mutate(gpu.uuid, partial(
-            _create_slice, self._session, gpu.uuid, spec.id, placement))
-        device.gi_id, device.ci_id, device.uuid = created
+    async def _create(self, record: ClaimRecord, device: PreparedDevice, gpu: Gpu,
+                      placement: Placement) -> None:
+        """Make the reserved slice. Recorded, durably, before the GI exists: a crash from
+        here on is rolled back at start-up (the journal, then this record), destroying
+        exactly this slice, never anything else."""
         assert device.slice is not None
+        record.devices.append(device)
+        self.checkpoint.data.claims[record.uid] = record
+        await self.checkpoint.commit()
+        mutator = GpuMutator(self._session, gpu.uuid, gpu.profiles)
+        try:
+            created = await self._session.mutate(gpu.uuid, partial(
+                create_slice, mutator, self._journal, device.slice.profile, placement))
+        except RestoreFailed as err:
+            await self._quarantine(gpu, f"making slice {device.device_name} for claim "
+                                        f"{record.uid} failed and could not be undone: {err}")
+            raise
+        device.gi_id, device.ci_id, device.uuid = created
         device.slice.gi_id, device.slice.ci_id = created[0], created[1]
-        self._schedule_node_spec()
+
+    async def _quarantine(self, gpu: Gpu, reason: str) -> None:
+        await self._ledger.quarantine(gpu.uuid, reason, durable_best_effort=True)
+        self._events.append("mig.quarantined", f"GPU {gpu.index} quarantined: {reason}",
+                            severity=Severity.ERROR, gpu=gpu.uuid)
 
     @asynccontextmanager
     async def _claim_lock(self, uid: str) -> AsyncIterator[None]:
@@ -438,10 +494,16 @@ class ClaimService:
         self._usable()
         async with self._claim_lock(uid):
             record = self.checkpoint.data.claims.get(uid)
-            self.checkpoint.tombstone(uid)
             if record is None:
-                await self.checkpoint.commit()
+                # Never prepared here (or already gone): nothing durable, but a late prepare
+                # retry is still refused for the tombstone window.
+                self._unknown_unprepared.pop(uid, None)
+                self._unknown_unprepared[uid] = time.time()
+                while len(self._unknown_unprepared) > MAX_TOMBSTONES:
+                    self._unknown_unprepared.popitem(last=False)
                 return
+            self.checkpoint.tombstone(uid)
+            self.checkpoint.cap_tombstones(MAX_TOMBSTONES)
             if any(device.slice is not None for device in record.devices):
                 # Marked durably before a slice is destroyed, so that start-up finishes the
                 # job after a crash.
@@ -463,23 +525,24 @@ class ClaimService:
         except BaseException:
             self.checkpoint.data.claims[record.uid] = record
             raise
-        for device in record.devices:
-            if self._held.get(_key(device)) == record.uid:
-                del self._held[_key(device)]
+        self._ledger.release(record.uid)
         self.cdi.store.remove(self.cdi.claim_path(record.uid))  # on the loop, as it is written
 
     async def _undo(self, record: ClaimRecord) -> None:
         """Destroy the claim's on-demand slices, remove its spec, release its devices, drop
-        it from the checkpoint (durably)."""
+        it from the checkpoint (durably). Its holds keep others off the devices until then,
+        but no longer stand in the way of a transition destroying them."""
+        self._ledger.settle(record.uid, "releasing")
         for device in record.devices:
             if device.slice is not None:
                 gpu = device.slice.gpu
                 profiles = next((g.profiles for g in self._inventory.gpus if g.uuid == gpu), ())
-                await self._session.mutate(gpu, partial(
-                    _destroy_slice, self._session, gpu, profiles, device.slice))
-                self._schedule_node_spec()
-            if self._held.get(_key(device)) == record.uid:
-                del self._held[_key(device)]
+                mutator = GpuMutator(self._session, gpu, profiles)
+                async with self._ledger.slice_change(gpu, wait=True):
+                    await self._session.mutate(gpu, partial(
+                        destroy_slice, mutator, self._journal, device.slice.profile,
+                        Placement(device.slice.start, device.slice.size)))
+        self._ledger.release(record.uid)
         self.cdi.store.remove(self.cdi.claim_path(record.uid))  # on the loop, as it is written
         if self.checkpoint.data.claims.get(record.uid) is record:
             del self.checkpoint.data.claims[record.uid]
@@ -487,41 +550,108 @@ class ClaimService:
 
     # -- start-up --------------------------------------------------------------------------
 
-    async def reconcile(self) -> None:
-        """Before ready: load the checkpoint, mark claims of a previous boot lost, roll back
-        half-done prepares and unprepares, rebuild every spec, remove specs nobody owns."""
+    async def load(self) -> None:
+        """Before journal recovery: read the checkpoint and put the holds of prepared claims
+        in the ledger, so a rollback at start-up keeps their instances. A corrupt checkpoint,
+        or a missing one where the node shows evidence of claims, freezes claims (and the
+        geometry changes that could destroy what they hold) until an operator acts."""
+        existed = await asyncio.to_thread(self.checkpoint.path.exists)
         try:
             previous_boot = await asyncio.to_thread(self.checkpoint.load)
         except CheckpointCorrupt as err:
-            self.corrupt = err
-            self._events.append("claims.checkpoint_corrupt", str(err), severity=Severity.ERROR)
+            self._freeze(str(err))
+            return
+        if not existed:
+            evidence = await asyncio.to_thread(self._evidence)
+            if evidence:
+                self._freeze(f"claims checkpoint {self.checkpoint.path} is missing, but "
+                             f"{evidence}: prepared claims may hold devices nobody can name")
+                return
+        self._previous_boot = previous_boot
+        if previous_boot is not None:
+            return  # every claim of the previous boot is lost (reconcile marks them)
+        gpus = {g.uuid: g for g in self._inventory.gpus}
+        for record in self.checkpoint.data.claims.values():
+            if record.state != "prepare_completed":
+                continue
+            for device in record.devices:
+                gpu = gpus.get(device.gpu)
+                mig = next((d for d in gpu.mig_devices if d.uuid == device.uuid), None) \
+                    if gpu is not None and device.kind == "mig" else None
+                if device.kind == "mig" and device.slice is None and device.placement is None:
+                    if mig is None:
+                        continue  # vanished: reconcile marks the claim lost
+                    device.placement = (mig.placement.start, mig.placement.size)
+                profile = device.slice.profile if device.slice else mig.profile if mig else None
+                self._ledger.take(_hold(record.uid, device, profile, state="prepared"),
+                                  name=device.device_name)
+
+    def _evidence(self) -> str | None:
+        """What shows claims were prepared on this boot though the checkpoint is gone: claim
+        CDI specs, or the run directory's marker of a checkpoint written on this boot."""
+        specs = self.cdi.claim_specs()
+        if specs:
+            return f"{len(specs)} claim CDI spec(s) are in {self.cdi.store.directory}"
+        if self._marker is not None:
+            try:
+                marker = json.loads(self._marker.read_bytes())
+            except (OSError, ValueError):
+                return None
+            if isinstance(marker, dict) and marker.get("boot_id") == \
+                    self.checkpoint.data.boot_id and \
+                    marker.get("checkpoint") == str(self.checkpoint.path):
+                return f"{self._marker} says a checkpoint was written on this boot"
+        return None
+
+    def _freeze(self, reason: str) -> None:
+        self.corrupt = reason
+        self._ledger.frozen = f"claims are frozen ({reason})"
+        self._events.append("claims.checkpoint_corrupt", reason, severity=Severity.ERROR)
+
+    async def reconcile(self) -> None:
+        """Before ready: mark claims of a previous boot lost, roll back half-done prepares
+        and unprepares, rebuild every spec, remove specs nobody owns. A claim that cannot be
+        cleaned up (its GPU is lost) keeps its record and state, and the node still becomes
+        ready."""
+        if self.corrupt is not None:
             return
         gpus = {g.uuid: g for g in await self._inventory.refresh()}
         for record in list(self.checkpoint.data.claims.values()):
-            if previous_boot is not None and record.state != "lost":
+            if self._previous_boot is not None and record.state != "lost":
                 record.state = "lost"
-                record.lost_reason = f"the node rebooted (boot id {previous_boot} gone): " \
-                                     "its devices were released"
+                record.lost_reason = f"the node rebooted (boot id {self._previous_boot} " \
+                                     "gone): its devices were released"
                 self._events.append("claim.lost", f"claim {record.uid}: {record.lost_reason}",
                                     severity=Severity.WARNING, details={"claim": record.uid})
             elif record.state in ("prepare_started", "unprepare_started"):
                 self._events.append("claim.recovered", f"claim {record.uid} was "
                                     f"{record.state.replace('_', ' ')} when the agent stopped; "
                                     "rolled back", details={"claim": record.uid})
-                await self._undo(record)
+                try:
+                    await self._undo(record)
+                except AgentError as err:
+                    record.lost_reason = f"could not be cleaned up: {err.detail}"
+                    self._events.append("claim.cleanup_failed", f"claim {record.uid}: "
+                                        f"{record.lost_reason}", severity=Severity.ERROR,
+                                        details={"claim": record.uid})
         owned: set[str] = set()
         for record in self.checkpoint.data.claims.values():
             if record.state != "prepare_completed":
+                if record.state == "lost" or record.lost_reason:
+                    owned.add(str(self.cdi.claim_path(record.uid)))
                 continue
             missing = [d.device_name for d in record.devices if not _present(d, gpus)]
-            if missing:
+            lost = [d.device_name for d in record.devices
+                    if self._session.lost_reason(d.gpu) is not None]
+            if missing or lost:
                 record.state = "lost"
-                record.lost_reason = f"devices vanished: {', '.join(missing)}"
+                record.lost_reason = (f"its GPU is lost: {', '.join(lost)}" if lost
+                                      else f"devices vanished: {', '.join(missing)}")
                 self._events.append("claim.lost", f"claim {record.uid}: {record.lost_reason}",
                                     severity=Severity.WARNING, details={"claim": record.uid})
+                if not lost:  # a lost GPU's devices stay held: nobody else may get them
+                    self._ledger.release(record.uid)
                 continue
-            for d in record.devices:
-                self._held[_key(d)] = record.uid
             path = await asyncio.to_thread(self.cdi.write_claim, record.uid, [
                 (d, gpus[d.gpu].static.minor) for d in record.devices])
             owned.add(str(path))
@@ -529,8 +659,23 @@ class ClaimService:
             if str(path) not in owned:
                 await asyncio.to_thread(self.cdi.store.remove, path)
                 log.info("removed a claim spec no claim owns", extra={"path": str(path)})
+        self._previous_boot = None
         await self.checkpoint.commit()
+        await self._mark_boot()
         await self.refresh_node_spec()
+
+    async def _mark_boot(self) -> None:
+        """Note, outside the state directory, that this boot has a checkpoint: if the state
+        directory is deleted, the next start on this boot knows claims may exist."""
+        if self._marker is None or self._marked:
+            return
+        body = json.dumps({"boot_id": self.checkpoint.data.boot_id,
+                           "checkpoint": str(self.checkpoint.path)}).encode()
+        try:
+            await asyncio.to_thread(write_atomic, self._marker, body, mode=0o600)
+            self._marked = True
+        except OSError as err:
+            log.warning("run-directory marker not written", extra={"error": str(err)})
 
     async def remediate_checkpoint(self, restore: str | None) -> None:
         """An operator's answer to a corrupt checkpoint: put back a kept-aside file (``restore``,
@@ -554,9 +699,11 @@ class ClaimService:
                                "or accept an empty checkpoint") from err
         await asyncio.to_thread(write_atomic, path, raw, mode=0o600)
         self.corrupt = None
+        self._ledger.frozen = None
         how = f"restored from {restore}" if restore else "replaced by an empty one"
         self._events.append("claims.checkpoint_remediated", f"claims checkpoint {how}",
                             severity=Severity.WARNING)
+        await self.load()
         await self.reconcile()
 
     # -- the node-wide spec ----------------------------------------------------------------
@@ -584,10 +731,6 @@ class ClaimService:
             if not self._node_spec_again:
                 return
 
-    def geometry_changed(self) -> None:
-        """Called by the MIG service after a transition: the node-wide spec is stale."""
-        self._schedule_node_spec()
-
 
 def _present(device: PreparedDevice, gpus: Mapping[str, Gpu]) -> bool:
     gpu = gpus.get(device.gpu)
@@ -597,63 +740,4 @@ def _present(device: PreparedDevice, gpus: Mapping[str, Gpu]) -> bool:
         return True
     return any(d.uuid == device.uuid for d in gpu.mig_devices)
 
-
-def _resolve(ref: str, gpus: Sequence[Gpu]) -> tuple[Gpu, MigDevice | None]:
-    """A GPU or MIG device by UUID, index, ``<gpu>:<mig>`` or ResourceSlice device name."""
-    for gpu in gpus:
-        if ref in (gpu.uuid, str(gpu.index)):
-            return gpu, None
-        for device in gpu.mig_devices:
-            if ref in (device.uuid, f"{gpu.index}:{device.index}"):
-                return gpu, device
-    parsed = parse_device_name(ref)
-    if parsed is not None:
-        for gpu in gpus:
-            if gpu.static.minor != parsed.minor:
-                continue
-            if parsed.profile is None:
-                return gpu, None
-            ids = {p.name: p.id for p in gpu.profiles}
-            for device in gpu.mig_devices:
-                if (profile_label(device.profile), ids.get(device.profile),
-                        device.placement.start) == (parsed.profile, parsed.profile_id,
-                                                    parsed.start):
-                    return gpu, device
-    raise InvalidRequest(f"devices: no device {ref!r} on this node (a GPU UUID or index, a "
-                         "MIG UUID, <gpu>:<mig>, or a ResourceSlice device name)",
-                         [{"field": "devices.device", "reason": "unknown device"}])
-
-
-def _create_slice(session: NvmlSession, gpu: str, profile_id: int,
-                  placement: Placement) -> tuple[int, int, str]:
-    """Create GI + CI at the placement (NVML thread); a failed CI leaves no bare GI behind."""
-    handle = session.gpu_handle(gpu)
-    gi_id = mig.create_gpu_instance(session, handle, gpu, profile_id, placement)
-    try:
-        ci = mig.create_compute_instance(session, handle, gpu, gi_id)
-    except BaseException:
-        mig.destroy_gpu_instance(session, handle, gpu, gi_id)
-        raise
-    uuid = mig.mig_device_uuid(session, handle, gpu, gi_id, ci.id)
-    if uuid is None:
-        raise NotFound(f"MIG device of GI {gi_id} CI {ci.id} not enumerated on {gpu}")
-    return gi_id, ci.id, uuid
-
-
-def _destroy_slice(session: NvmlSession, gpu: str, profiles: Sequence[GiProfile],
-                   record: SliceRecord) -> bool:
-    """Destroy the recorded slice if it exists (matched by profile and placement, never by a
-    GI id alone, which the driver may have reused); False when it is already gone."""
-    handle = session.gpu_handle(gpu)
-    current, _ = session.call("nvmlDeviceGetMigMode", handle, gpu=gpu)
-    if not current:
-        return False
-    for gi in mig.read_instances(session, handle, gpu, profiles):
-        if gi.profile_id == record.profile_id and \
-                gi.placement == Placement(record.start, record.size):
-            if gi.compute_instances:
-                mig.destroy_compute_instances(session, handle, gpu, gi.id)
-            mig.destroy_gpu_instance(session, handle, gpu, gi.id)
-            return True
-    return False
 

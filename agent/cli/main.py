@@ -40,6 +40,7 @@ def _serve(args: argparse.Namespace) -> int:
             "driver_name": args.driver_name, "dynamic_mig": True if args.dynamic_mig else None,
             "tls_cert": args.tls_cert, "tls_key": args.tls_key,
             "tls_client_ca": args.tls_client_ca, "socket_group": args.socket_group,
+            "run_dir": args.run_dir,
         })
         systemd.check_environment()  # Type=notify without systemd-python: refuse to start
         logs.configure(settings.log_format, settings.log_level)
@@ -142,6 +143,9 @@ def _add_serve(sub: Any) -> None:
                             "reload (default: re-apply)")
     serve.add_argument("--driver-root", help="where the host's NVIDIA driver files are (the "
                                              "claims' CDI specs then bind-mount its libraries)")
+    serve.add_argument("--run-dir", help="per-boot files outside the state "
+                       "directory (default /run/gpu-agent; simulated: .<state-dir>.run beside "
+                       "it)")
     serve.add_argument("--claim-tombstone-s", type=float, metavar="SECONDS",
                        help="refuse a prepare this long after the same claim was unprepared "
                             "(default 600)")

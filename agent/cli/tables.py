@@ -23,14 +23,31 @@ def _mig(gpu: dict[str, Any]) -> str:
     return text
 
 
+def _holders(gpu: dict[str, Any]) -> str:
+    """Who holds what on the GPU, from the ledger: ``claim (whole GPU)``,
+    ``claim (slices 0:1, reserved)``; the transition owning it, if any."""
+    held = [f"{h['claim']} ({h['device']}" + ("" if h["state"] == "prepared"
+                                              else f", {h['state']}") + ")"
+            for h in gpu.get("holds", ())]
+    if gpu.get("transition"):
+        held.append(f"transition {gpu['transition']}")
+    return ", ".join(held) or "-"
+
+
+def _available(gpu: dict[str, Any]) -> str:
+    reasons = gpu.get("availability", {}).get("reasons", [])
+    return "ok" if not reasons else "NO: " + "; ".join(reasons)
+
+
 def gpu_table(gpus: Sequence[dict[str, Any]]) -> str:
     rows = [[str(g["index"]), g["name"], g["uuid"], g["pci_bus_id"], str(g["memory_total_mib"]),
              "-" if g["numa_node"] is None else str(g["numa_node"]), _mig(g),
              ",".join(d["profile"] for d in g["mig_devices"]) or "-",
-             "ok" if g["health"]["healthy"] else "UNHEALTHY: " + "; ".join(g["health"]["reasons"])]
+             "ok" if g["health"]["healthy"] else "UNHEALTHY: " + "; ".join(g["health"]["reasons"]),
+             _available(g), _holders(g)]
             for g in gpus]
     return table(["IDX", "NAME", "UUID", "BUS ID", "MEMORY MiB", "NUMA", "MIG", "MIG DEVICES",
-                  "HEALTH"], rows)
+                  "HEALTH", "AVAILABLE", "HELD BY"], rows)
 
 
 def node_lines(node: dict[str, Any]) -> list[str]:

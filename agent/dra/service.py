@@ -1,37 +1,31 @@
-"""ResourceSlices of this node, rendered on request from the inventory, the MIG service's
-marks and the topology, with the pool generation kept in ``<state>/dra/pool.json``."""
+"""ResourceSlices of this node, rendered on request from the inventory, the ledger's
+availability and marks, and the topology, with the pool generation kept in
+``<state>/dra/pool.json``."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from agent.dra import rules
 from agent.dra.generation import PoolGeneration, fingerprint
 from agent.dra.slices import DEFAULT_DRIVER, GpuFacts, RenderOptions, render
 from agent.errors import AgentError
 from agent.gpu.inventory import GpuInventory
+from agent.ledger.ledger import NodeLedger
 from agent.topology.service import TopologyService
 
 log = logging.getLogger("agent.dra")
 
 
-class MigMarks(Protocol):
-    """What the MIG service says about a GPU (``agent/mig/service.py``)."""
-
-    def draining(self, gpu: str) -> frozenset[int]: ...
-
-    def quarantined(self, gpu: str) -> str | None: ...
-
-
 class SliceService:
-    def __init__(self, *, inventory: GpuInventory, topology: TopologyService, state_dir: Path,
-                 node_name: str, driver: str = DEFAULT_DRIVER, dynamic_mig: bool = False,
-                 mig: MigMarks | None = None) -> None:
+    def __init__(self, *, inventory: GpuInventory, topology: TopologyService,
+                 ledger: NodeLedger, state_dir: Path, node_name: str,
+                 driver: str = DEFAULT_DRIVER, dynamic_mig: bool = False) -> None:
         self._inventory = inventory
         self._topology = topology
-        self._mig = mig
+        self._ledger = ledger
         self.node_name = node_name
         self.driver = driver
         self.dynamic_mig = dynamic_mig
@@ -45,13 +39,11 @@ class SliceService:
         for gpu in self._inventory.gpus:
             node = graph.gpus[gpu.index] if gpu.index < graph.size else None
             island = next((members for members in islands if gpu.index in members), None)
-            quarantined = self._mig.quarantined(gpu.uuid) if self._mig else None
-            unavailable = ("unhealthy" if not gpu.health.healthy
-                           else f"quarantined: {quarantined}" if quarantined else None)
+            condition = self._ledger.condition(gpu)
             found.append(GpuFacts(
                 gpu=gpu,
-                draining=self._mig.draining(gpu.uuid) if self._mig else frozenset(),
-                unavailable=unavailable,
+                draining=self._ledger.draining(gpu.uuid),
+                unavailable="; ".join(condition) if condition else None,
                 nvlink_island=graph.gpus[island[0]].uuid if island else None,
                 nvlink_gb_s=round(node.nvlink_gb_s) if node else 0,
                 clique=node.clique if node else None,

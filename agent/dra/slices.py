@@ -52,7 +52,8 @@ class GpuFacts:
     topology attributes."""
 
     gpu: Gpu
-    draining: frozenset[int] = frozenset()
+    draining: frozenset[Placement] = frozenset()
+    """Placements a MIG transition destroys or is creating: not published."""
     unavailable: str | None = None
     """Why the GPU's devices are left out (unhealthy, quarantined); None to publish."""
     nvlink_island: str | None = None
@@ -196,7 +197,7 @@ def _static_devices(facts: GpuFacts, driver: DriverInfo) -> list[Json]:
     devices = []
     for device in sorted(gpu.mig_devices, key=lambda d: (d.placement.start, d.gi_id, d.ci_id)):
         profile = by_name.get(device.profile)
-        if profile is None or device.gi_id in facts.draining:
+        if profile is None or device.placement in facts.draining:
             continue
         devices.append({
             "name": mig_device_name(s.minor, profile.name, profile.id, device.placement.start),
@@ -237,7 +238,7 @@ def _dynamic_devices(facts: GpuFacts, driver: DriverInfo) -> tuple[Json | None, 
         for placement in profile.placements:
             instance = instances.get((profile.id, placement.start))
             if instance is not None:
-                if instance.gi_id in facts.draining:
+                if instance.placement in facts.draining:
                     continue
             elif any(placement.overlaps(p) for p, _ in occupied):
                 continue

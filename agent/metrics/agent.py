@@ -67,6 +67,10 @@ class AgentMetrics:
             "gpu_healthy", "1 while the GPU is healthy; 0 after a critical XID or when it stops "
             "answering NVML (GPU_IS_LOST)", ["gpu", "UUID"], namespace=NAMESPACE,
             registry=self.registry)
+        self.gpu_available = Gauge(
+            "gpu_available", "1 while new claims may use the GPU; 0 while it is lost, "
+            "unhealthy or quarantined (the ledger's availability)", ["gpu", "UUID"],
+            namespace=NAMESPACE, registry=self.registry)
         self.xid_errors = Counter("xid_errors", "XID errors reported by NVML events",
                                   ["xid"], namespace=NAMESPACE, registry=self.registry)
         self.claims_checkpoint_writes = Counter(

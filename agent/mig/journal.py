@@ -42,6 +42,8 @@ class JournalEntry(BaseModel):
     next_step: str | None = None
     done: list[str] = []
     started_at: float
+    #: An on-demand slice made or destroyed for a claim: not part of the desired geometry.
+    on_demand: bool = False
 
     def old_geometry(self) -> Geometry:
         return Geometry.from_dict(self.old)
@@ -108,10 +110,11 @@ class TransitionJournal:
 
 
 def new_entry(*, transition_id: str, gpu: str, old: Geometry,
-              old_ci_profiles: dict[str, list[int]], plan: Plan) -> JournalEntry:
+              old_ci_profiles: dict[str, list[int]], plan: Plan,
+              on_demand: bool = False) -> JournalEntry:
     return JournalEntry(transition_id=transition_id, gpu=gpu, old=old.to_dict(),
                         old_ci_profiles=old_ci_profiles, plan=plan.to_dict(),
-                        started_at=time.time())
+                        started_at=time.time(), on_demand=on_demand)
 
 
 def ensure_directory(directory: Path) -> None:

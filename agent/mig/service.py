@@ -2,6 +2,11 @@
 the journal written before the first mutation; rollback on failure; recovery at start-up;
 the desired geometry remembered and re-applied after a reboot, drift reported, never
 overwritten.
+
+Who holds what, which GPU a transition owns, drain and quarantine marks: all in the per-GPU
+ledger (``agent/ledger/``), which claims consult too. A claim's hold blocks every plan that
+would destroy its instance, change its GPU's mode or reset it; a whole-GPU hold blocks every
+change of its GPU; a rollback keeps every held instance.
 """
 
 from __future__ import annotations
@@ -13,24 +18,37 @@ import shlex
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Protocol
 
 from agent.durable import DurableMap
-from agent.errors import Conflict, GeometryNotPlaceable, NotFound
+from agent.errors import (
+    AgentError,
+    CheckpointUnusable,
+    Conflict,
+    GeometryNotPlaceable,
+    NotFound,
+)
 from agent.events import EventLog, Severity
 from agent.gpu import mig
 from agent.gpu.inventory import GpuInventory
 from agent.gpu.session import NvmlSession
 from agent.gpu.types import Gpu, GpuProcess, Placement
 from agent.host import boot_id
+from agent.ledger.ledger import NodeLedger
 from agent.metrics.agent import AgentMetrics
 from agent.mig.catalog import catalog_of
 from agent.mig.executor import GpuMutator, steps_of
-from agent.mig.geometry import Desired, DesiredDisabled, DesiredInstances, Geometry, Plan
+from agent.mig.geometry import (
+    Desired,
+    DesiredDisabled,
+    DesiredInstances,
+    Geometry,
+    Instance,
+    Plan,
+)
 from agent.mig.journal import JournalEntry, TransitionJournal, new_entry
 from agent.mig.planner import plan as make_plan
 from agent.mig.transition import (
@@ -47,34 +65,6 @@ DRAIN_POLL_S = 0.1
 # Architectures where a MIG mode change means a GPU reset (and can wedge a VM's GPU), so the
 # agent changes the mode there only when the caller asks for it in so many words.
 _RESET_TO_CHANGE_MODE = frozenset({"ampere"})
-
-
-class ClaimHolders(Protocol):
-    """What the claims service tells the MIG service (it implements this)."""
-
-    def holders(self, gpu: str) -> Mapping[int, Sequence[str]]:
-        """Claim UIDs holding each GPU instance (by GI id)."""
-        ...
-
-    def dynamic_slices(self, gpu: str) -> frozenset[tuple[str, Placement]]:
-        """Instances made on demand for claims: not part of the node's geometry, so they are
-        neither remembered as desired nor reported as drift."""
-        ...
-
-    def geometry_changed(self) -> None:
-        """A transition changed a GPU: derived state (CDI specs) must be rebuilt."""
-        ...
-
-
-class NoClaims:
-    def holders(self, gpu: str) -> Mapping[int, Sequence[str]]:
-        return {}
-
-    def dynamic_slices(self, gpu: str) -> frozenset[tuple[str, Placement]]:
-        return frozenset()
-
-    def geometry_changed(self) -> None:
-        return None
 
 
 @dataclass
@@ -103,9 +93,9 @@ class VerifyFailed(Exception):
 
 class MigService:
     def __init__(self, *, session: NvmlSession, inventory: GpuInventory, events: EventLog,
-                 metrics: AgentMetrics, state_dir: Path, proc_root: Path,
-                 reset_command: str | None = None, reapply: bool = True,
-                 claims: ClaimHolders | None = None) -> None:
+                 metrics: AgentMetrics, ledger: NodeLedger, journal: TransitionJournal,
+                 state_dir: Path, proc_root: Path, reset_command: str | None = None,
+                 reapply: bool = True) -> None:
         self._session = session
         self._inventory = inventory
         self._events = events
@@ -113,30 +103,26 @@ class MigService:
         self._proc_root = proc_root
         self._reset_command = reset_command
         self._reapply = reapply
-        self.claims: ClaimHolders = claims or NoClaims()
-        self.journal = TransitionJournal(state_dir / "mig" / "journal")
+        self.ledger = ledger
+        self.journal = journal
         self.desired = DurableMap(state_dir / "mig" / "desired.json")
-        self.quarantine = DurableMap(state_dir / "mig" / "quarantine.json")
-        self._planning: dict[str, asyncio.Lock] = {}
         self._active: dict[str, Transition] = {}
         self._history: OrderedDict[str, Transition] = OrderedDict()
-        self._draining: dict[str, set[int]] = {}
         self._drift: dict[str, str] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.applies: OrderedDict[str, ApplyRecord] = OrderedDict()
-        for store in (self.desired, self.quarantine):
-            if store.problem:
-                events.append("mig.state_unreadable", store.problem, severity=Severity.ERROR)
+        if self.desired.problem:
+            events.append("mig.state_unreadable", self.desired.problem, severity=Severity.ERROR)
 
     # -- what other parts of the agent ask ------------------------------------------------
 
-    def draining(self, gpu: str) -> frozenset[int]:
-        """GI ids on ``gpu`` that a transition is draining (no new claims, not advertised)."""
-        return frozenset(self._draining.get(gpu, ()))
+    def draining(self, gpu: str) -> frozenset[Placement]:
+        """Placements on ``gpu`` a transition destroys or has just created (no new claims,
+        not advertised)."""
+        return self.ledger.draining(gpu)
 
     def quarantined(self, gpu: str) -> str | None:
-        record = self.quarantine.get(gpu)
-        return None if record is None else str(record["reason"])
+        return self.ledger.quarantined(gpu)
 
     def drift(self, gpu: str) -> str | None:
         return self._drift.get(gpu)
@@ -166,28 +152,41 @@ class MigService:
         return await self._session.read(read)
 
     async def current(self, gpu: Gpu) -> tuple[Geometry, tuple[GpuProcess, ...]]:
-        """The GPU's geometry from a fresh walk, instances in use marked held, and its
-        processes."""
+        """The GPU's geometry from a fresh walk, instances in use (by a process or a claim
+        in the ledger) marked held, and its processes."""
         processes = await self._processes(gpu)
-        held = {p.gi_id for p in processes if p.gi_id is not None}
-        held |= {gi for gi, uids in self.claims.holders(gpu.uuid).items() if uids}
-        mutator = self._mutator(gpu)
-        geometry = await self._session.read(partial(mutator.geometry, sorted(held)))
+        busy = sorted({p.gi_id for p in processes if p.gi_id is not None})
+        geometry = await self._session.read(partial(self._mutator(gpu).geometry, busy))
+        held = [h.key.placement for h in self.ledger.keeping(gpu.uuid)]
+        if any(held):
+            geometry = Geometry(mig_enabled=geometry.mig_enabled, instances=tuple(
+                replace(i, held=True) if any(p is not None and p.overlaps(i.placement)
+                                             for p in held) else i
+                for i in geometry.instances))
         return geometry, processes
 
     def _blockers(self, gpu: Gpu, plan: Plan,
                   processes: Sequence[GpuProcess]) -> tuple[Blocker, ...]:
+        """What stands in the plan's way: processes and claims on instances it destroys, and
+        for a mode change every process and claim on the GPU; a whole-GPU claim blocks any
+        change at all."""
         found: list[Blocker] = []
-        claims = self.claims.holders(gpu.uuid)
+        holds = self.ledger.keeping(gpu.uuid)
+        if not plan.empty:
+            found += [Blocker("whole GPU", "claim", h.holder) for h in holds
+                      if h.key.placement is None]
         for instance in plan.destroy:
             found += [Blocker(str(instance), "process", str(p.pid)) for p in processes
                       if p.gi_id is not None and p.gi_id == instance.gi_id]
-            found += [Blocker(str(instance), "claim", uid)
-                      for uid in claims.get(instance.gi_id or -1, ())]
+            found += [Blocker(str(instance), "claim", h.holder) for h in holds
+                      if h.key.placement is not None
+                      and h.key.placement.overlaps(instance.placement)]
         if plan.mode_change:
             found += [Blocker("whole GPU", "process", str(p.pid)) for p in processes
                       if p.gi_id is None]
-        return tuple(found)
+            found += [Blocker("whole GPU", "claim", h.holder) for h in holds
+                      if h.key.placement is not None]
+        return tuple(dict.fromkeys(found))
 
     # -- requests -------------------------------------------------------------------------
 
@@ -201,13 +200,13 @@ class MigService:
         reason = self.quarantined(gpu.uuid)
         if reason is not None:
             raise Conflict(f"GPU {gpu.index} is quarantined: {reason}", gpu=gpu.uuid)
-        lock = self._planning.setdefault(gpu.uuid, asyncio.Lock())
-        running = self._active.get(gpu.uuid)
-        if running is not None or lock.locked():
-            raise Conflict(f"GPU {gpu.index} is busy with transition "
-                           f"{running.id if running else '(being planned)'}", gpu=gpu.uuid,
-                           transition=running.id if running else None)
-        async with lock:
+        if self.ledger.frozen is not None and not dry_run:
+            raise CheckpointUnusable(
+                f"{self.ledger.frozen}; MIG geometry changes are refused meanwhile, since which "
+                "instances claims hold is unknown")
+        await self.ledger.begin_transition(gpu.uuid)
+        started = False
+        try:
             current, processes = await self.current(gpu)
             plan = make_plan(catalog_of(gpu.profiles), current, desired)
             if plan.mode_change and gpu.static.architecture in _RESET_TO_CHANGE_MODE \
@@ -220,7 +219,7 @@ class MigService:
             blockers = self._blockers(gpu, plan, processes)
             if dry_run or plan.empty:
                 if plan.empty and not dry_run:
-                    self._remember(gpu.uuid, plan.target())
+                    await self._remember(gpu.uuid, plan.target())
                 return Outcome(plan, None, blockers)
             if blockers and drain.policy == "fail":
                 raise Conflict(
@@ -233,8 +232,15 @@ class MigService:
                                     plan=plan, drain=drain, apply_id=apply_id)
             transition.advance(TransitionState.PLANNED)
             transition.blockers = list(blockers)
+            self.ledger.name_transition(gpu.uuid, transition.id,
+                                        drain=(i.placement for i in plan.destroy),
+                                        create=(i.placement for i in plan.create))
             self._active[gpu.uuid] = transition
             self._remember_transition(transition)
+            started = True
+        finally:
+            if not started:
+                self.ledger.end_transition(gpu.uuid, changed=False)
         self._events.append("mig.transition.planned", f"GPU {gpu.index}: {plan.summary()}",
                             gpu=gpu.uuid, details={"transition": transition.id})
         self._spawn(self._run(transition, gpu, current, allow_reset=allow_reset))
@@ -273,15 +279,16 @@ class MigService:
 
     def _static(self, gpu: str, geometry: Geometry) -> Geometry:
         """The geometry without the claims' on-demand slices."""
-        dynamic = self.claims.dynamic_slices(gpu)
+        dynamic = self.ledger.on_demand(gpu)
         if not dynamic:
             return geometry
         return Geometry(mig_enabled=geometry.mig_enabled, instances=tuple(
             i for i in geometry.instances if (i.profile, i.placement) not in dynamic))
 
-    def _remember(self, gpu: str, target: Geometry) -> None:
-        self.desired.set(gpu, {"geometry": self._static(gpu, target).to_dict(),
-                               "boot_id": boot_id(self._proc_root)})
+    async def _remember(self, gpu: str, target: Geometry) -> None:
+        await asyncio.to_thread(self.desired.set, gpu, {
+            "geometry": self._static(gpu, target).to_dict(),
+            "boot_id": boot_id(self._proc_root)})
         self._clear_drift(gpu)
 
     async def _run(self, t: Transition, gpu: Gpu, current: Geometry, *,
@@ -292,7 +299,6 @@ class MigService:
         mutator = self._mutator(gpu)
         final: TransitionState | None = None
         try:
-            self._draining[gpu.uuid] = {i.gi_id for i in t.plan.destroy if i.gi_id is not None}
             if not await self._drain(t, gpu):
                 final = TransitionState.ABORTED
                 return
@@ -316,13 +322,14 @@ class MigService:
                     final = TransitionState.SUCCEEDED
                 else:
                     final = TransitionState.PENDING_RESET
-                self._remember(gpu.uuid, t.plan.target())
+                await self._remember(gpu.uuid, t.plan.target())
             except Exception as err:  # the one failure exit: whatever went wrong, roll back
                 final = await self._roll_back(t, gpu, mutator, entry, err)
             await asyncio.to_thread(self.journal.close, gpu.uuid)
         finally:
-            self._draining.pop(gpu.uuid, None)
             self._active.pop(gpu.uuid, None)
+            self.ledger.end_transition(gpu.uuid, changed=final not in (
+                None, TransitionState.ABORTED))
             if final is not None:
                 t.advance(final)
             self._finish(t)
@@ -425,30 +432,42 @@ class MigService:
         t.error = str(err)
         t.advance(TransitionState.ROLLING_BACK)
         entry.phase = "rolling_back"
-        old = entry.old_geometry()
+        old = self._with_held(gpu.uuid, entry.old_geometry())
         try:
             await self._step(t, gpu, entry, f"restore {_layout(old)}", partial(
                 _restore, mutator, old, entry.old_ci_profiles))
             return TransitionState.ROLLED_BACK
         except Exception as failure:
-            self._quarantine(gpu.uuid, gpu.index, f"rollback of transition {t.id} failed: "
-                             f"{failure} (after: {err})")
+            await self._quarantine(gpu.uuid, gpu.index, f"rollback of transition {t.id} "
+                                   f"failed: {failure} (after: {err})")
             t.error = f"{err}; rollback failed: {failure}"
             return TransitionState.FAILED
 
-    def _quarantine(self, gpu: str, index: int, reason: str) -> None:
-        self.quarantine.set(gpu, {"reason": reason, "since": time.time()})
-        self._events.append(
+    def _with_held(self, gpu: str, old: Geometry) -> Geometry:
+        """The geometry a rollback restores: the old one plus every instance a claim holds
+        (a held instance wins over an old one it overlaps: a rollback never destroys a held
+        device)."""
+        held = [Instance(h.profile, h.key.placement) for h in self.ledger.keeping(gpu)
+                if h.profile is not None and h.key.placement is not None]
+        if not held or not old.mig_enabled:
+            return old
+        kept = [i for i in old.instances
+                if not any(h.placement.overlaps(i.placement) for h in held)]
+        return Geometry(mig_enabled=True, instances=(*kept, *(
+            h for h in held if h.key not in {i.key for i in kept})))
+
+    async def _quarantine(self, gpu: str, index: int, reason: str) -> None:
+        try:
+            await self.ledger.quarantine(gpu, reason)
+        finally:
+            self._events.append(
             "mig.quarantined",
-            f"GPU {index} quarantined: {reason}. Operator: compare 'nvidia-smi mig -lgi' with "
-            "GET /v1/gpus/{gpu}/mig, restore or clear the layout by hand, then clear the "
-            "quarantine", severity=Severity.ERROR, gpu=gpu)
+                f"GPU {index} quarantined: {reason}. Operator: compare 'nvidia-smi mig -lgi' "
+                "with GET /v1/gpus/{gpu}/mig, restore or clear the layout by hand, then clear "
+                "the quarantine", severity=Severity.ERROR, gpu=gpu)
 
     def _finish(self, t: Transition) -> None:
         result = t.state.value
-        if t.state not in (TransitionState.ABORTED, TransitionState.PLANNED,
-                           TransitionState.DRAINING):
-            self.claims.geometry_changed()
         if t.state.terminal:
             self._metrics.mig_transitions.labels(result).inc()
             if t.duration_s is not None:
@@ -468,22 +487,34 @@ class MigService:
         entries, corrupt = await asyncio.to_thread(self.journal.open_entries)
         for bad in corrupt:
             gpu = self._gpu_or_none(bad.gpu)
-            self._quarantine(bad.gpu, gpu.index if gpu else -1,
-                             f"journal entry unreadable ({bad.reason}), kept at {bad.kept_at}; "
-                             "the geometry may be half-changed")
+            await self._quarantine(bad.gpu, gpu.index if gpu else -1,
+                                   f"journal entry unreadable ({bad.reason}), kept at "
+                                   f"{bad.kept_at}; the geometry may be half-changed")
         for entry in entries:
-            await self._recover_entry(entry)
+            await self.ledger.begin_transition(entry.gpu)
+            changed = False
+            try:
+                changed = await self._recover_entry(entry)
+            except AgentError as err:
+                # A GPU that cannot be reached (lost) keeps its entry for the next start; the
+                # node still becomes ready, with that GPU reported unavailable.
+                self._events.append("mig.recovery_failed", f"GPU {entry.gpu}: the open "
+                                    f"transition {entry.transition_id} could not be resolved: "
+                                    f"{err.detail}; it is resolved at the next start",
+                                    severity=Severity.ERROR, gpu=entry.gpu)
+            finally:
+                self.ledger.end_transition(entry.gpu, changed=changed)
 
     def _gpu_or_none(self, uuid_: str) -> Gpu | None:
         return next((g for g in self._inventory.gpus if g.uuid == uuid_), None)
 
-    async def _recover_entry(self, entry: JournalEntry) -> None:
+    async def _recover_entry(self, entry: JournalEntry) -> bool:
         gpu = self._gpu_or_none(entry.gpu)
         if gpu is None:
             self._events.append("mig.recovery", f"journal entry for unknown GPU {entry.gpu} "
                                 "dropped", severity=Severity.WARNING, gpu=entry.gpu)
             await asyncio.to_thread(self.journal.close, entry.gpu)
-            return
+            return False
         plan = entry.the_plan()
         t = Transition(id=entry.transition_id, gpu=gpu.uuid, gpu_index=gpu.index,
                        requested="recovery after restart", plan=plan, drain=DrainPolicy())
@@ -491,7 +522,8 @@ class MigService:
         mutator = self._mutator(gpu)
         problem = await self._session.mutate(gpu.uuid, partial(mutator.verify, plan.target()))
         if problem is None:
-            self._remember(gpu.uuid, plan.target())
+            if not entry.on_demand:
+                await self._remember(gpu.uuid, plan.target())
             t.error = "finished at start-up: the hardware already showed the target"
             final = TransitionState.SUCCEEDED
         else:
@@ -501,16 +533,14 @@ class MigService:
         await asyncio.to_thread(self.journal.close, gpu.uuid)
         t.advance(final)
         self._finish(t)
+        return True
 
     # -- operator remediation ---------------------------------------------------------------
 
-    def clear_quarantine(self, gpu: Gpu, who: str) -> str:
+    async def clear_quarantine(self, gpu: Gpu, who: str) -> str:
         """Lift the quarantine after an operator restored or cleared the layout by hand;
         returns the reason it was quarantined."""
-        reason = self.quarantined(gpu.uuid)
-        if reason is None:
-            raise Conflict(f"GPU {gpu.index} is not quarantined", gpu=gpu.uuid)
-        self.quarantine.delete(gpu.uuid)
+        reason = await self.ledger.clear_quarantine(gpu.uuid)
         self._events.append("mig.quarantine_cleared", f"GPU {gpu.index}: quarantine cleared by "
                             f"{who} (was: {reason})", severity=Severity.WARNING, gpu=gpu.uuid)
         return reason
@@ -519,16 +549,16 @@ class MigService:
         """Resolve the GPU's open journal entry as recovery at start-up would, but with the
         operator's choice: ``roll-back`` restores the recorded old geometry, ``finish`` accepts
         the target only if the hardware shows it."""
-        lock = self._planning.setdefault(gpu.uuid, asyncio.Lock())
-        if self._active.get(gpu.uuid) is not None or lock.locked():
+        if self.ledger.busy(gpu.uuid) is not None:
             raise Conflict(f"GPU {gpu.index} has a transition in progress; wait for it or "
                            "cancel it", gpu=gpu.uuid)
-        async with lock:
+        await self.ledger.begin_transition(gpu.uuid)
+        try:
             entries, corrupt = await asyncio.to_thread(self.journal.open_entries)
             for bad in corrupt:
-                self._quarantine(bad.gpu, gpu.index if bad.gpu == gpu.uuid else -1,
-                                 f"journal entry unreadable ({bad.reason}), kept at "
-                                 f"{bad.kept_at}; the geometry may be half-changed")
+                await self._quarantine(bad.gpu, gpu.index if bad.gpu == gpu.uuid else -1,
+                                       f"journal entry unreadable ({bad.reason}), kept at "
+                                       f"{bad.kept_at}; the geometry may be half-changed")
             entry = next((e for e in entries if e.gpu == gpu.uuid), None)
             if entry is None:
                 raise NotFound(f"GPU {gpu.index} has no open journal entry: nothing to resolve "
@@ -546,12 +576,14 @@ class MigService:
                 if problem is not None:
                     raise Conflict(f"GPU {gpu.index} does not show the target of transition "
                                    f"{t.id}: {problem}; roll back instead", gpu=gpu.uuid)
-                self._remember(gpu.uuid, plan.target())
+                await self._remember(gpu.uuid, plan.target())
                 final = TransitionState.SUCCEEDED
             else:
                 final = await self._roll_back(t, gpu, mutator, entry,
                                               VerifyFailed(f"rolled back by hand by {who}"))
             await asyncio.to_thread(self.journal.close, gpu.uuid)
+        finally:
+            self.ledger.end_transition(gpu.uuid, changed=True)
         t.advance(final)
         self._finish(t)
         return t
@@ -587,7 +619,7 @@ class MigService:
         """The periodic part of :meth:`reconcile`: report GPUs changed behind our back."""
         for gpu in self._inventory.gpus:
             record = self.desired.get(gpu.uuid)
-            if record is None or gpu.uuid in self._active or not gpu.static.mig_capable:
+            if record is None or self.ledger.busy(gpu.uuid) or not gpu.static.mig_capable:
                 continue
             want = Geometry.from_dict(record["geometry"])
             actual = self._static(gpu.uuid, (await self.current(gpu))[0])

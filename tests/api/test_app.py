@@ -13,12 +13,10 @@ from aiohttp.test_utils import TestClient
 from agent.api.app import build_app
 from agent.api.auth import TokenStore
 from agent.api.context import AgentContext
-from agent.events import EventLog
-from agent.gpu.inventory import GpuInventory
-from agent.gpu.session import NvmlSession
+from agent.gpu.backend import Backend
 from agent.gpu.sim.node import SimulatedNode
-from agent.metrics.agent import AgentMetrics
 from agent.settings import resolve
+from agent.wiring import build_node
 
 ClientMaker = Callable[..., Awaitable[TestClient[Any, Any]]]
 
@@ -33,19 +31,19 @@ async def make_client(tmp_path: Path, aiohttp_client: Any) -> AsyncIterator[Clie
                             "auth_read": auth_read or None}, env={})
         node = SimulatedNode("dgx-h100", settings.state_dir, settings.proc_root)
         nodes.append(node)
-        session = NvmlSession(node.nvml)
         store = TokenStore.empty()
         if tokens is not None:
             (tmp_path / "tokens").write_text(tokens)
             (tmp_path / "tokens").chmod(0o600)
             store = TokenStore.load(tmp_path / "tokens")
-        ctx = AgentContext(settings=settings, session=session, inventory=GpuInventory(session),
-                           events=EventLog(), tokens=store, metrics=AgentMetrics(),
-                           backend="simulated:dgx-h100", sim=node)
-        if ready:
-            await session.initialise()
-            await ctx.inventory.load()
-            ctx.readiness.set(None)
+        agent_node = build_node(settings, Backend(nvml=node.nvml, name="simulated:dgx-h100",
+                                                  sim=node, sys_root=node.sys_root))
+        ctx = AgentContext(node=agent_node, tokens=store)
+        if ready:  # the inventory up and recovery done, without the background threads
+            await agent_node.session.initialise()
+            await agent_node.inventory.load()
+            agent_node.readiness.reconciled = True
+            agent_node.readiness.set(None)
         app: web.Application = build_app(ctx)
         client: TestClient[Any, Any] = await aiohttp_client(app)
         return client

@@ -13,11 +13,18 @@ import pytest
 
 from agent.claims.checkpoint import ClaimCheckpoint, decode
 from agent.claims.service import DeviceRequest
-from agent.errors import CheckpointUnusable, ClaimUnprepared, Conflict, DeviceBusy, InvalidRequest
+from agent.errors import (
+    CheckpointUnusable,
+    ClaimUnprepared,
+    Conflict,
+    DeviceBusy,
+    DeviceUnavailable,
+    InvalidRequest,
+)
 from agent.gpu.inventory import GpuInventory
 from agent.mig.geometry import DesiredDisabled, DesiredProfiles
 from agent.mig.transition import DrainPolicy
-from bench.services import ServiceNode, open_services
+from tests.service_node import ServiceNode, open_services
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -145,7 +152,7 @@ async def test_draining_and_unhealthy_devices_are_refused(node: ServiceNode) -> 
         await node.claims.prepare("d1", [gpu(device.uuid)], {})
     await node.mig.cancel(outcome.transition.id)
     node.sim.inject_xid((await node.gpu(6)).uuid, 79)
-    with pytest.raises(DeviceBusy, match=r"unhealthy|lost"):
+    with pytest.raises(DeviceUnavailable, match=r"XID 79"):
         await node.claims.prepare("d2", [gpu("6")], {})
 
 

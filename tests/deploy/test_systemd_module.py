@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from agent import systemd
-from agent.api.context import Readiness
 from agent.errors import AgentError
+from agent.readiness import Readiness
 
 
 def test_notify_socket_without_systemd_python_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -39,7 +39,8 @@ class _Collector:
 
 def _notifier() -> tuple[systemd.Notifier, list[str], Any]:
     sent: list[str] = []
-    ctx: Any = SimpleNamespace(readiness=Readiness(), collector=_Collector(), backend="sim",
+    ctx: Any = SimpleNamespace(readiness=Readiness(), collector=_Collector(),
+                               backend=SimpleNamespace(name="sim"),
                                inventory=SimpleNamespace(gpus=[1, 2]),
                                settings=SimpleNamespace(simulate=None))
     return systemd.Notifier(ctx, sent.append, 1.0), sent, ctx

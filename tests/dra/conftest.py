@@ -10,26 +10,15 @@ from typing import Any
 import pytest
 
 from agent.dra.service import SliceService
+from agent.events import EventLog
 from agent.gpu.inventory import GpuInventory
 from agent.gpu.session import NvmlSession
 from agent.gpu.sim.node import SimulatedNode
 from agent.gpu.sim.presets import CI_PROFILE_BY_SLICES
+from agent.gpu.types import Placement
+from agent.ledger.ledger import NodeLedger
 from agent.topology.service import TopologyService
 from tests.gpu.sim.conftest import create_gi, enable_mig
-
-
-@dataclass
-class Marks:
-    """Stands in for the MIG service's draining and quarantine marks."""
-
-    drain: dict[str, frozenset[int]]
-    quarantine: dict[str, str]
-
-    def draining(self, gpu: str) -> frozenset[int]:
-        return self.drain.get(gpu, frozenset())
-
-    def quarantined(self, gpu: str) -> str | None:
-        return self.quarantine.get(gpu)
 
 
 @dataclass
@@ -39,8 +28,15 @@ class Env:
     inventory: GpuInventory
     topology: TopologyService
     slices: SliceService
-    marks: Marks
+    ledger: NodeLedger
     state_dir: Path
+
+    def drain(self, index: int, placement: Placement) -> None:
+        """Mark an instance as a MIG transition would while draining it."""
+        self.ledger.gpu(self.node.gpu_uuids()[index]).draining[placement] = "t-test"
+
+    def quarantine(self, index: int, reason: str) -> None:
+        self.ledger.gpu(self.node.gpu_uuids()[index]).quarantine = reason
 
     def make_mig(self, index: int, instances: list[tuple[int, int]]) -> None:
         """MIG on for GPU ``index`` with GPU instances (profile id, start), each with one
@@ -69,12 +65,13 @@ async def make_env(tmp_path: Path) -> AsyncIterator[MakeEnv]:
         session = NvmlSession(node.nvml)
         await session.initialise()
         inventory = GpuInventory(session)
-        marks = Marks({}, {})
+        ledger = NodeLedger(quarantine_path=state / "mig" / "quarantine.json",
+                            events=EventLog(), lost_reason=session.lost_reason)
         topology = TopologyService(session=session, inventory=inventory,
-                                   sys_root=node.sys_root, quarantine=marks)
+                                   sys_root=node.sys_root, ledger=ledger)
         env = Env(node, session, inventory, topology, SliceService(
-            inventory=inventory, topology=topology, state_dir=state, node_name="gpu-node-1",
-            dynamic_mig=dynamic_mig, mig=marks), marks, state)
+            inventory=inventory, topology=topology, ledger=ledger, state_dir=state,
+            node_name="gpu-node-1", dynamic_mig=dynamic_mig), ledger, state)
         opened.append(env)
         if setup is not None:
             setup(env)

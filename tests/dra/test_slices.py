@@ -141,8 +141,8 @@ async def test_dynamic_hides_overlaps_and_drains(make_env: MakeEnv) -> None:
     assert "gpu-0-mig-4g40gb-5-0" not in gpu0 and "gpu-0-mig-1g10gb-19-0" not in gpu0
     assert {"gpu-0-mig-1g10gb-19-4", "gpu-0-mig-1g10gb-19-5", "gpu-0-mig-2g20gb-14-4"} <= gpu0
     three_g = next(d for d in env.inventory.gpus[0].mig_devices if d.profile == "3g.40gb")
-    env.marks.drain[env.node.gpu_uuids()[0]] = frozenset({three_g.gi_id})
-    env.marks.quarantine[env.node.gpu_uuids()[5]] = "rollback failed"
+    env.drain(0, three_g.placement)
+    env.quarantine(5, "rollback failed")
     env.node.inject_xid(env.node.gpu_uuids()[6], 79)
     slices = await env.slices.slices((1, 35))
     validate(slices, (1, 35))
@@ -154,7 +154,7 @@ async def test_dynamic_hides_overlaps_and_drains(make_env: MakeEnv) -> None:
 async def test_static_drain_leaves_the_device_out(make_env: MakeEnv) -> None:
     env = await make_env("dgx-h100", setup=h100_geometry)
     two_g = next(d for d in env.inventory.gpus[0].mig_devices if d.profile == "2g.20gb")
-    env.marks.drain[env.node.gpu_uuids()[0]] = frozenset({two_g.gi_id})
+    env.drain(0, two_g.placement)
     found = devices(await env.slices.slices((1, 34)))
     assert "gpu-0-mig-2g20gb-14-4" not in found and "gpu-0-mig-3g40gb-9-0" in found
 

@@ -12,11 +12,8 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.claims.cdi_writer import CdiWriter
-from agent.claims.checkpoint import ClaimCheckpoint
-from agent.claims.service import ClaimService, DeviceRequest
+from agent.claims.service import DeviceRequest
 from agent.errors import AgentError
-from agent.host import boot_id
 from agent.mig.geometry import DesiredInstances, Geometry
 from agent.mig.transition import TransitionState
 from tests.mig.catalogs import H100_80GB, all_layouts
@@ -67,9 +64,7 @@ async def _transition(old: tuple, new: tuple, fault: tuple[str, str, int, int]) 
                 assert any(e.kind == "mig.quarantined" for e in node.events.since(0))
             assert not list((node.state_dir / "mig" / "journal").glob("*.json"))
         finally:
-            await node.mig.close()
-            node.session.close()
-            node.sim.close()
+            await node.services.close()
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
@@ -83,14 +78,8 @@ async def _claim(layout: tuple, profile: str, fault: tuple[str, str, int, int]) 
     function, error, skip, times = fault
     with tempfile.TemporaryDirectory() as tmp:
         node = await _open(Path(tmp))
-        state = node.state_dir
-        claims = ClaimService(
-            session=node.session, inventory=node.inventory, mig_service=node.mig,
-            events=node.events,
-            checkpoint=ClaimCheckpoint(state / "claims.checkpoint", boot_id(Path(tmp) / "proc")),
-            cdi=CdiWriter(Path(tmp) / "cdi", Path(tmp) / "proc"))
+        claims = node.services.claims
         try:
-            await claims.reconcile()
             assert await node.change(DesiredInstances(layout)) == TransitionState.SUCCEEDED
             before = _layout(await node.geometry())
             gpu = await node.gpu()
@@ -116,9 +105,7 @@ async def _claim(layout: tuple, profile: str, fault: tuple[str, str, int, int]) 
                 await claims.unprepare("c")
                 assert _layout(await node.geometry()) == before
         finally:
-            await node.mig.close()
-            node.session.close()
-            node.sim.close()
+            await node.services.close()
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))

@@ -7,6 +7,7 @@ import asyncio
 import gzip
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -16,10 +17,12 @@ from agent.api.app import build_app
 from agent.api.auth import TokenStore
 from agent.api.context import AgentContext
 from agent.claims.checkpoint import ClaimRecord, PreparedDevice
+from agent.gpu.backend import Backend
 from agent.gpu.sim.hardware import XID_FALLEN_OFF_THE_BUS
 from agent.gpu.xid import XidEvent
 from agent.metrics.collector import Collector, claim_attribution
 from agent.settings import resolve
+from agent.wiring import build_node
 from tests.metrics.conftest import Sim
 from tests.metrics.textformat import Exposition, parse
 
@@ -199,11 +202,14 @@ async def api(sim: Sim, aiohttp_client: Callable[..., Any]) -> Callable[..., Any
     async def make(collector: Collector) -> TestClient[Any, Any]:
         settings = resolve({"simulate": "dgx-h100", "state_dir": str(sim.node.state_dir)},
                            env={})
-        ctx = AgentContext(settings=settings, session=sim.session, inventory=sim.inventory,
-                           events=sim.events, tokens=TokenStore.empty(), metrics=sim.metrics,
-                           backend="simulated:dgx-h100", sim=sim.node, collector=collector,
-                           health=sim.health)
-        ctx.readiness.set(None)
+        backend = Backend(nvml=sim.node.nvml, name="simulated:dgx-h100", sim=sim.node,
+                          sys_root=sim.node.sys_root)
+        # The node as the wiring builds it, serving this test's NVML session and collector.
+        node = replace(build_node(settings, backend), session=sim.session,
+                       inventory=sim.inventory, events=sim.events, metrics=sim.metrics,
+                       health=sim.health, collector=collector)
+        node.readiness.set(None)
+        ctx = AgentContext(node=node, tokens=TokenStore.empty())
         client: TestClient[Any, Any] = await aiohttp_client(build_app(ctx))
         return client
     return make

@@ -24,8 +24,8 @@ from agent.events import EventLog
 from agent.mig.geometry import DesiredProfiles
 from agent.mig.journal import TransitionJournal
 from agent.mig.transition import DrainPolicy, TransitionState
-from bench.services import open_services
 from tests.claims.test_service import gpu, slice_
+from tests.service_node import open_services
 
 
 class Disk:

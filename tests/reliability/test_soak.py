@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from agent.errors import ClaimUnprepared, DeviceBusy
-from bench.services import open_services
 from tests.claims.test_service import gpu
+from tests.service_node import open_services
 from tests.soak import Bounds, Sample, SoakResult, run_soak
 
 

@@ -1,37 +1,63 @@
-"""The agent's MIG and claim services in-process over a simulated node, wired as
-``agent.daemon`` wires them but without HTTP: the claims benchmark and the claim tests use
-the same one."""
+"""The agent's node in-process over a simulated DGX H100, built by the agent's own wiring
+(``agent.wiring.build_node``) but served without HTTP: the claim tests, the disk-trouble and
+soak tests and the claims benchmark use it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.claims.cdi_writer import CdiWriter
-from agent.claims.checkpoint import ClaimCheckpoint
 from agent.claims.service import ClaimService
 from agent.events import EventLog
+from agent.gpu import backend as gpu_backend
 from agent.gpu.inventory import GpuInventory
 from agent.gpu.session import NvmlSession
 from agent.gpu.sim.node import SimulatedNode
 from agent.gpu.types import Gpu
-from agent.host import boot_id
-from agent.metrics.agent import AgentMetrics
+from agent.ledger.ledger import NodeLedger
 from agent.mig.geometry import DesiredProfiles
 from agent.mig.service import MigService, Outcome
 from agent.mig.transition import DrainPolicy, TransitionState
+from agent.settings import resolve
+from agent.wiring import Node, build_node
 
 
 @dataclass
 class ServiceNode:
-    sim: SimulatedNode
-    session: NvmlSession
-    inventory: GpuInventory
-    mig: MigService
-    claims: ClaimService
+    """A started :class:`Node` with shortcuts for tests."""
+
+    node: Node
     state: Path
     cdi_dir: Path
-    events: EventLog
+
+    @property
+    def sim(self) -> SimulatedNode:
+        assert self.node.sim is not None
+        return self.node.sim
+
+    @property
+    def session(self) -> NvmlSession:
+        return self.node.session
+
+    @property
+    def inventory(self) -> GpuInventory:
+        return self.node.inventory
+
+    @property
+    def mig(self) -> MigService:
+        return self.node.mig
+
+    @property
+    def claims(self) -> ClaimService:
+        return self.node.claims
+
+    @property
+    def ledger(self) -> NodeLedger:
+        return self.node.ledger
+
+    @property
+    def events(self) -> EventLog:
+        return self.node.events
 
     async def gpu(self, index: int) -> Gpu:
         await self.inventory.refresh()
@@ -58,26 +84,22 @@ class ServiceNode:
                     raise RuntimeError(f"MIG change ended {outcome.transition.state}")
 
     async def close(self) -> None:
-        await self.mig.close()
-        self.session.close()
+        await self.node.stop()
         self.sim.close()
 
 
 async def open_services(directory: Path, *, spec_dir: Path | None = None,
-                        tombstone_s: float = 600.0) -> ServiceNode:
-    """A simulated DGX H100 under ``directory`` (state, proc, cdi), claims reconciled."""
+                        tombstone_s: float = 600.0, preset: str = "dgx-h100") -> ServiceNode:
+    """A simulated node (DGX H100 unless ``preset`` says otherwise) under ``directory``
+    (state, proc, cdi), started (recovered and reconciled) through the agent's wiring."""
     state, proc = directory / "state", directory / "proc"
     cdi_dir = spec_dir or directory / "cdi"
-    sim = SimulatedNode("dgx-h100", state, proc)
-    session = NvmlSession(sim.nvml)
-    await session.initialise()
-    inventory = GpuInventory(session)
-    await inventory.load()
-    events = EventLog()
-    mig = MigService(session=session, inventory=inventory, events=events,
-                     metrics=AgentMetrics(), state_dir=state, proc_root=proc)
-    claims = ClaimService(session=session, inventory=inventory, mig_service=mig, events=events,
-                          checkpoint=ClaimCheckpoint(state / "claims.checkpoint", boot_id(proc)),
-                          cdi=CdiWriter(cdi_dir, proc), tombstone_s=tombstone_s)
-    await claims.reconcile()
-    return ServiceNode(sim, session, inventory, mig, claims, state, cdi_dir, events)
+    settings = resolve({"simulate": preset, "state_dir": state, "proc_root": proc,
+                        "cdi_dir": cdi_dir, "claim_tombstone_s": tombstone_s,
+                        "run_dir": directory / "run", "collect_interval": 3600.0},
+                       env={})
+    backend = gpu_backend.open_backend(simulate=settings.simulate, state_dir=state,
+                                       proc_root=proc)
+    node = build_node(settings, backend)
+    await node.start()
+    return ServiceNode(node, state, cdi_dir)

@@ -1,0 +1,348 @@
+"""The per-GPU ledger: the one authority on each GPU's devices and who holds them.
+
+Everything that may create, destroy or hand out a device asks here first:
+- **holds**: a claim holds a whole GPU or a MIG device (by :class:`DeviceKey`, one key however
+  the device is named), first *reserved* (before the first NVML mutation or durable write),
+  then *prepared*. A hold is exclusive, or a counted share of a capacity (memory, threads)
+  that other shares of the same device may add up to;
+- **the mutation lock**: one per GPU. A MIG transition holds it from planning to its terminal
+  state; an on-demand slice holds it while NVML makes or destroys the instance. So a slice is
+  never made on a GPU whose geometry is changing, and a plan always sees every slice;
+- **marks**: the instances a transition drains or has just created (not claimable), and
+  quarantine (durable, ``<state>/mig/quarantine.json``; unreadable quarantine state
+  quarantines every MIG-capable GPU, since which ones were meant can no longer be known);
+- **availability**: one read model (lost, unhealthy with its XID, quarantined, draining,
+  being created, held) that claims, topology selection, ResourceSlices, metrics and the API
+  all consult.
+
+It holds no NVML handle and does no I/O but the quarantine file; it lives on the event loop
+(its checks and takes never await, so check-then-take is atomic).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from agent.durable import DurableMap
+from agent.errors import Conflict, DeviceBusy, DeviceUnavailable
+from agent.events import EventLog, Severity
+from agent.gpu.types import Gpu, MigDevice, Placement
+from agent.ledger.keys import DeviceKey, key_of
+
+#: ``releasing``: its claim is being unprepared; it still keeps others off the device, but no
+#: longer blocks a transition that destroys it, nor does a rollback keep it.
+HoldState = Literal["reserved", "prepared", "releasing"]
+PLANNING = "(being planned)"
+
+
+@dataclass(frozen=True)
+class Share:
+    """A counted part of a device's capacity, e.g. ``Share("memory_mib", 10240)``."""
+
+    capacity: str
+    amount: int
+
+
+@dataclass(frozen=True)
+class Hold:
+    """A claim's hold on one device. ``profile`` is a MIG device's profile (what a rollback
+    re-creates); ``on_demand`` marks a slice made for the claim, which is not part of the
+    node's desired geometry; no ``shares`` means exclusive."""
+
+    holder: str
+    key: DeviceKey
+    state: HoldState = "reserved"
+    profile: str | None = None
+    on_demand: bool = False
+    shares: tuple[Share, ...] = ()
+
+    @property
+    def exclusive(self) -> bool:
+        return not self.shares
+
+    def compatible(self, other: Hold) -> bool:
+        """Whether both may be held at once (capacity aside): one holder's own holds, devices
+        that do not overlap, or two shares of the same device."""
+        return (self.holder == other.holder or not self.key.conflicts(other.key)
+                or (not self.exclusive and not other.exclusive and self.key == other.key))
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether a GPU or MIG device can be handed out, and why not."""
+
+    reasons: tuple[str, ...] = ()
+    holders: tuple[str, ...] = ()
+
+    @property
+    def available(self) -> bool:
+        return not self.reasons and not self.holders
+
+
+@dataclass
+class GpuLedger:
+    """One GPU's entry. Mutated only through :class:`NodeLedger`."""
+
+    uuid: str
+    index: int = -1
+    mig_capable: bool = True
+    holds: list[Hold] = field(default_factory=list)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    #: The transition owning the mutation lock (``PLANNING`` until it has an id).
+    transition: str | None = None
+    #: Placements a transition drains (destroys) or has created and not yet verified.
+    draining: dict[Placement, str] = field(default_factory=dict)
+    creating: dict[Placement, str] = field(default_factory=dict)
+    quarantine: str | None = None
+
+
+class NodeLedger:
+    """The ledgers of every GPU on the node."""
+
+    def __init__(self, *, quarantine_path: Path, events: EventLog,
+                 xid_reasons: Callable[[str], tuple[str, ...]] = lambda _: (),
+                 lost_reason: Callable[[str], str | None] = lambda _: None) -> None:
+        self._events = events
+        self._xid_reasons = xid_reasons
+        self._lost_reason = lost_reason
+        self._quarantine = DurableMap(quarantine_path)
+        self._gpus: dict[str, GpuLedger] = {}
+        #: Why nobody can know who holds what (the claims checkpoint is unusable): every
+        #: change that could destroy a held device is refused meanwhile.
+        self.frozen: str | None = None
+        #: Called with a GPU's UUID after its instances changed (derived state is stale).
+        self.watchers: list[Callable[[str], None]] = []
+
+    # -- the GPUs ----------------------------------------------------------------------------
+
+    async def register(self, gpus: Iterable[Gpu]) -> None:
+        """Know the node's GPUs (after the inventory is loaded) and their quarantine marks.
+        Unreadable quarantine state quarantines every MIG-capable GPU, durably where the
+        disk allows, until an operator clears each one."""
+        unreadable = self._quarantine.problem
+        for gpu in gpus:
+            entry = self.gpu(gpu.uuid)
+            entry.index, entry.mig_capable = gpu.index, gpu.static.mig_capable
+            record = self._quarantine.get(gpu.uuid)
+            if record is not None:
+                entry.quarantine = str(record.get("reason", "quarantined"))
+            elif unreadable and gpu.static.mig_capable:
+                await self.quarantine(gpu.uuid, f"the quarantine state was unreadable "
+                                      f"({unreadable}); which GPUs were quarantined can no "
+                                      "longer be known", durable_best_effort=True)
+        if unreadable:
+            self._events.append("mig.state_unreadable", unreadable, severity=Severity.ERROR)
+
+    def gpu(self, uuid: str) -> GpuLedger:
+        entry = self._gpus.get(uuid)
+        if entry is None:
+            entry = self._gpus[uuid] = GpuLedger(uuid)
+        return entry
+
+    # -- holds -------------------------------------------------------------------------------
+
+    def holds(self, gpu: str | None = None) -> list[Hold]:
+        """Every hold, or those on one GPU."""
+        if gpu is not None:
+            return list(self.gpu(gpu).holds)
+        return [h for entry in self._gpus.values() for h in entry.holds]
+
+    def holds_of(self, holder: str) -> list[Hold]:
+        return [h for h in self.holds() if h.holder == holder]
+
+    def conflicting(self, key: DeviceKey, *, except_holder: str | None = None) -> list[Hold]:
+        """The holds that overlap ``key`` (the whole GPU overlaps everything on it)."""
+        return [h for h in self.gpu(key.gpu).holds
+                if h.holder != except_holder and h.key.conflicts(key)]
+
+    def holders(self, key: DeviceKey) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(h.holder for h in self.conflicting(key)))
+
+    def take(self, hold: Hold, *, name: str, capacity: Mapping[str, int] | None = None) -> None:
+        """Register ``hold`` (``name`` is how the caller named the device, for the message),
+        or raise :class:`DeviceBusy` naming the holders in the way."""
+        entry = self.gpu(hold.key.gpu)
+        blocking = [h for h in entry.holds if not hold.compatible(h)]
+        if not blocking and hold.shares:
+            blocking = self._over_capacity(entry, hold, capacity or {})
+        if blocking:
+            holders = list(dict.fromkeys(h.holder for h in blocking))
+            raise DeviceBusy(f"{name} is held by claim {', '.join(holders)}", device=name,
+                             holders=holders)
+        entry.holds.append(hold)
+
+    @staticmethod
+    def _over_capacity(entry: GpuLedger, hold: Hold, capacity: Mapping[str, int]) -> list[Hold]:
+        sharing = [h for h in entry.holds if h.key == hold.key and h.holder != hold.holder]
+        for share in hold.shares:
+            used = sum(s.amount for h in sharing for s in h.shares if s.capacity == share.capacity)
+            if used + share.amount > capacity.get(share.capacity, 0):
+                return sharing
+        return []
+
+    def settle(self, holder: str, state: HoldState = "prepared") -> None:
+        """The holder's holds are now ``prepared`` (its claim is durable) or ``releasing``."""
+        for entry in self._gpus.values():
+            entry.holds[:] = [Hold(h.holder, h.key, state, h.profile, h.on_demand, h.shares)
+                              if h.holder == holder else h for h in entry.holds]
+
+    def keeping(self, gpu: str) -> list[Hold]:
+        """The holds that block a change of ``gpu``'s geometry and that a rollback keeps."""
+        return [h for h in self.gpu(gpu).holds if h.state != "releasing"]
+
+    def release(self, holder: str, key: DeviceKey | None = None) -> None:
+        """Drop the holder's holds (only the one on ``key`` when given)."""
+        for entry in self._gpus.values():
+            entry.holds[:] = [h for h in entry.holds
+                              if h.holder != holder or (key is not None and h.key != key)]
+
+    def on_demand(self, gpu: str) -> frozenset[tuple[str, Placement]]:
+        """(profile, placement) of the slices made for claims on ``gpu``: not part of the
+        node's geometry, so neither remembered as desired nor reported as drift."""
+        return frozenset((h.profile, h.key.placement) for h in self.gpu(gpu).holds
+                         if h.on_demand and h.profile is not None and h.key.placement is not None)
+
+    # -- availability ------------------------------------------------------------------------
+
+    def condition(self, gpu: Gpu) -> tuple[str, ...]:
+        """Why nothing on this GPU may be handed out: lost, unhealthy (the XID), quarantined."""
+        reasons: list[str] = []
+        lost = self._lost_reason(gpu.uuid)
+        if lost is not None:
+            reasons.append(f"GPU is lost: {lost}")
+        else:  # the inventory's own reasons say the same of a lost GPU
+            reasons += gpu.health.reasons
+        reasons += self._xid_reasons(gpu.uuid)
+        quarantine = self.gpu(gpu.uuid).quarantine
+        if quarantine is not None:
+            reasons.append(f"quarantined: {quarantine}")
+        return tuple(dict.fromkeys(reasons))
+
+    def availability(self, gpu: Gpu, device: MigDevice | None = None) -> Availability:
+        """The one answer to "can this GPU (or MIG device) be handed out now, and if not,
+        why": its GPU's condition, a transition's marks on the device, and its holders."""
+        reasons = list(self.condition(gpu))
+        entry = self.gpu(gpu.uuid)
+        if device is not None:
+            tid = entry.draining.get(device.placement)
+            if tid is not None:
+                reasons.append(f"{device.uuid} is being drained by MIG transition {tid}")
+            tid = entry.creating.get(device.placement)
+            if tid is not None:
+                reasons.append(f"{device.uuid} is being created by MIG transition {tid}")
+        return Availability(tuple(reasons), self.holders(key_of(gpu, device)))
+
+    def check_usable(self, gpu: Gpu, device: MigDevice | None = None) -> None:
+        """Raise when the device (or, without one, the GPU) cannot be handed out for a reason
+        other than its holders: :class:`DeviceUnavailable` naming the GPU's condition, or
+        :class:`DeviceBusy` for a transition's drain or creation mark."""
+        condition = self.condition(gpu)
+        if condition:
+            raise DeviceUnavailable(f"GPU {gpu.index} is unavailable: {'; '.join(condition)}",
+                                    gpu=gpu.uuid,
+                                    device=device.uuid if device else None,
+                                    reason=condition[0])
+        marks = self.availability(gpu, device).reasons
+        if marks:
+            raise DeviceBusy("; ".join(marks), gpu=gpu.uuid,
+                             device=device.uuid if device else None,
+                             transition=self.gpu(gpu.uuid).transition)
+
+    def quarantined(self, gpu: str) -> str | None:
+        return self.gpu(gpu).quarantine
+
+    def draining(self, gpu: str) -> frozenset[Placement]:
+        entry = self.gpu(gpu)
+        return frozenset((*entry.draining, *entry.creating))
+
+    # -- the mutation lock -------------------------------------------------------------------
+
+    def busy(self, gpu: str) -> str | None:
+        """The transition in flight on ``gpu`` (or being planned), if any."""
+        return self.gpu(gpu).transition
+
+    @asynccontextmanager
+    async def slice_change(self, gpu: str, *, wait: bool = False) -> AsyncIterator[None]:
+        """Hold ``gpu``'s mutation lock to make or destroy one on-demand slice. Making one is
+        refused with :class:`DeviceBusy` while a MIG transition owns the GPU; destroying one
+        (``wait``) waits for the transition to end instead."""
+        entry = self.gpu(gpu)
+        if entry.transition is not None and not wait:
+            raise DeviceBusy(f"GPU {entry.index} is busy with MIG transition {entry.transition}",
+                             gpu=gpu, transition=entry.transition)
+        async with entry.lock:
+            yield
+        self.geometry_changed(gpu)
+
+    async def begin_transition(self, gpu: str) -> None:
+        """Own ``gpu`` for a transition being planned (waits only for a slice being made);
+        :class:`Conflict` when another transition owns it."""
+        entry = self.gpu(gpu)
+        if entry.transition is not None:
+            raise Conflict(f"GPU {entry.index} is busy with transition {entry.transition}",
+                           gpu=gpu, transition=None if entry.transition == PLANNING
+                           else entry.transition)
+        entry.transition = PLANNING
+        try:
+            await entry.lock.acquire()
+        except BaseException:
+            entry.transition = None
+            raise
+
+    def name_transition(self, gpu: str, transition: str, *, drain: Iterable[Placement] = (),
+                        create: Iterable[Placement] = ()) -> None:
+        """The planned transition's id and the instances it destroys and creates."""
+        entry = self.gpu(gpu)
+        entry.transition = transition
+        entry.draining = dict.fromkeys(drain, transition)
+        entry.creating = dict.fromkeys(create, transition)
+
+    def end_transition(self, gpu: str, *, changed: bool) -> None:
+        """Release ``gpu``: marks cleared, lock released, watchers told if it changed."""
+        entry = self.gpu(gpu)
+        entry.transition = None
+        entry.draining, entry.creating = {}, {}
+        if entry.lock.locked():
+            entry.lock.release()
+        if changed:
+            self.geometry_changed(gpu)
+
+    def geometry_changed(self, gpu: str) -> None:
+        for watcher in self.watchers:
+            watcher(gpu)
+
+    # -- quarantine --------------------------------------------------------------------------
+
+    async def quarantine(self, gpu: str, reason: str, *, durable_best_effort: bool = False) -> None:
+        """Quarantine ``gpu`` (durably; the mark holds in memory even if the disk refuses,
+        with ``durable_best_effort``, or the error is raised after marking)."""
+        self.gpu(gpu).quarantine = reason
+        try:
+            await asyncio.to_thread(self._quarantine.set, gpu,
+                                    {"reason": reason, "since": time.time()})
+        except OSError:
+            if not durable_best_effort:
+                raise
+
+    async def clear_quarantine(self, gpu: str) -> str:
+        """Lift the quarantine; returns its reason. :class:`Conflict` if there is none."""
+        entry = self.gpu(gpu)
+        if entry.quarantine is None:
+            raise Conflict(f"GPU {entry.index} is not quarantined", gpu=gpu)
+        await asyncio.to_thread(self._quarantine.delete, gpu)
+        reason, entry.quarantine = entry.quarantine, None
+        return reason
+
+
+def holders_by_placement(holds: Sequence[Hold]) -> dict[Placement | None, list[str]]:
+    """Claim UIDs per held placement (None: the whole GPU)."""
+    found: dict[Placement | None, list[str]] = {}
+    for hold in holds:
+        found.setdefault(hold.key.placement, []).append(hold.holder)
+    return found

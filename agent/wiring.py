@@ -1,0 +1,171 @@
+"""One wiring: :func:`build_node` builds the node's services from settings and an NVML backend,
+and :class:`Node` starts and stops them. The daemon, the benchmarks and the tests all build
+the node this way, so what they exercise is what runs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import agent
+from agent.claims.cdi_writer import CdiWriter
+from agent.claims.checkpoint import ClaimCheckpoint
+from agent.claims.service import ClaimService
+from agent.dra.service import SliceService
+from agent.errors import AgentError
+from agent.events import EventLog
+from agent.gpu.backend import Backend
+from agent.gpu.inventory import GpuInventory
+from agent.gpu.session import NvmlSession
+from agent.gpu.sim.node import SimulatedNode
+from agent.gpu.xid import XidWatcher
+from agent.host import boot_id
+from agent.ledger.ledger import NodeLedger
+from agent.metrics.agent import AgentMetrics
+from agent.metrics.collector import Collector, claim_attribution
+from agent.metrics.health import GpuHealth
+from agent.mig.journal import TransitionJournal
+from agent.mig.service import MigService
+from agent.readiness import Readiness
+from agent.settings import Settings
+from agent.topology.service import TopologyService
+
+log = logging.getLogger("agent.node")
+
+
+@dataclass(frozen=True)
+class Node:
+    """Every service of one agent; none is ever missing."""
+
+    settings: Settings
+    backend: Backend
+    session: NvmlSession
+    inventory: GpuInventory
+    events: EventLog
+    metrics: AgentMetrics
+    readiness: Readiness
+    ledger: NodeLedger
+    mig: MigService
+    claims: ClaimService
+    health: GpuHealth
+    collector: Collector
+    topology: TopologyService
+    slices: SliceService
+    xids: XidWatcher
+
+    @property
+    def sim(self) -> SimulatedNode | None:
+        """The simulated node's controls, with ``--simulate``."""
+        sim = self.backend.sim
+        return sim if isinstance(sim, SimulatedNode) else None
+
+    async def start(self) -> None:
+        """Bring the node up: NVML, inventory, topology, then recovery in the order that keeps
+        held devices safe (claims' holds loaded, journal resolved, claims reconciled, desired
+        geometry re-applied), then metrics and XIDs. Until recovery ends, ``readiness`` is
+        not reconciled, and the API serves no mutation. NVML errors propagate (the daemon
+        retries); a corrupt checkpoint leaves the node reconciled but unready."""
+        self.readiness.set("initialising NVML")
+        await self.session.initialise()
+        self.readiness.set("loading inventory")
+        await self.inventory.load()
+        await self.ledger.register(self.inventory.gpus)
+        self.readiness.set("discovering topology")
+        await self.topology.load()
+        self.readiness.set("loading prepared claims")
+        await self.claims.load()
+        self.readiness.set("resolving open MIG transitions")
+        await self.mig.recover()
+        self.readiness.set("reconciling claims and CDI specs")
+        await self.claims.reconcile()
+        self.readiness.set("reconciling MIG geometry")
+        await self.mig.reconcile()
+        self.readiness.reconciled = True
+        # Metrics and XID health work even where claims cannot (below): they need NVML only.
+        self.readiness.set("collecting metrics")
+        await self.collector.start()
+        self.xids.start(gpu.static for gpu in self.inventory.gpus)
+        if self.claims.corrupt is not None:
+            # Reported here and in /readyz; claims answer 503 until an operator acts.
+            self.readiness.set(f"{self.claims.corrupt}; an operator must act before claims "
+                               "work")
+            return
+        self.readiness.set(None)
+        self.metrics.ready.set(1)
+        self.events.append("agent.ready", f"agent ready with {len(self.inventory.gpus)} GPUs",
+                           details={"backend": self.backend.name})
+
+    def publish_availability(self) -> None:
+        """``gpu_agent_gpu_available`` from the ledger's one availability model."""
+        for gpu in self.inventory.gpus:
+            self.metrics.gpu_available.labels(str(gpu.index), gpu.uuid).set(
+                0 if self.ledger.condition(gpu) else 1)
+
+    async def watch_drift(self) -> None:
+        """Report MIG geometries changed behind the agent's back (nvidia-smi, mig-parted)."""
+        while True:
+            await asyncio.sleep(self.settings.drift_check_interval_s)
+            try:
+                await self.inventory.refresh()
+                await self.mig.check_drift()
+            except AgentError as err:
+                log.warning("drift check failed", extra={"error": err.detail})
+
+    async def stop(self) -> None:
+        """Stop background work (transitions in flight are abandoned; the journal resolves
+        them at the next start), metrics, XIDs and NVML."""
+        await self.mig.close()
+        self.xids.stop()
+        self.collector.stop()
+        self.session.close()
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[Node]:
+        """The node's one lifecycle: yields the node and stops it however the block ends
+        (start it inside with :meth:`start`)."""
+        try:
+            yield self
+        finally:
+            await self.stop()
+
+
+def build_node(settings: Settings, backend: Backend) -> Node:
+    """The agent's services for ``settings`` over ``backend``, wired once."""
+    metrics = AgentMetrics()
+    metrics.set_build(version=agent.__version__, backend=backend.name)
+    session = NvmlSession(backend.nvml, on_error=metrics.count_nvml_error)
+    inventory = GpuInventory(session)
+    events = EventLog()
+    health = GpuHealth(events=events, metrics=metrics, lost_reason=session.lost_reason)
+    state = settings.state_dir
+    ledger = NodeLedger(quarantine_path=state / "mig" / "quarantine.json", events=events,
+                        xid_reasons=health.xid_reasons, lost_reason=session.lost_reason)
+    journal = TransitionJournal(state / "mig" / "journal")
+    mig = MigService(session=session, inventory=inventory, events=events, metrics=metrics,
+                     ledger=ledger, journal=journal, state_dir=state,
+                     proc_root=settings.proc_root, reset_command=settings.gpu_reset_command,
+                     reapply=settings.reapply_mig)
+    claims = ClaimService(
+        session=session, inventory=inventory, ledger=ledger, journal=journal, events=events,
+        checkpoint=ClaimCheckpoint(state / "claims.checkpoint", boot_id(settings.proc_root),
+                                   on_write=metrics.claims_checkpoint_writes.inc),
+        cdi=CdiWriter(settings.cdi_dir, settings.proc_root, settings.driver_root),
+        tombstone_s=settings.claim_tombstone_s, run_dir=settings.run_dir)
+    topology = TopologyService(session=session, inventory=inventory, sys_root=backend.sys_root,
+                               ledger=ledger)
+    slices = SliceService(inventory=inventory, topology=topology, ledger=ledger,
+                          state_dir=state, node_name=settings.node_name,
+                          driver=settings.driver_name, dynamic_mig=settings.dynamic_mig)
+    collector = Collector(session=session, inventory=inventory, metrics=metrics, health=health,
+                          interval_s=settings.collect_interval_s, hostname=settings.node_name,
+                          hostname_label=settings.metrics_hostname_label,
+                          attribution=lambda: claim_attribution(claims.records()))
+    xids = XidWatcher(session, collector.on_xid, on_error=metrics.count_nvml_error)
+    return Node(settings=settings, backend=backend, session=session, inventory=inventory,
+                events=events, metrics=metrics, readiness=Readiness(), ledger=ledger,
+                mig=mig, claims=claims, health=health, collector=collector,
+                topology=topology, slices=slices, xids=xids)
+
