@@ -21,6 +21,8 @@ from agent.api.access import TokenReloader, set_socket_owner, ssl_context
 from agent.api.app import build_app
 from agent.api.auth import TokenStore, generate_token_file
 from agent.api.context import AgentContext
+from agent.api.metrics_app import build_metrics_app
+from agent.claims.attribution import claim_attribution
 from agent.claims.cdi_writer import CdiWriter
 from agent.claims.checkpoint import ClaimCheckpoint
 from agent.claims.service import ClaimService
@@ -35,9 +37,8 @@ from agent.gpu.session import NvmlSession
 from agent.gpu.xid import XidWatcher
 from agent.host import boot_id
 from agent.metrics.agent import AgentMetrics
-from agent.metrics.collector import Collector, claim_attribution
+from agent.metrics.collector import Collector
 from agent.metrics.health import GpuHealth
-from agent.metrics.server import build_metrics_app
 from agent.mig.service import MigService
 from agent.settings import Listener, Settings
 from agent.systemd import Notifier
