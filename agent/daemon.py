@@ -21,12 +21,12 @@ from agent.api.access import TokenReloader, set_socket_owner, ssl_context
 from agent.api.app import build_app
 from agent.api.auth import TokenStore, generate_token_file
 from agent.api.context import AgentContext
+from agent.api.metrics_app import build_metrics_app
 from agent.durable import ExclusiveLock, write_atomic
 from agent.errors import AgentError, NvmlError
 from agent.events import Severity
 from agent.gpu import backend as gpu_backend
 from agent.gpu.backend import Backend
-from agent.metrics.server import build_metrics_app
 from agent.settings import Listener, Settings
 from agent.systemd import Notifier
 from agent.wiring import Node, build_node

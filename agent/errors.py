@@ -1,69 +1,167 @@
-"""The agent's one exception hierarchy. The API maps each class to an HTTP problem in one place
-(``agent/api/problems.py``); code below the API raises these and never builds responses."""
+"""The agent's one exception hierarchy.
+
+Each class says what went wrong (``detail``, in words) and carries typed fields naming what
+it is about (a GPU, a device, a claim, a path). None of them knows HTTP: ``agent/api/problems.py``
+maps each class to a status, problem type and title in one table, and puts :meth:`fields` into
+the problem body. Code below the API raises these and never builds responses.
+"""
 
 from __future__ import annotations
 
 import errno
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
 class AgentError(Exception):
     """Base of every error the agent reports on purpose."""
 
-    #: HTTP status the API answers with.
-    status: int = 500
-    #: Stable machine-readable problem type (the last part of the problem ``type`` URI).
-    type_name: str = "internal-error"
-    title: str = "Internal error"
-
-    def __init__(self, detail: str, **extra: Any) -> None:
+    def __init__(self, detail: str) -> None:
         super().__init__(detail)
         self.detail = detail
-        self.extra: dict[str, Any] = extra
+
+    def fields(self) -> dict[str, Any]:
+        """What a problem body carries besides ``detail``: this error's typed fields, with None
+        values and empty collections left out."""
+        return {key: value for key, value in self._fields().items()
+                if value is not None and value not in ([], {})}
+
+    def _fields(self) -> dict[str, Any]:
+        """Every field by its body name; subclasses extend their parent's."""
+        return {}
 
 
 class NotFound(AgentError):
-    status = 404
-    type_name = "not-found"
-    title = "Not found"
+    """The thing a request names does not exist on this node."""
+
+    def __init__(self, detail: str, *, gpu: str | None = None, device: str | None = None,
+                 claim: str | None = None, transition: str | None = None,
+                 pid: int | None = None) -> None:
+        super().__init__(detail)
+        self.gpu = gpu
+        self.device = device
+        self.claim = claim
+        self.transition = transition
+        self.pid = pid
+
+    def _fields(self) -> dict[str, Any]:
+        return {"gpu": self.gpu, "device": self.device, "claim": self.claim,
+                "transition": self.transition, "pid": self.pid}
 
 
 class InvalidRequest(AgentError):
-    """The request is malformed; ``errors`` lists the offending fields and why."""
+    """The request is malformed; ``errors`` lists the offending fields and why (each a
+    ``{"field": ..., "reason": ...}``)."""
 
-    status = 422
-    type_name = "invalid-request"
-    title = "Invalid request"
+    def __init__(self, detail: str, errors: Sequence[Mapping[str, Any]] | None = None) -> None:
+        super().__init__(detail)
+        self.errors: list[dict[str, Any]] = [dict(e) for e in errors or ()]
 
-    def __init__(self, detail: str, errors: list[dict[str, Any]] | None = None) -> None:
-        super().__init__(detail, errors=errors or [])
+    def fields(self) -> dict[str, Any]:
+        # Always listed, even empty: clients read ``errors`` off every invalid-request problem.
+        return {"errors": self.errors}
 
 
 class Unauthorized(AgentError):
-    status = 401
-    type_name = "unauthorized"
-    title = "Unauthorized"
+    """No bearer token, or one the agent does not know."""
 
 
 class Forbidden(AgentError):
-    status = 403
-    type_name = "forbidden"
-    title = "Forbidden"
+    """The caller is known but may not do this; ``scope`` names what it lacks."""
+
+    def __init__(self, detail: str, *, scope: str | None = None) -> None:
+        super().__init__(detail)
+        self.scope = scope
+
+    def _fields(self) -> dict[str, Any]:
+        return {"scope": self.scope}
 
 
 class Conflict(AgentError):
-    status = 409
-    type_name = "conflict"
-    title = "Conflict"
+    """The request is well-formed but the node's state refuses it (a GPU busy with a
+    transition, instances in use, a claim prepared with other devices)."""
+
+    def __init__(self, detail: str, *, gpu: str | None = None, claim: str | None = None,
+                 transition: str | None = None,
+                 blockers: Sequence[Mapping[str, Any]] = ()) -> None:
+        super().__init__(detail)
+        self.gpu = gpu
+        self.claim = claim
+        self.transition = transition
+        self.blockers: tuple[Mapping[str, Any], ...] = tuple(blockers)
+
+    def _fields(self) -> dict[str, Any]:
+        return {"gpu": self.gpu, "claim": self.claim, "transition": self.transition,
+                "blockers": [dict(b) for b in self.blockers]}
+
+
+class SelectionUnsatisfiable(Conflict):
+    """A topology selection cannot be met with the GPUs that can be chosen now: ``gpus`` are
+    the required ones that cannot, ``available`` the usable indices, ``excluded`` why each
+    other GPU is out."""
+
+    def __init__(self, detail: str, *, gpus: Sequence[int] = (),
+                 available: Sequence[int] = (), excluded: Mapping[int, str] | None = None) -> None:
+        super().__init__(detail)
+        self.gpus = tuple(gpus)
+        self.available = tuple(available)
+        self.excluded: dict[int, str] = dict(excluded or {})
+
+    def _fields(self) -> dict[str, Any]:
+        return {**super()._fields(), "gpus": list(self.gpus), "available": list(self.available),
+                "excluded": self.excluded}
+
+
+class ProcessesRunning(Conflict):
+    """Processes hold a GPU (or every GPU, for a driver reload) that the change needs idle."""
+
+    def __init__(self, detail: str, *, pids: Sequence[int], gpu: str | None = None) -> None:
+        super().__init__(detail, gpu=gpu)
+        self.pids = tuple(pids)
+
+    def _fields(self) -> dict[str, Any]:
+        return {**super()._fields(), "pids": list(self.pids)}
+
+
+class DeviceBusy(Conflict):
+    """A device another claim holds, or one being drained for a geometry change: ``holders``
+    are the claims that hold it."""
+
+    def __init__(self, detail: str, *, device: str | None = None, gpu: str | None = None,
+                 holders: Sequence[str] = (), transition: str | None = None) -> None:
+        super().__init__(detail, gpu=gpu, transition=transition)
+        self.device = device
+        self.holders = tuple(holders)
+
+    def _fields(self) -> dict[str, Any]:
+        return {**super()._fields(), "device": self.device, "holders": list(self.holders)}
+
+
+class DeviceUnavailable(Conflict):
+    """A device or GPU that cannot be used at all right now, whoever asks: unhealthy (the
+    reason names the XID), quarantined, lost, or draining. ``reason`` says which, in words."""
+
+    def __init__(self, detail: str, *, gpu: str | None = None, device: str | None = None,
+                 reason: str | None = None) -> None:
+        super().__init__(detail, gpu=gpu)
+        self.device = device
+        self.reason = reason
+
+    def _fields(self) -> dict[str, Any]:
+        return {**super()._fields(), "device": self.device, "reason": self.reason}
+
+
+class ClaimUnprepared(Conflict):
+    """A prepare for a claim UID that was unprepared moments ago: a stale retry, refused so it
+    cannot resurrect the claim (Kubernetes never reuses a claim UID)."""
+
+    def __init__(self, detail: str, *, claim: str | None = None) -> None:
+        super().__init__(detail, claim=claim)
 
 
 class NotReady(AgentError):
-    """The agent is up but cannot answer yet (NVML not initialised, recovery running);
-    ``retry_after_s`` is when to try again."""
-
-    status = 503
-    type_name = "not-ready"
-    title = "Not ready"
+    """The agent is up but cannot answer yet (NVML not initialised, recovery running); ask
+    again in ``retry_after_s`` seconds."""
 
     def __init__(self, detail: str, *, retry_after_s: int = 1) -> None:
         super().__init__(detail)
@@ -73,88 +171,74 @@ class NotReady(AgentError):
 class StateLocked(AgentError):
     """Another agent process holds the state directory."""
 
-    status = 409
-    type_name = "state-locked"
-    title = "State directory locked"
-
     def __init__(self, *, path: str, holder_pid: str) -> None:
         super().__init__(
-            f"another gpu-agent (pid {holder_pid}) holds {path}; one agent per state directory",
-            path=path,
-            holder_pid=holder_pid,
-        )
+            f"another gpu-agent (pid {holder_pid}) holds {path}; one agent per state directory")
+        self.path = path
+        self.holder_pid = holder_pid
+
+    def _fields(self) -> dict[str, Any]:
+        return {"path": self.path, "holder_pid": self.holder_pid}
+
+
+class StateUnreadable(AgentError):
+    """A state file the agent owns exists but cannot be read (wrong type of path, permission,
+    I/O error, a version it does not understand): ``reason`` says which. What it held is
+    unknown, so whatever depends on it fails closed."""
+
+    def __init__(self, detail: str, *, path: str, reason: str | None = None) -> None:
+        super().__init__(detail)
+        self.path = path
+        self.reason = reason
+
+    def _fields(self) -> dict[str, Any]:
+        return {"path": self.path, "reason": self.reason}
 
 
 class NvmlError(AgentError):
-    """An NVML call failed. ``code`` is the NVML return code, ``function`` the NVML function."""
-
-    status = 502
-    type_name = "nvml-error"
-    title = "NVML call failed"
+    """An NVML call failed. ``code`` is the NVML return code, ``function`` the NVML function,
+    ``name`` the code's NVML name (``NVML_ERROR_...``)."""
 
     def __init__(self, *, function: str, code: int, name: str, gpu: str | None = None) -> None:
         where = f" on {gpu}" if gpu else ""
-        super().__init__(f"{function}{where} failed: {name} ({code})", function=function,
-                         code=code, nvml_error=name, gpu=gpu)
+        super().__init__(f"{function}{where} failed: {name} ({code})")
         self.function = function
         self.code = code
         self.name = name
         self.gpu = gpu
 
+    def _fields(self) -> dict[str, Any]:
+        return {"function": self.function, "code": self.code, "nvml_error": self.name,
+                "gpu": self.gpu}
+
 
 class GpuLost(NvmlError):
     """The GPU answered ``NVML_ERROR_GPU_IS_LOST``: it has fallen off the bus."""
-
-    status = 503
-    type_name = "gpu-lost"
-    title = "GPU lost"
 
 
 class BadRequest(AgentError):
     """The body is not what the endpoint reads at all (not JSON, wrong content type)."""
 
-    status = 400
-    type_name = "bad-request"
-    title = "Bad request"
-
 
 class GeometryNotPlaceable(AgentError):
     """A desired MIG geometry cannot be placed on the GPU; ``detail`` says why in words."""
-
-    status = 422
-    type_name = "geometry-not-placeable"
-    title = "MIG geometry cannot be placed"
-
-
-class DeviceBusy(Conflict):
-    """A device another claim holds, or one being drained or unhealthy."""
-
-    type_name = "device-busy"
-    title = "Device busy"
-
-
-class DeviceUnavailable(Conflict):
-    """A GPU or MIG device that cannot be handed out: lost, unhealthy (an XID), quarantined."""
-
-    type_name = "device-unavailable"
-    title = "Device unavailable"
-
-
-class ClaimUnprepared(Conflict):
-    """A prepare for a claim UID that was unprepared moments ago: a stale retry, refused so it
-    cannot resurrect the claim (Kubernetes never reuses a claim UID)."""
-
-    type_name = "claim-unprepared"
-    title = "Claim was unprepared"
 
 
 class CheckpointUnusable(AgentError):
     """The claims checkpoint was corrupt and kept aside; claims stay frozen until an operator
     acts."""
 
-    status = 503
-    type_name = "checkpoint-corrupt"
-    title = "Claims checkpoint unusable"
+
+class SlicesInvalid(AgentError):
+    """The ResourceSlices the agent rendered break Kubernetes validation rules: a bug in the
+    agent, never sent out. ``problems`` lists every rule broken."""
+
+    def __init__(self, detail: str, *, problems: Sequence[str] = ()) -> None:
+        super().__init__(detail)
+        self.problems = tuple(problems)
+
+    def _fields(self) -> dict[str, Any]:
+        return {"problems": list(self.problems)}
 
 
 class StorageUnavailable(AgentError, OSError):
@@ -162,15 +246,15 @@ class StorageUnavailable(AgentError, OSError):
     change was not made and nothing was acknowledged. Still an :class:`OSError` (same
     ``errno``) for callers that handle those."""
 
-    status = 507
-    type_name = "insufficient-storage"
-    title = "State directory not writable"
-
     def __init__(self, path: str, err: OSError) -> None:
         name = errno.errorcode.get(err.errno or 0, "EIO")
         AgentError.__init__(
             self, f"cannot write {path}: {err.strerror or err} ({name}); the change was not "
-            "made. Free space or fix the state directory, then retry.", path=path,
-            errno=name)
+            "made. Free space or fix the state directory, then retry.")
+        self.path = path
         self.errno = err.errno
         self.strerror = err.strerror
+        self.errno_name = name
+
+    def _fields(self) -> dict[str, Any]:
+        return {"path": self.path, "errno": self.errno_name}

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import agent
+from agent.claims.attribution import claim_attribution
 from agent.claims.cdi_writer import CdiWriter
 from agent.claims.checkpoint import ClaimCheckpoint
 from agent.claims.service import ClaimService
@@ -25,7 +26,7 @@ from agent.gpu.xid import XidWatcher
 from agent.host import boot_id
 from agent.ledger.ledger import NodeLedger
 from agent.metrics.agent import AgentMetrics
-from agent.metrics.collector import Collector, claim_attribution
+from agent.metrics.collector import Collector
 from agent.metrics.health import GpuHealth
 from agent.mig.journal import TransitionJournal
 from agent.mig.service import MigService

@@ -65,7 +65,7 @@ def test_precedence_flag_over_env_over_config(tmp_path: Path) -> None:
 def test_bad_values_name_the_field(env: dict[str, str], field: str) -> None:
     with pytest.raises(InvalidRequest) as info:
         resolve({}, env=env)
-    assert info.value.extra["errors"][0]["field"] == field
+    assert info.value.errors[0]["field"] == field
 
 
 def test_unknown_config_key_is_an_error(tmp_path: Path) -> None:

@@ -5,13 +5,34 @@ from __future__ import annotations
 import errno
 import json
 import logging
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from typing import Any, NamedTuple, TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from agent.api.context import MAX_BODY_BYTES, REQUEST_ID
-from agent.errors import AgentError, BadRequest, InvalidRequest, NotReady, StorageUnavailable
+from agent.errors import (
+    AgentError,
+    BadRequest,
+    CheckpointUnusable,
+    ClaimUnprepared,
+    Conflict,
+    DeviceBusy,
+    DeviceUnavailable,
+    Forbidden,
+    GeometryNotPlaceable,
+    GpuLost,
+    InvalidRequest,
+    NotFound,
+    NotReady,
+    NvmlError,
+    StateLocked,
+    StateUnreadable,
+    StorageUnavailable,
+    Unauthorized,
+)
+from agent.gpu.sim.state import SimulatorStateError
 
 log = logging.getLogger("agent.api")
 M = TypeVar("M", bound=BaseModel)
@@ -21,6 +42,69 @@ PROBLEM_CONTENT_TYPE = "application/problem+json"
 #: errnos of a state directory that cannot take a write: answered 507, not 500.
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES,
                             errno.EPERM})
+
+
+class Problem(NamedTuple):
+    """How the API answers one kind of domain error."""
+
+    status: int
+    type_name: str
+    """The last part of the problem ``type`` URI: stable, machine-readable."""
+    title: str
+
+
+#: The one mapping from domain errors to HTTP. Looked up along the class's MRO, so a subclass
+#: without its own row answers like its parent (``SelectionUnsatisfiable`` is a ``conflict``).
+#: Statuses and type names are public: clients and docs rely on them.
+PROBLEMS: Mapping[type[AgentError], Problem] = {
+    AgentError: Problem(500, "internal-error", "Internal error"),
+    BadRequest: Problem(400, "bad-request", "Bad request"),
+    Unauthorized: Problem(401, "unauthorized", "Unauthorized"),
+    Forbidden: Problem(403, "forbidden", "Forbidden"),
+    NotFound: Problem(404, "not-found", "Not found"),
+    Conflict: Problem(409, "conflict", "Conflict"),
+    DeviceBusy: Problem(409, "device-busy", "Device busy"),
+    DeviceUnavailable: Problem(409, "device-unavailable", "Device unavailable"),
+    ClaimUnprepared: Problem(409, "claim-unprepared", "Claim was unprepared"),
+    StateLocked: Problem(409, "state-locked", "State directory locked"),
+    InvalidRequest: Problem(422, "invalid-request", "Invalid request"),
+    GeometryNotPlaceable: Problem(422, "geometry-not-placeable",
+                                  "MIG geometry cannot be placed"),
+    SimulatorStateError: Problem(500, "simulator-state", "Simulator state unusable"),
+    NvmlError: Problem(502, "nvml-error", "NVML call failed"),
+    GpuLost: Problem(503, "gpu-lost", "GPU lost"),
+    NotReady: Problem(503, "not-ready", "Not ready"),
+    CheckpointUnusable: Problem(503, "checkpoint-corrupt", "Claims checkpoint unusable"),
+    StateUnreadable: Problem(503, "state-unreadable", "State file unreadable"),
+    StorageUnavailable: Problem(507, "insufficient-storage", "State directory not writable"),
+}
+
+
+def problem_of(err: AgentError | type[AgentError]) -> Problem:
+    """The status, problem type and title the API answers ``err`` (or its class) with: the row
+    of the nearest class in its MRO."""
+    cls = err if isinstance(err, type) else type(err)
+    for klass in cls.__mro__:
+        row = PROBLEMS.get(klass)
+        if row is not None:
+            return row
+    return PROBLEMS[AgentError]  # unreachable: AgentError has a row
+
+
+def problem_headers(err: AgentError) -> dict[str, str] | None:
+    """Headers a problem for ``err`` carries: when to retry, how to authenticate."""
+    if isinstance(err, NotReady):
+        return {"Retry-After": str(err.retry_after_s)}
+    if isinstance(err, Unauthorized):
+        return {"WWW-Authenticate": "Bearer"}
+    return None
+
+
+def error_response(request: web.Request, err: AgentError) -> web.Response:
+    """The problem for a domain error, from the table and the error's own fields."""
+    status, type_name, title = problem_of(err)
+    return problem_response(request, status=status, type_name=type_name, title=title,
+                            detail=err.detail, extra=err.fields(), headers=problem_headers(err))
 
 
 def problem_response(request: web.Request, *, status: int, type_name: str, title: str,
@@ -79,17 +163,11 @@ async def problem_middleware(request: web.Request, handler: Any) -> web.StreamRe
         response: web.StreamResponse = await handler(request)
         return response
     except AgentError as err:
-        headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else \
-            {"Retry-After": str(err.retry_after_s)} if isinstance(err, NotReady) else None
-        return problem_response(request, status=err.status, type_name=err.type_name,
-                                title=err.title, detail=err.detail, extra=err.extra,
-                                headers=headers)
+        return error_response(request, err)
     except OSError as err:
         if err.errno in STORAGE_ERRNOS:  # a durable write outside write_atomic's mapping
-            storage = StorageUnavailable(str(err.filename or "the state directory"), err)
-            return problem_response(request, status=storage.status,
-                                    type_name=storage.type_name, title=storage.title,
-                                    detail=storage.detail, extra=storage.extra)
+            return error_response(
+                request, StorageUnavailable(str(err.filename or "the state directory"), err))
         return _internal_error(request)
     except web.HTTPException as exc:
         if exc.status < 400:
@@ -110,7 +188,7 @@ def _internal_error(request: web.Request) -> web.Response:
     """Called inside an ``except`` block: logs the traceback."""
     log.exception("unhandled error", extra={"request_id": request.get(REQUEST_ID),
                                             "path": request.path})
-    return problem_response(request, status=500, type_name="internal-error",
-                            title="Internal error",
+    status, type_name, title = PROBLEMS[AgentError]
+    return problem_response(request, status=status, type_name=type_name, title=title,
                             detail="the agent failed unexpectedly; see its log for "
                                    f"request id {request.get(REQUEST_ID)}")

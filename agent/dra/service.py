@@ -11,7 +11,7 @@ from typing import Any
 from agent.dra import rules
 from agent.dra.generation import PoolGeneration, fingerprint
 from agent.dra.slices import DEFAULT_DRIVER, GpuFacts, RenderOptions, render
-from agent.errors import AgentError
+from agent.errors import SlicesInvalid
 from agent.gpu.inventory import GpuInventory
 from agent.ledger.ledger import NodeLedger
 from agent.topology.service import TopologyService
@@ -62,8 +62,8 @@ class SliceService:
         if problems:
             # A slice the API server would refuse must never leave the agent.
             log.error("resourceslices invalid", extra={"problems": "; ".join(problems[:5])})
-            raise AgentError("rendered ResourceSlices break Kubernetes validation rules: "
-                             + "; ".join(problems[:5]), problems=problems)
+            raise SlicesInvalid("rendered ResourceSlices break Kubernetes validation rules: "
+                                + "; ".join(problems[:5]), problems=problems)
         return slices
 
     def _options(self, kubernetes: tuple[int, int], *, generation: int) -> RenderOptions:

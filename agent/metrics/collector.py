@@ -14,11 +14,10 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
-from agent.claims.checkpoint import ClaimRecord
 from agent.gpu.inventory import GpuInventory
 from agent.gpu.session import NvmlSession
 from agent.gpu.telemetry import GpuReading, GpuTelemetry
@@ -45,26 +44,9 @@ _MIN_GAP_S = 0.25
 _STOP_WAIT_S = 2.0
 HOSTNAME_LABELS = ("Hostname", "hostname")
 
-#: (GPU UUID, GPU instance id or None for the whole GPU) -> attribution labels.
+#: (GPU UUID, GPU instance id or None for the whole GPU) -> attribution labels (for claims,
+#: ``agent.claims.attribution.claim_attribution`` makes them).
 Attribution = Mapping[tuple[str, int | None], Mapping[str, str]]
-
-
-def claim_attribution(records: Iterable[ClaimRecord]) -> dict[tuple[str, int | None],
-                                                               dict[str, str]]:
-    """Attribution labels of prepared claims: ``namespace``, ``pod``, ``container`` from the
-    claim's metadata when given, and ``claim_uid``. A device held by several claims gets the
-    oldest one's (records come oldest first)."""
-    found: dict[tuple[str, int | None], dict[str, str]] = {}
-    for record in records:
-        if record.state != "prepare_completed":
-            continue
-        labels = {k: record.metadata[k] for k in ("namespace", "pod", "container")
-                  if record.metadata.get(k)}
-        labels["claim_uid"] = record.uid
-        for device in record.devices:
-            key = (device.gpu, device.gi_id if device.kind == "mig" else None)
-            found.setdefault(key, labels)
-    return found
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from agent.errors import Conflict, InvalidRequest
+from agent.errors import InvalidRequest, SelectionUnsatisfiable
 from agent.topology.graph import TopologyGraph
 from agent.topology.search import Choice, choose
 
@@ -52,8 +52,8 @@ def select(graph: TopologyGraph, count: int, *, candidates: Sequence[int] | None
     blocked = [i for i in must if i in unavailable]
     if blocked:
         reasons = "; ".join(f"GPU {i}: {unavailable[i]}" for i in blocked)
-        raise Conflict(f"must_include names GPUs that cannot be chosen ({reasons})",
-                       gpus=blocked)
+        raise SelectionUnsatisfiable(
+            f"must_include names GPUs that cannot be chosen ({reasons})", gpus=blocked)
     if candidates is not None:
         outside = [i for i in must if i not in pool]
         if outside:
@@ -64,8 +64,9 @@ def select(graph: TopologyGraph, count: int, *, candidates: Sequence[int] | None
     usable = [i for i in pool if i not in unavailable]
     if count > len(usable):
         why = "; ".join(f"GPU {i}: {r}" for i, r in sorted(excluded.items()))
-        raise Conflict(f"{count} GPUs asked for but only {len(usable)} can be chosen"
-                       + (f" ({why})" if why else ""), available=usable, excluded=excluded)
+        raise SelectionUnsatisfiable(
+            f"{count} GPUs asked for but only {len(usable)} can be chosen"
+            + (f" ({why})" if why else ""), available=usable, excluded=excluded)
     position = {gpu: p for p, gpu in enumerate(usable)}
     weights = [[_units(graph.bandwidth[a][b]) if a != b else 0 for b in usable] for a in usable]
     numa = [graph.gpus[i].numa_node for i in usable]

@@ -94,6 +94,7 @@ async def test_not_ready_answers_503_problems(make_client: ClientMaker) -> None:
         reply = await client.get(path)
         assert reply.status == 503, path
         assert reply.content_type == "application/problem+json"
+        assert int(reply.headers["Retry-After"]) >= 1, path
 
 
 async def test_request_id_is_echoed_or_generated(make_client: ClientMaker) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from agent.api.problems import problem_of
 from agent.claims.service import DeviceRequest
 from agent.errors import AgentError
 from agent.mig.geometry import DesiredInstances, Geometry
@@ -48,7 +49,7 @@ async def _transition(old: tuple, new: tuple, fault: tuple[str, str, int, int]) 
             try:
                 state = await node.change(DesiredInstances(new))
             except AgentError as err:  # refused while planning: nothing may have changed
-                assert err.status != 500
+                assert problem_of(err).status != 500
                 state = None
             node.sim.clear_faults()
             after = _layout(await node.geometry())
@@ -88,7 +89,7 @@ async def _claim(layout: tuple, profile: str, fault: tuple[str, str, int, int]) 
             try:
                 record = await claims.prepare("c", [request], {})
             except AgentError as err:
-                assert err.status != 500
+                assert problem_of(err).status != 500
                 record = None
             node.sim.clear_faults()
             after = _layout(await node.geometry())

@@ -16,11 +16,12 @@ from aiohttp.test_utils import TestClient
 from agent.api.app import build_app
 from agent.api.auth import TokenStore
 from agent.api.context import AgentContext
+from agent.claims.attribution import claim_attribution
 from agent.claims.checkpoint import ClaimRecord, PreparedDevice
 from agent.gpu.backend import Backend
 from agent.gpu.sim.hardware import XID_FALLEN_OFF_THE_BUS
 from agent.gpu.xid import XidEvent
-from agent.metrics.collector import Collector, claim_attribution
+from agent.metrics.collector import Collector
 from agent.settings import resolve
 from agent.wiring import build_node
 from tests.metrics.conftest import Sim

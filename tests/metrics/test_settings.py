@@ -41,4 +41,4 @@ def test_bad_values_are_rejected_with_the_field(flags: dict[str, object], env: d
                                                 field: str) -> None:
     with pytest.raises(InvalidRequest) as raised:
         resolve(flags, env=env)
-    assert raised.value.extra["errors"][0]["field"] == field
+    assert raised.value.errors[0]["field"] == field

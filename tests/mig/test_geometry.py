@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from agent.api.problems import problem_of
 from agent.errors import GeometryNotPlaceable, InvalidRequest
 from agent.gpu.types import Placement
 from agent.mig.geometry import (
@@ -137,7 +138,7 @@ def test_validate_rejects_with_a_reason(geometry: Geometry, message: str) -> Non
     with pytest.raises(GeometryNotPlaceable) as err:
         geometry.validate(H100_80GB)
     assert err.value.detail == message
-    assert err.value.status == 422
+    assert problem_of(err.value).status == 422
 
 
 def test_validate_unknown_profile_is_invalid_request() -> None:

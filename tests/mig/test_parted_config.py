@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
+from agent.api.problems import problem_of
 from agent.errors import InvalidRequest
 from agent.gpu.types import Placement
 from agent.mig.geometry import (
@@ -275,9 +276,9 @@ def test_rejections_name_the_field(source: Any, field: str, reason: str) -> None
     its path in the config and say why."""
     with pytest.raises(InvalidRequest) as caught:
         parse_config(source)
-    errors = caught.value.extra["errors"]
+    errors = caught.value.errors
     assert any(e["field"] == field and reason in e["reason"] for e in errors), errors
-    assert caught.value.status == 422
+    assert problem_of(caught.value).status == 422
     assert field in caught.value.detail
 
 
@@ -288,7 +289,7 @@ def test_every_problem_is_listed_at_once() -> None:
         "b": []}}
     with pytest.raises(InvalidRequest) as caught:
         parse_config(source)
-    fields = {e["field"] for e in caught.value.extra["errors"]}
+    fields = {e["field"] for e in caught.value.errors}
     assert fields == {"mig-configs.a[0].devices", "mig-configs.a[1].mig-devices",
                       "mig-configs.a[1].colour", "mig-configs.b"}
 
@@ -387,7 +388,7 @@ def test_unknown_label_lists_the_known_ones() -> None:
     cfg = parse_config(REALISTIC)
     with pytest.raises(InvalidRequest) as caught:
         select(cfg, "all-3g.40gb", h100_node())
-    assert caught.value.extra["errors"][0]["field"] == "label"
+    assert caught.value.errors[0]["field"] == "label"
     for known in cfg.labels:
         assert known in caught.value.detail
 
@@ -406,7 +407,7 @@ def test_selection_rejections(entries: list[dict[str, Any]], field: str, reason:
     cfg = parse_config(config(*entries))
     with pytest.raises(InvalidRequest) as caught:
         select(cfg, "x", MIXED_NODE)
-    errors = caught.value.extra["errors"]
+    errors = caught.value.errors
     assert any(e["field"] == field and reason in e["reason"] for e in errors), errors
 
 
@@ -442,7 +443,7 @@ def test_check_profiles_names_gpu_profile_and_known_ones() -> None:
     }
     with pytest.raises(InvalidRequest) as caught:
         check_profiles(selection, {0: H100_80GB, 1: H100_80GB, 2: H100_80GB})
-    errors = caught.value.extra["errors"]
+    errors = caught.value.errors
     assert [(e["gpu"], e.get("profile")) for e in errors] == [
         (0, "1g.5gb"), (1, "1c.3g.40gb"), (2, "2g.10gb"), (3, None)]
     assert errors[0]["known"] == list(H100_80GB.names)
@@ -624,5 +625,5 @@ def test_non_string_keys_are_unknown_fields() -> None:
     source["mig-configs"]["x"][0][1] = 2
     with pytest.raises(InvalidRequest) as caught:
         parse_config(source)
-    assert {(e["field"], e["reason"].split(";")[0]) for e in caught.value.extra["errors"]} == {
+    assert {(e["field"], e["reason"].split(";")[0]) for e in caught.value.errors} == {
         ("mig-configs.x[0].1", "unknown field"), ("7", "unknown field")}

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from agent.api.problems import problem_of
 from agent.errors import GeometryNotPlaceable, InvalidRequest
 from agent.gpu.types import Placement
 from agent.mig.geometry import (
@@ -181,7 +182,7 @@ def test_impossible_geometry_says_why(desired: Desired, message: str) -> None:
     with pytest.raises(GeometryNotPlaceable) as err:
         plan(H100_80GB, geo("1g.10gb@0:1"), desired)
     assert err.value.detail == message
-    assert err.value.status == 422
+    assert problem_of(err.value).status == 422
 
 
 @pytest.mark.parametrize("desired", [

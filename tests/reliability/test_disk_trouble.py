@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from agent.api.problems import PROBLEM_CONTENT_TYPE, problem_middleware
+from agent.api.problems import PROBLEM_CONTENT_TYPE, problem_middleware, problem_of
 from agent.claims.checkpoint import decode
 from agent.durable import DurableMap, write_atomic
 from agent.errors import StorageUnavailable
@@ -71,7 +71,7 @@ def test_write_atomic_leaves_old_file_and_no_temp(tmp_path: Path, disk: Disk, er
     with pytest.raises(StorageUnavailable) as info:
         write_atomic(path, b"new" * 10_000)
     assert info.value.errno == error and isinstance(info.value, OSError)
-    assert info.value.status == 507 and errno.errorcode[error] in info.value.detail
+    assert problem_of(info.value).status == 507 and errno.errorcode[error] in info.value.detail
     assert path.read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.json"]
     disk.error = None

@@ -12,7 +12,7 @@ from typing import Any
 import pynvml
 
 from agent.durable import ExclusiveLock
-from agent.errors import Conflict, InvalidRequest, NotFound
+from agent.errors import Conflict, InvalidRequest, NotFound, ProcessesRunning
 from agent.gpu.sim import procfs, sysfs
 from agent.gpu.sim.faults import check_function
 from agent.gpu.sim.hardware import (
@@ -227,8 +227,8 @@ class SimulatedNode:
             gpu = self._whole_gpu(gpu_uuid)
             busy = [p.process.pid for p in hw.placed_processes(gpu)]
             if busy:
-                raise Conflict(f"GPU {gpu_uuid} is in use by processes {busy}; a reset needs "
-                               "an idle GPU", gpu=gpu_uuid, pids=busy)
+                raise ProcessesRunning(f"GPU {gpu_uuid} is in use by processes {busy}; a reset "
+                                       "needs an idle GPU", gpu=gpu_uuid, pids=busy)
             hw.reset(gpu)
             hw.commit()
 
@@ -239,8 +239,8 @@ class SimulatedNode:
         with hw.lock:
             busy = [p.pid for p in hw.state.processes]
             if busy and not kill_processes:
-                raise Conflict(f"processes {busy} hold the GPUs; the driver cannot be unloaded",
-                               pids=busy)
+                raise ProcessesRunning(
+                    f"processes {busy} hold the GPUs; the driver cannot be unloaded", pids=busy)
             hw.state.processes.clear()
             hw.reload_driver()
             hw.commit()

@@ -24,11 +24,17 @@ SCHEMA_VERSION = 1
 
 
 class SimulatorStateError(AgentError):
-    """The simulator's state file cannot be used (corrupt, or written by a newer version)."""
+    """The simulator's state file cannot be used (corrupt, or written by a newer version):
+    ``path`` is the file, ``kept_as`` where a corrupt one was moved aside."""
 
-    status = 500
-    type_name = "simulator-state"
-    title = "Simulator state unusable"
+    def __init__(self, detail: str, *, path: str | None = None,
+                 kept_as: str | None = None) -> None:
+        super().__init__(detail)
+        self.path = path
+        self.kept_as = kept_as
+
+    def _fields(self) -> dict[str, Any]:
+        return {"path": self.path, "kept_as": self.kept_as}
 
 
 # eq=False everywhere: instances are identified by identity (the NVML facade maps handles to

@@ -17,6 +17,7 @@ _MAX_BODY_BYTES = 4096
 
 
 def build_metrics_app(ctx: AgentContext) -> web.Application:
+    """The metrics listener's app: the API's own probe and exposition routes, nothing else."""
     app = web.Application(client_max_size=_MAX_BODY_BYTES,
                           middlewares=[request_middleware, problem_middleware])
     app[AGENT] = ctx
