@@ -65,7 +65,7 @@ async def _gpu(request: web.Request) -> tuple[AgentContext, MigService, Gpu]:
 
 async def clear_quarantine(request: web.Request) -> web.Response:
     _, service, gpu = await _gpu(request)
-    was = service.clear_quarantine(gpu, _who(request))
+    was = await service.clear_quarantine(gpu, _who(request))
     return json_response(QuarantineCleared(gpu=gpu.uuid, index=gpu.index, was=was))
 
 

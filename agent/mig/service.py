@@ -31,7 +31,7 @@ from agent.metrics.agent import AgentMetrics
 from agent.mig.catalog import catalog_of
 from agent.mig.executor import GpuMutator, steps_of
 from agent.mig.geometry import Desired, DesiredDisabled, DesiredInstances, Geometry, Plan
-from agent.mig.journal import JournalEntry, TransitionJournal, new_entry
+from agent.mig.journal import ALL_GPUS, JournalEntry, TransitionJournal, new_entry
 from agent.mig.planner import plan as make_plan
 from agent.mig.transition import (
     Blocker,
@@ -115,8 +115,10 @@ class MigService:
         self._reapply = reapply
         self.claims: ClaimHolders = claims or NoClaims()
         self.journal = TransitionJournal(state_dir / "mig" / "journal")
-        self.desired = DurableMap(state_dir / "mig" / "desired.json")
-        self.quarantine = DurableMap(state_dir / "mig" / "quarantine.json")
+        self.desired = DurableMap(state_dir / "mig" / "desired.json",
+                                  format="gpu-agent-mig-desired")
+        self.quarantine = DurableMap(state_dir / "mig" / "quarantine.json",
+                                     format="gpu-agent-mig-quarantine")
         self._planning: dict[str, asyncio.Lock] = {}
         self._active: dict[str, Transition] = {}
         self._history: OrderedDict[str, Transition] = OrderedDict()
@@ -220,7 +222,7 @@ class MigService:
             blockers = self._blockers(gpu, plan, processes)
             if dry_run or plan.empty:
                 if plan.empty and not dry_run:
-                    self._remember(gpu.uuid, plan.target())
+                    await self._remember(gpu.uuid, plan.target())
                 return Outcome(plan, None, blockers)
             if blockers and drain.policy == "fail":
                 raise Conflict(
@@ -279,9 +281,9 @@ class MigService:
         return Geometry(mig_enabled=geometry.mig_enabled, instances=tuple(
             i for i in geometry.instances if (i.profile, i.placement) not in dynamic))
 
-    def _remember(self, gpu: str, target: Geometry) -> None:
-        self.desired.set(gpu, {"geometry": self._static(gpu, target).to_dict(),
-                               "boot_id": boot_id(self._proc_root)})
+    async def _remember(self, gpu: str, target: Geometry) -> None:
+        await self.desired.set(gpu, {"geometry": self._static(gpu, target).to_dict(),
+                                     "boot_id": boot_id(self._proc_root)})
         self._clear_drift(gpu)
 
     async def _run(self, t: Transition, gpu: Gpu, current: Geometry, *,
@@ -316,7 +318,7 @@ class MigService:
                     final = TransitionState.SUCCEEDED
                 else:
                     final = TransitionState.PENDING_RESET
-                self._remember(gpu.uuid, t.plan.target())
+                await self._remember(gpu.uuid, t.plan.target())
             except Exception as err:  # the one failure exit: whatever went wrong, roll back
                 final = await self._roll_back(t, gpu, mutator, entry, err)
             await asyncio.to_thread(self.journal.close, gpu.uuid)
@@ -431,13 +433,13 @@ class MigService:
                 _restore, mutator, old, entry.old_ci_profiles))
             return TransitionState.ROLLED_BACK
         except Exception as failure:
-            self._quarantine(gpu.uuid, gpu.index, f"rollback of transition {t.id} failed: "
-                             f"{failure} (after: {err})")
+            await self._quarantine(gpu.uuid, gpu.index, f"rollback of transition {t.id} "
+                                   f"failed: {failure} (after: {err})")
             t.error = f"{err}; rollback failed: {failure}"
             return TransitionState.FAILED
 
-    def _quarantine(self, gpu: str, index: int, reason: str) -> None:
-        self.quarantine.set(gpu, {"reason": reason, "since": time.time()})
+    async def _quarantine(self, gpu: str, index: int, reason: str) -> None:
+        await self.quarantine.set(gpu, {"reason": reason, "since": time.time()})
         self._events.append(
             "mig.quarantined",
             f"GPU {index} quarantined: {reason}. Operator: compare 'nvidia-smi mig -lgi' with "
@@ -467,10 +469,13 @@ class MigService:
         hardware already shows the target, else roll back to the recorded old geometry."""
         entries, corrupt = await asyncio.to_thread(self.journal.open_entries)
         for bad in corrupt:
-            gpu = self._gpu_or_none(bad.gpu)
-            self._quarantine(bad.gpu, gpu.index if gpu else -1,
-                             f"journal entry unreadable ({bad.reason}), kept at {bad.kept_at}; "
-                             "the geometry may be half-changed")
+            # The journal directory itself was unreadable: any GPU may be half-changed.
+            suspects = ([g for g in self._inventory.gpus if g.static.mig_capable]
+                        if bad.gpu == ALL_GPUS else [self._gpu_or_none(bad.gpu)])
+            for gpu in suspects:
+                await self._quarantine(gpu.uuid if gpu else bad.gpu, gpu.index if gpu else -1,
+                                       f"journal entry unreadable ({bad.reason}), kept at "
+                                       f"{bad.kept_at}; the geometry may be half-changed")
         for entry in entries:
             await self._recover_entry(entry)
 
@@ -491,7 +496,7 @@ class MigService:
         mutator = self._mutator(gpu)
         problem = await self._session.mutate(gpu.uuid, partial(mutator.verify, plan.target()))
         if problem is None:
-            self._remember(gpu.uuid, plan.target())
+            await self._remember(gpu.uuid, plan.target())
             t.error = "finished at start-up: the hardware already showed the target"
             final = TransitionState.SUCCEEDED
         else:
@@ -504,13 +509,13 @@ class MigService:
 
     # -- operator remediation ---------------------------------------------------------------
 
-    def clear_quarantine(self, gpu: Gpu, who: str) -> str:
+    async def clear_quarantine(self, gpu: Gpu, who: str) -> str:
         """Lift the quarantine after an operator restored or cleared the layout by hand;
         returns the reason it was quarantined."""
         reason = self.quarantined(gpu.uuid)
         if reason is None:
             raise Conflict(f"GPU {gpu.index} is not quarantined", gpu=gpu.uuid)
-        self.quarantine.delete(gpu.uuid)
+        await self.quarantine.delete(gpu.uuid)
         self._events.append("mig.quarantine_cleared", f"GPU {gpu.index}: quarantine cleared by "
                             f"{who} (was: {reason})", severity=Severity.WARNING, gpu=gpu.uuid)
         return reason
@@ -526,9 +531,9 @@ class MigService:
         async with lock:
             entries, corrupt = await asyncio.to_thread(self.journal.open_entries)
             for bad in corrupt:
-                self._quarantine(bad.gpu, gpu.index if bad.gpu == gpu.uuid else -1,
-                                 f"journal entry unreadable ({bad.reason}), kept at "
-                                 f"{bad.kept_at}; the geometry may be half-changed")
+                await self._quarantine(bad.gpu, gpu.index if bad.gpu == gpu.uuid else -1,
+                                       f"journal entry unreadable ({bad.reason}), kept at "
+                                       f"{bad.kept_at}; the geometry may be half-changed")
             entry = next((e for e in entries if e.gpu == gpu.uuid), None)
             if entry is None:
                 raise NotFound(f"GPU {gpu.index} has no open journal entry: nothing to resolve "
@@ -546,7 +551,7 @@ class MigService:
                 if problem is not None:
                     raise Conflict(f"GPU {gpu.index} does not show the target of transition "
                                    f"{t.id}: {problem}; roll back instead", gpu=gpu.uuid)
-                self._remember(gpu.uuid, plan.target())
+                await self._remember(gpu.uuid, plan.target())
                 final = TransitionState.SUCCEEDED
             else:
                 final = await self._roll_back(t, gpu, mutator, entry,
