@@ -1,0 +1,117 @@
+"""A state path of the wrong type (issue 12, item 5) is the documented "unreadable" case, never
+a traceback: it is kept aside where it can be renamed, and the caller gets exactly the problem
+it gets for a corrupt file (``CheckpointCorrupt``, ``DurableMap.problem``, a corrupt journal
+entry, ``SimulatorStateError``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from agent.claims.checkpoint import CheckpointCorrupt, ClaimCheckpoint
+from agent.dra.generation import PoolGeneration
+from agent.durable import DurableMap
+from agent.events import EventLog
+from agent.gpu.inventory import GpuInventory
+from agent.gpu.session import NvmlSession
+from agent.gpu.sim.node import SimulatedNode
+from agent.metrics.agent import AgentMetrics
+from agent.mig.journal import ALL_GPUS, TransitionJournal
+from agent.mig.service import MigService
+from tests.agent_process import start_agent
+
+
+def _kept(path: Path) -> list[Path]:
+    return list(path.parent.glob(f"{path.name}.corrupt-*"))
+
+
+def test_checkpoint_path_that_is_a_directory_is_corrupt_and_kept_aside(tmp_path: Path) -> None:
+    path = tmp_path / "claims.checkpoint"
+    (path / "junk").mkdir(parents=True)
+    with pytest.raises(CheckpointCorrupt) as info:
+        ClaimCheckpoint(path, "boot").load()
+    assert "directory" in info.value.reason
+    assert info.value.kept_at in _kept(path) and (info.value.kept_at / "junk").is_dir()
+    assert ClaimCheckpoint(path, "boot").load() is None  # the path is free again
+
+
+@pytest.mark.parametrize("name", ["quarantine.json", "desired.json"])
+def test_durable_map_path_that_is_a_directory_is_a_problem(tmp_path: Path, name: str) -> None:
+    path = tmp_path / "mig" / name
+    path.mkdir(parents=True)
+    store = DurableMap(path, format=f"gpu-agent-mig-{path.stem}")
+    assert store.problem is not None and "directory" in store.problem
+    assert store.items() == [] and len(_kept(path)) == 1
+
+
+def test_pool_path_that_is_a_directory_restarts_above_any_earlier_generation(
+        tmp_path: Path) -> None:
+    path = tmp_path / "dra" / "pool.json"
+    path.mkdir(parents=True)
+    pool = PoolGeneration(path)
+    assert pool.problem is not None and "directory" in pool.problem
+    assert pool.generation >= int(time.time()) - 5
+
+
+def test_journal_directory_that_is_a_file_is_one_corrupt_entry_for_every_gpu(
+        tmp_path: Path) -> None:
+    directory = tmp_path / "mig" / "journal"
+    directory.parent.mkdir(parents=True)
+    directory.write_bytes(b"not a directory")
+    entries, corrupt = TransitionJournal(directory).open_entries()
+    assert entries == [] and [c.gpu for c in corrupt] == [ALL_GPUS]
+    assert corrupt[0].kept_at.read_bytes() == b"not a directory"
+    assert "not a directory" in corrupt[0].reason
+    assert TransitionJournal(directory).open_entries() == ([], [])  # moved out of the way
+
+
+@pytest.fixture
+async def mig(tmp_path: Path) -> AsyncIterator[MigService]:
+    sim = SimulatedNode("dgx-h100", tmp_path / "state", tmp_path / "proc")
+    session = NvmlSession(sim.nvml)
+    await session.initialise()
+    inventory = GpuInventory(session)
+    await inventory.load()
+    journal = tmp_path / "state" / "mig" / "journal"
+    journal.parent.mkdir(parents=True)
+    journal.write_bytes(b"")
+    service = MigService(session=session, inventory=inventory, events=EventLog(),
+                         metrics=AgentMetrics(), state_dir=tmp_path / "state",
+                         proc_root=tmp_path / "proc")
+    yield service
+    await service.close()
+    session.close()
+    sim.close()
+
+
+async def test_unreadable_journal_directory_quarantines_every_mig_capable_gpu(
+        mig: MigService) -> None:
+    """Which GPU had a transition in flight can no longer be known: all fail closed."""
+    await mig.recover()
+    uuids = [uuid for uuid, _ in mig.quarantine.items()]
+    assert len(uuids) == 8 and all(mig.quarantined(u) for u in uuids)
+    assert all("journal" in (mig.quarantined(u) or "") for u in uuids)
+
+
+def test_agent_starts_when_the_checkpoint_path_is_a_directory(tmp_path: Path) -> None:
+    """A real agent with a directory at claims.checkpoint starts (no traceback exit), keeps
+    the directory aside, and says in /readyz that the checkpoint is unreadable."""
+    state = tmp_path / "state"
+    (state / "claims.checkpoint" / "junk").mkdir(parents=True)
+    agent = start_agent(state, wait_ready=False)
+    try:
+        deadline = time.monotonic() + 30
+        ready = agent.request("GET", "/readyz", token=None)
+        while "unreadable" not in str(ready.body) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            ready = agent.request("GET", "/readyz", token=None)
+        assert ready.status == 503 and "directory" in ready.body["reason"], ready.body
+        assert agent.request("GET", "/v1/gpus", token=None).status == 200
+        assert len(_kept(state / "claims.checkpoint")) == 1
+        assert agent.proc.poll() is None
+        assert "Traceback" not in agent.log()
+    finally:
+        agent.stop()
