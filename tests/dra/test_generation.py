@@ -4,12 +4,16 @@ lowers it, and an unreadable record restarts above any earlier value."""
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from agent.dra.generation import PoolGeneration, fingerprint
+from agent.errors import StorageUnavailable
 
 from .conftest import MakeEnv
 
@@ -63,3 +67,38 @@ async def test_a_mig_change_raises_the_generation(make_env: MakeEnv) -> None:
     env.make_mig(0, [(19, 1)])
     second = (await env.slices.slices((1, 35)))[0]["spec"]["pool"]["generation"]
     assert second == first + 1
+
+
+async def test_a_new_generation_is_fsyncd_off_the_event_loop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GET /v1/resourceslices may raise the generation: its fsync runs in a worker thread."""
+    loop_thread = threading.get_ident()
+    threads: list[int] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        threads.append(threading.get_ident())
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    await PoolGeneration(tmp_path / "pool.json").for_content("x")
+    assert threads and loop_thread not in threads
+
+
+async def test_a_generation_that_cannot_be_written_is_never_handed_out(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a full disk the render fails (507) and the number is not used: after space returns
+    the same content gets the number a restart would also give it."""
+    pool = PoolGeneration(tmp_path / "pool.json")
+    assert await pool.for_content("a") == 1
+    real_fsync = os.fsync
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(StorageUnavailable):
+        await pool.for_content("b")
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert await PoolGeneration(tmp_path / "pool.json").for_content("a") == 1
+    assert await pool.for_content("b") == 2
