@@ -169,8 +169,9 @@ def decode_envelope(raw: bytes, kind: FileKind) -> Envelope:
 def read_durable(path: Path, kind: FileKind, parse: Callable[[Envelope], T]) -> T | None:
     """The one reader: ``parse(envelope)`` of the file at ``path``, or ``None`` when there is
     none. Anything that cannot be trusted — damage, another kind, a payload ``parse`` rejects
-    (:class:`ValueError`, :class:`KeyError`, :class:`TypeError`), a directory or other
-    non-file at ``path`` — is kept aside and raised as :class:`Unreadable`."""
+    (:class:`ValueError`, :class:`KeyError`, :class:`TypeError`), JSON nested too deep to
+    parse, a directory or other non-file at ``path`` — is kept aside and raised as
+    :class:`Unreadable`."""
     try:
         raw = _read_regular_file(path)
     except FileNotFoundError:
@@ -184,7 +185,7 @@ def read_durable(path: Path, kind: FileKind, parse: Callable[[Envelope], T]) -> 
                          "unreadable") from err
     try:
         return parse(decode_envelope(raw, kind))
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
+    except (ValueError, KeyError, TypeError, RecursionError) as err:
         suffix = "checksum" if "checksum" in str(err) else "unreadable"
         raise _unreadable(path, f"{type(err).__name__}: {str(err)[:300]}", suffix) from err
 

@@ -26,7 +26,7 @@ from agent.durable import (
     write_atomic,
     write_durable,
 )
-from agent.errors import StateLocked
+from agent.errors import AgentError, StateLocked
 
 
 def test_write_atomic_replaces_content_and_leaves_no_temp_file(tmp_path: Path) -> None:
@@ -249,3 +249,17 @@ async def test_durable_map_concurrent_and_cancelled_changes_all_land(tmp_path: P
     assert dmap.items() == [(f"k{i}", i) for i in range(8)]
     assert DurableMap(tmp_path / "m.json").items() == dmap.items()
 
+
+
+def test_deeply_nested_json_is_unreadable_not_a_crash(tmp_path: Path) -> None:
+    path = tmp_path / "state.json"
+    payload = b"[" * 100_000 + b"]" * 100_000
+    write_durable(path, KIND, payload)
+    with pytest.raises(Unreadable):
+        read_durable(path, KIND, lambda e: e.payload)
+
+
+def test_a_lock_path_that_is_a_directory_is_reported_not_a_traceback(tmp_path: Path) -> None:
+    (tmp_path / "agent.lock").mkdir()
+    with pytest.raises(AgentError, match="lock file"):
+        ExclusiveLock(tmp_path / "agent.lock").acquire()

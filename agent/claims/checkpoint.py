@@ -112,7 +112,7 @@ def _parse(envelope: Envelope) -> tuple[CheckpointData, bytes | None]:
         data = CheckpointData.model_validate(envelope.payload)
     except ValidationError as err:
         raise ValueError(f"payload does not parse: {err.errors()[0]['msg']}") from err
-    if max(data.schema_version, envelope.version) > SCHEMA_VERSION:
+    if data.schema_version > SCHEMA_VERSION >= envelope.version:  # else the envelope said so
         log.warning("checkpoint written by a newer agent; unknown fields are ignored",
                     extra={"schema_version": data.schema_version})
     same = (envelope.version == SCHEMA_VERSION and envelope.payload_bytes is not None
