@@ -23,7 +23,7 @@ from agent.api.auth import TokenStore, generate_token_file
 from agent.api.context import AgentContext
 from agent.api.metrics_app import build_metrics_app
 from agent.durable import ExclusiveLock, write_atomic
-from agent.errors import AgentError, NvmlError
+from agent.errors import AgentError, NvmlError, StorageUnavailable
 from agent.events import Severity
 from agent.gpu import backend as gpu_backend
 from agent.gpu.backend import Backend
@@ -97,18 +97,32 @@ async def _start_sites(runner: web.AppRunner, listeners: tuple[Listener, ...], *
     return bound
 
 
+async def _write_listeners(path: Path, doc: dict[str, object]) -> None:
+    """Best effort (a full state directory must not stop the agent from serving reads): the
+    file only tells tools where the agent listens. In a thread: it fsyncs."""
+    try:
+        await asyncio.to_thread(write_atomic, path, json.dumps(doc).encode())
+    except StorageUnavailable as err:
+        log.warning("listeners.json not written; serving anyway", extra={"error": err.detail})
+
+
 async def _become_ready(node: Node) -> None:
     """Start the node, retrying with backoff while the driver is not there yet; the agent
     stays up (and unready) meanwhile instead of crash-looping."""
 
     def before_sleep(state: RetryCallState) -> None:
         err = state.outcome.exception() if state.outcome else None
-        reason = f"NVML not available: {err} (attempt {state.attempt_number}, retrying)"
+        what = ("recovery needs a write it cannot make" if isinstance(err, StorageUnavailable)
+                else "NVML not available")
+        said = err.detail if isinstance(err, AgentError) else err
+        reason = f"{what}: {said} (attempt {state.attempt_number}, retrying)"
         node.readiness.set(reason)
-        log.warning("nvml not available", extra={"attempt": state.attempt_number,
-                                                  "error": str(err)})
+        log.warning(what, extra={"attempt": state.attempt_number, "error": str(err)})
 
-    async for attempt in AsyncRetrying(retry=retry_if_exception_type(NvmlError),
+    # A full state directory is retried like a missing driver: the agent stays up, serving
+    # what needs no reconciliation, and /readyz says which write recovery is waiting for.
+    retry = retry_if_exception_type((NvmlError, StorageUnavailable))
+    async for attempt in AsyncRetrying(retry=retry,
                                        wait=wait_exponential_jitter(multiplier=0.5, max=30),
                                        before_sleep=before_sleep, reraise=True):
         with attempt:
@@ -163,9 +177,8 @@ async def _serve(node: Node) -> int:
                                    socket_group=settings.socket_group)
         metrics_bound = (await _start_sites(metrics_runner, (settings.metrics_listen,))
                          if metrics_runner is not None and settings.metrics_listen else [])
-        write_atomic(settings.state_dir / "listeners.json",
-                     json.dumps({"pid": os.getpid(), "listeners": bound,
-                                 "metrics": metrics_bound}).encode())
+        await _write_listeners(settings.state_dir / "listeners.json",
+                               {"pid": os.getpid(), "listeners": bound, "metrics": metrics_bound})
         log.info("listening", extra={"listeners": ",".join(bound), "backend": node.backend.name,
                                      "state_dir": str(settings.state_dir),
                                      "version": agent.__version__})

@@ -1,9 +1,11 @@
 """The claims checkpoint: who owns what, the one source of truth for prepared claims.
 
-One file, replaced atomically (temp, fsync, rename, fsync dir). Its first line carries a
-SHA-256 over the payload bytes *as written*, so a newer agent adding fields never makes an
-older one see a checksum mismatch on re-marshalling (dra-driver #1080). Readers ignore unknown
-fields. A file that fails the check is moved aside and reported; it is never silently replaced.
+One file in the durable envelope (:mod:`agent.durable`: a header line with the format,
+version and a SHA-256 over the payload bytes *as written*, then the payload), replaced
+atomically (temp, fsync, rename, fsync dir). Readers ignore unknown fields. A file that fails
+the check, or a path that is not a file, is moved aside and reported; it is never silently
+replaced. Downgrade: an agent from before the envelope reads it unchanged (the envelope is
+its own format generalised; it ignores the header's ``version``).
 
 Writes are group-committed: concurrent callers of :meth:`ClaimCheckpoint.commit` share one
 write that covers all of their changes, and each returns only once its change is durable.
@@ -12,8 +14,6 @@ write that covers all of their changes, and each returns only once its change is
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -23,11 +23,19 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from agent.durable import keep_aside, write_atomic
+from agent.durable import (
+    Envelope,
+    FileKind,
+    Unreadable,
+    decode_envelope,
+    encode_envelope,
+    read_durable,
+    write_atomic,
+)
 
 log = logging.getLogger("agent.claims.checkpoint")
 SCHEMA_VERSION = 1
-_MAGIC = "gpu-agent-claims-checkpoint"
+KIND = FileKind("gpu-agent-claims-checkpoint", SCHEMA_VERSION)
 
 ClaimState = Literal["prepare_started", "prepare_completed", "unprepare_started", "lost"]
 
@@ -83,41 +91,40 @@ class CheckpointData(_Record):
 
 
 class CheckpointCorrupt(Exception):
-    """The checkpoint failed its check; it was moved to ``kept_at``."""
+    """The checkpoint failed its check, or its path is not a file; it was moved to
+    ``kept_at`` (the path itself when it could not be moved: ``reason`` says so)."""
 
     def __init__(self, kept_at: Path, reason: str) -> None:
-        super().__init__(f"claims checkpoint unreadable ({reason}); kept aside as {kept_at}")
+        super().__init__(f"claims checkpoint unreadable ({reason}); kept aside as {kept_at}"
+                         if ".corrupt-" in kept_at.name else
+                         f"claims checkpoint {kept_at} unreadable ({reason})")
         self.kept_at = kept_at
         self.reason = reason
 
 
 def encode(data: CheckpointData) -> bytes:
-    payload = data.model_dump_json().encode()
-    header = json.dumps({"format": _MAGIC, "sha256": hashlib.sha256(payload).hexdigest()})
-    return header.encode() + b"\n" + payload
+    """The file's bytes (compact JSON: a third of the bytes to hash and fsync per commit)."""
+    return encode_envelope(KIND, data.model_dump_json().encode())
+
+
+def _parse(envelope: Envelope) -> tuple[CheckpointData, bytes | None]:
+    """The data, and the file's bytes when re-encoding it gives exactly those (then a commit
+    with nothing changed needs no write: a start-up on a full disk)."""
+    try:
+        data = CheckpointData.model_validate(envelope.payload)
+    except ValidationError as err:
+        raise ValueError(f"payload does not parse: {err.errors()[0]['msg']}") from err
+    if data.schema_version > SCHEMA_VERSION >= envelope.version:  # else the envelope said so
+        log.warning("checkpoint written by a newer agent; unknown fields are ignored",
+                    extra={"schema_version": data.schema_version})
+    same = (envelope.version == SCHEMA_VERSION and envelope.payload_bytes is not None
+            and data.model_dump_json().encode() == envelope.payload_bytes)
+    return data, encode(data) if same else None
 
 
 def decode(raw: bytes) -> CheckpointData:
     """Parse and verify; :class:`ValueError` says what is wrong."""
-    header_line, sep, payload = raw.partition(b"\n")
-    if not sep:
-        raise ValueError("no header line")
-    try:
-        header = json.loads(header_line)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"header is not JSON: {err}") from err
-    if not isinstance(header, dict) or header.get("format") != _MAGIC:
-        raise ValueError("not a gpu-agent claims checkpoint")
-    if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
-        raise ValueError("checksum mismatch")
-    try:
-        data = CheckpointData.model_validate_json(payload)
-    except ValidationError as err:
-        raise ValueError(f"payload does not parse: {err.errors()[0]['msg']}") from err
-    if data.schema_version > SCHEMA_VERSION:
-        log.warning("checkpoint written by a newer agent; unknown fields are ignored",
-                    extra={"schema_version": data.schema_version})
-    return data
+    return _parse(decode_envelope(raw, KIND))[0]
 
 
 class ClaimCheckpoint:
@@ -132,22 +139,20 @@ class ClaimCheckpoint:
         self._version = 0
         self._durable = 0
         self._writing: asyncio.Future[None] | None = None
+        self._on_disk: bytes | None = None  # what the file holds, when known
 
     def load(self) -> str | None:
         """Read the file. Returns the previous boot id when the node rebooted since it was
         written (the caller marks those claims lost); raises :class:`CheckpointCorrupt`."""
         try:
-            raw = self.path.read_bytes()
-        except FileNotFoundError:
+            loaded = read_durable(self.path, KIND, _parse)
+        except Unreadable as err:
+            log.error("claims checkpoint unreadable",
+                      extra={"kept_at": str(err.kept_at), "error": err.reason})
+            raise CheckpointCorrupt(err.kept_at or self.path, err.reason) from err
+        if loaded is None:
             return None
-        try:
-            data = decode(raw)
-        except (ValueError, UnicodeDecodeError) as err:
-            reason = "checksum" if "checksum" in str(err) else "unreadable"
-            kept = keep_aside(self.path, reason)
-            log.error("claims checkpoint corrupt, kept aside",
-                      extra={"kept_at": str(kept), "error": str(err)})
-            raise CheckpointCorrupt(kept, str(err)) from err
+        data, self._on_disk = loaded
         previous = data.boot_id if data.boot_id != self.data.boot_id else None
         if previous is not None:
             data.boot_id = self.data.boot_id
@@ -181,16 +186,24 @@ class ClaimCheckpoint:
     def _start_write(self) -> asyncio.Future[None]:
         version = self._version
         data = encode(self.data)
-        writing = asyncio.get_running_loop().run_in_executor(
-            None, partial(write_atomic, self.path, data, mode=0o600))
+        loop = asyncio.get_running_loop()
+        if data == self._on_disk:  # nothing changed since the file was written or read
+            self._durable = max(self._durable, version)
+            done: asyncio.Future[None] = loop.create_future()
+            done.set_result(None)
+            self._writing = done
+            return done
+        writing = loop.run_in_executor(None, partial(write_atomic, self.path, data, mode=0o600))
         # Registered before any waiter's wake-up, so it runs first: waiters see _durable moved.
-        writing.add_done_callback(partial(self._written, version))
+        writing.add_done_callback(partial(self._written, version, data))
         self._writing = writing
         return writing
 
-    def _written(self, version: int, writing: asyncio.Future[None]) -> None:
+    def _written(self, version: int, data: bytes, writing: asyncio.Future[None]) -> None:
         if writing.cancelled() or writing.exception() is not None:
+            self._on_disk = None  # unknown now: a failed replace may or may not have landed
             return  # the waiters get the error
+        self._on_disk = data
         self.fsyncs += 1
         if self._on_write is not None:
             self._on_write()

@@ -56,7 +56,7 @@ class SliceService:
         facts = self.facts()
         driver = self._inventory.driver
         content = render(facts, driver, self._options((1, 35), generation=0))
-        generation = self.generation.for_content(fingerprint(content))
+        generation = await self.generation.for_content(fingerprint(content))
         slices = render(facts, driver, self._options(kubernetes, generation=generation))
         problems = rules.check(slices, kubernetes)
         if problems:

@@ -111,7 +111,7 @@ class NodeLedger:
         self._events = events
         self._xid_reasons = xid_reasons
         self._lost_reason = lost_reason
-        self._quarantine = DurableMap(quarantine_path)
+        self._quarantine = DurableMap(quarantine_path, format="gpu-agent-mig-quarantine")
         self._gpus: dict[str, GpuLedger] = {}
         #: Why nobody can know who holds what (the claims checkpoint is unusable): every
         #: change that could destroy a held device is refused meanwhile.
@@ -168,6 +168,8 @@ class NodeLedger:
         """Register ``hold`` (``name`` is how the caller named the device, for the message),
         or raise :class:`DeviceBusy` naming the holders in the way."""
         entry = self.gpu(hold.key.gpu)
+        if hold in entry.holds:
+            return  # taken already (a start-up retried from the beginning)
         blocking = [h for h in entry.holds if not hold.compatible(h)]
         if not blocking and hold.shares:
             blocking = self._over_capacity(entry, hold, capacity or {})
@@ -324,8 +326,7 @@ class NodeLedger:
         with ``durable_best_effort``, or the error is raised after marking)."""
         self.gpu(gpu).quarantine = reason
         try:
-            await asyncio.to_thread(self._quarantine.set, gpu,
-                                    {"reason": reason, "since": time.time()})
+            await self._quarantine.set(gpu, {"reason": reason, "since": time.time()})
         except OSError:
             if not durable_best_effort:
                 raise
@@ -335,7 +336,7 @@ class NodeLedger:
         entry = self.gpu(gpu)
         if entry.quarantine is None:
             raise Conflict(f"GPU {entry.index} is not quarantined", gpu=gpu)
-        await asyncio.to_thread(self._quarantine.delete, gpu)
+        await self._quarantine.delete(gpu)
         reason, entry.quarantine = entry.quarantine, None
         return reason
 

@@ -49,7 +49,7 @@ from agent.mig.geometry import (
     Instance,
     Plan,
 )
-from agent.mig.journal import JournalEntry, TransitionJournal, new_entry
+from agent.mig.journal import ALL_GPUS, JournalEntry, TransitionJournal, new_entry
 from agent.mig.planner import plan as make_plan
 from agent.mig.transition import (
     Blocker,
@@ -105,7 +105,8 @@ class MigService:
         self._reapply = reapply
         self.ledger = ledger
         self.journal = journal
-        self.desired = DurableMap(state_dir / "mig" / "desired.json")
+        self.desired = DurableMap(state_dir / "mig" / "desired.json",
+                                  format="gpu-agent-mig-desired")
         self._active: dict[str, Transition] = {}
         self._history: OrderedDict[str, Transition] = OrderedDict()
         self._drift: dict[str, str] = {}
@@ -286,9 +287,8 @@ class MigService:
             i for i in geometry.instances if (i.profile, i.placement) not in dynamic))
 
     async def _remember(self, gpu: str, target: Geometry) -> None:
-        await asyncio.to_thread(self.desired.set, gpu, {
-            "geometry": self._static(gpu, target).to_dict(),
-            "boot_id": boot_id(self._proc_root)})
+        await self.desired.set(gpu, {"geometry": self._static(gpu, target).to_dict(),
+                                     "boot_id": boot_id(self._proc_root)})
         self._clear_drift(gpu)
 
     async def _run(self, t: Transition, gpu: Gpu, current: Geometry, *,
@@ -486,10 +486,13 @@ class MigService:
         hardware already shows the target, else roll back to the recorded old geometry."""
         entries, corrupt = await asyncio.to_thread(self.journal.open_entries)
         for bad in corrupt:
-            gpu = self._gpu_or_none(bad.gpu)
-            await self._quarantine(bad.gpu, gpu.index if gpu else -1,
-                                   f"journal entry unreadable ({bad.reason}), kept at "
-                                   f"{bad.kept_at}; the geometry may be half-changed")
+            # The journal directory itself was unreadable: any GPU may be half-changed.
+            suspects = ([g for g in self._inventory.gpus if g.static.mig_capable]
+                        if bad.gpu == ALL_GPUS else [self._gpu_or_none(bad.gpu)])
+            for gpu in suspects:
+                await self._quarantine(gpu.uuid if gpu else bad.gpu, gpu.index if gpu else -1,
+                                       f"journal entry unreadable ({bad.reason}), kept at "
+                                       f"{bad.kept_at}; the geometry may be half-changed")
         for entry in entries:
             await self.ledger.begin_transition(entry.gpu)
             changed = False

@@ -41,3 +41,33 @@ def test_pruning_stops_at_the_first_unexpired(tmp_path: Path) -> None:
     checkpoint.data.tombstones.update({"fresh": now, "stale": now - 1000})
     checkpoint.prune_tombstones(100.0)
     assert list(checkpoint.data.tombstones) == ["fresh", "stale"]
+
+
+async def test_a_commit_with_nothing_changed_writes_nothing(tmp_path: Path) -> None:
+    """Reloading and committing an unchanged checkpoint needs no write (so a restart on a
+    full disk can finish reconciliation); any change is written."""
+    path = tmp_path / "claims.checkpoint"
+    first = ClaimCheckpoint(path, "boot")
+    first.tombstone("a")
+    await first.commit()
+    inode = path.stat().st_ino
+    again = ClaimCheckpoint(path, "boot")
+    assert again.load() is None
+    await again.commit()
+    assert again.fsyncs == 0 and path.stat().st_ino == inode
+    again.tombstone("b")
+    await again.commit()
+    assert again.fsyncs == 1 and path.stat().st_ino != inode
+    reread = ClaimCheckpoint(path, "boot")
+    reread.load()
+    assert list(reread.data.tombstones) == ["a", "b"]
+
+
+async def test_a_new_boot_is_always_written(tmp_path: Path) -> None:
+    """After a reboot the loaded checkpoint is rewritten with the new boot id."""
+    path = tmp_path / "claims.checkpoint"
+    await ClaimCheckpoint(path, "boot-1").commit()
+    after = ClaimCheckpoint(path, "boot-2")
+    assert after.load() == "boot-1"
+    await after.commit()
+    assert after.fsyncs == 1

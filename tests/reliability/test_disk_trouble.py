@@ -80,15 +80,15 @@ def test_write_atomic_leaves_old_file_and_no_temp(tmp_path: Path, disk: Disk, er
 
 
 @pytest.mark.parametrize("error", TROUBLE, ids=["ENOSPC", "EROFS"])
-def test_durable_map_change_not_kept_when_not_durable(tmp_path: Path, disk: Disk,
-                                                      error: int) -> None:
+async def test_durable_map_change_not_kept_when_not_durable(tmp_path: Path, disk: Disk,
+                                                            error: int) -> None:
     dmap = DurableMap(tmp_path / "m.json")
-    dmap.set("a", 1)
+    await dmap.set("a", 1)
     disk.error = error
     with pytest.raises(StorageUnavailable):
-        dmap.set("b", 2)
+        await dmap.set("b", 2)
     with pytest.raises(StorageUnavailable):
-        dmap.delete("a")
+        await dmap.delete("a")
     disk.error = None
     assert DurableMap(tmp_path / "m.json").items() == [("a", 1)]
     assert dmap.items() == [("a", 1)]  # memory agrees with disk: nothing unacknowledged kept

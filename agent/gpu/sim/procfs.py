@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agent.durable import write_atomic
+from agent.durable import write_if_changed
 
 MIG_MINORS = "driver/nvidia-caps/mig-minors"
 DEVICES = "devices"
@@ -70,9 +70,9 @@ def devices_text(*, nvswitch: bool) -> str:
 
 def write_static(proc_root: Path, *, gpu_count: int, nvswitch: bool) -> None:
     """Write the files that only change with the hardware (MIG minors, device majors)."""
-    write_atomic(proc_root / MIG_MINORS, mig_minors_text(gpu_count).encode())
-    write_atomic(proc_root / DEVICES, devices_text(nvswitch=nvswitch).encode())
+    write_if_changed(proc_root / MIG_MINORS, mig_minors_text(gpu_count).encode())
+    write_if_changed(proc_root / DEVICES, devices_text(nvswitch=nvswitch).encode())
 
 
 def write_boot_id(proc_root: Path, boot_id: str) -> None:
-    write_atomic(proc_root / BOOT_ID, f"{boot_id}\n".encode())
+    write_if_changed(proc_root / BOOT_ID, f"{boot_id}\n".encode())

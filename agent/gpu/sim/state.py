@@ -3,11 +3,15 @@
 What survives a restart of the agent (and of the simulator with it) is what survives one on a
 real node: GPUs, MIG modes, GPU and compute instances, running processes, lost GPUs. Faults,
 latencies and call counters are runtime-only and live elsewhere.
+
+The file is a durable envelope (:mod:`agent.durable`); files from before it (one JSON
+document with an optional ``sha256``) are still read. Downgrade: a simulator from before the
+envelope refuses the file once and keeps it aside; its next start makes a fresh node.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import secrets
 import time
 import uuid
@@ -15,12 +19,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from agent.durable import document_digest, keep_aside, write_atomic
+from agent.durable import (
+    Envelope,
+    FileKind,
+    Unreadable,
+    document_digest,
+    dump_payload,
+    keep_aside,
+    read_durable,
+    write_durable,
+)
 from agent.errors import AgentError, InvalidRequest
 from agent.gpu.sim.naming import gpu_uuid
 from agent.gpu.sim.presets import Preset
 
 SCHEMA_VERSION = 1
+log = logging.getLogger("agent.gpu.sim")
 
 
 class SimulatorStateError(AgentError):
@@ -189,6 +203,30 @@ def check_consistent(state: HardwareState, preset: Preset) -> None:
             raise ValueError(f"process {process.pid} on unknown device {process.device_uuid}")
 
 
+def _legacy_state(document: Any) -> Any:
+    """A state file from before the envelope: the document with an optional ``sha256``."""
+    if not isinstance(document, dict):
+        raise ValueError("not a JSON object")
+    if "sha256" in document and document["sha256"] != document_digest(document):
+        raise ValueError("checksum mismatch")
+    return {k: v for k, v in document.items() if k != "sha256"}
+
+
+KIND = FileKind("gpu-agent-sim-hardware", SCHEMA_VERSION, legacy=_legacy_state)
+
+
+def _parse(envelope: Envelope) -> HardwareState:
+    data = envelope.payload
+    if not isinstance(data, dict) or not isinstance(data.get("schema_version"), int):
+        raise ValueError("not a JSON object with a schema_version")
+    if data["schema_version"] > SCHEMA_VERSION:
+        # Read, not refused: a newer simulator only adds fields (the payload parser ignores
+        # them), so going back a version keeps the node's GPUs and instances.
+        log.warning("simulator state written by a newer version; unknown fields ignored",
+                    extra={"schema_version": data["schema_version"], "reads": SCHEMA_VERSION})
+    return HardwareState.from_json(data)
+
+
 class StateFile:
     """``hardware.json``: read once at start, replaced atomically after every change."""
 
@@ -196,31 +234,15 @@ class StateFile:
         self.path = path
 
     def load(self, preset: Preset) -> HardwareState | None:
-        """The saved state, or None if there is none yet. A file that cannot be parsed or
-        does not fit the preset's hardware is kept aside and reported, never started over."""
+        """The saved state, or None if there is none yet. A file that cannot be parsed, a
+        path that is not a file, or a state that does not fit the preset's hardware is kept
+        aside and reported, never started over."""
         try:
-            raw = self.path.read_bytes()
-        except FileNotFoundError:
+            state = read_durable(self.path, KIND, _parse)
+        except Unreadable as err:
+            self._corrupt(err.reason, err.kept_at, err)
+        if state is None:
             return None
-        try:
-            data = json.loads(raw)
-            if not isinstance(data, dict) or not isinstance(data.get("schema_version"), int):
-                raise ValueError("not a JSON object with a schema_version")
-        except ValueError as err:
-            self._corrupt(err)
-        if data["schema_version"] > SCHEMA_VERSION:
-            raise SimulatorStateError(
-                f"{self.path} has schema version {data['schema_version']}; this simulator "
-                f"reads up to {SCHEMA_VERSION}. Use a newer gpu-agent or another state "
-                "directory.", path=str(self.path))
-        try:
-            # Files from before the checksum have none (checked after the version: a newer
-            # simulator's file is refused as such, never kept aside).
-            if "sha256" in data and data["sha256"] != document_digest(data):
-                raise ValueError("checksum mismatch")
-            state = HardwareState.from_json(data)
-        except (KeyError, TypeError, ValueError) as err:
-            self._corrupt(err)
         if state.preset != preset.name:
             raise InvalidRequest(
                 f"state directory {self.path.parent.parent} holds a simulated {state.preset!r} "
@@ -230,18 +252,22 @@ class StateFile:
         try:
             check_consistent(state, preset)
         except ValueError as err:
-            self._corrupt(err)
+            try:
+                kept: Path | None = keep_aside(self.path, "unreadable")
+            except OSError:
+                kept = None
+            self._corrupt(f"ValueError: {err}", kept, err)
         return state
 
     def save(self, state: HardwareState) -> None:
-        doc = state.to_json()
-        doc["sha256"] = document_digest(doc)
-        data = json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n"
-        write_atomic(self.path, data)
+        """Replace the file durably (blocks on fsync; the simulator's NVML calls run in the
+        session's threads)."""
+        write_durable(self.path, KIND, dump_payload(state.to_json()) + b"\n")
 
-    def _corrupt(self, err: Exception) -> NoReturn:
-        kept = keep_aside(self.path, "unparseable")
+    def _corrupt(self, reason: str, kept: Path | None, err: Exception) -> NoReturn:
+        where = (f"it was kept aside as {kept.name}. Inspect it, then remove it"
+                 if kept is not None else "it could not be moved aside. Move it away")
         raise SimulatorStateError(
-            f"simulator state {self.path} is unusable ({type(err).__name__}: {err}); it was "
-            f"kept aside as {kept.name}. Inspect it, then remove it to start a fresh simulated "
-            "node (new GPU UUIDs).", path=str(self.path), kept_as=str(kept)) from err
+            f"simulator state {self.path} is unusable ({reason}); {where} to start a fresh "
+            "simulated node (new GPU UUIDs).", path=str(self.path),
+            kept_as=str(kept) if kept else None) from err

@@ -3,7 +3,6 @@ faulted call changes nothing; CRASH kills the process at that call with the stat
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import textwrap
@@ -13,8 +12,10 @@ from pathlib import Path
 import pynvml
 import pytest
 
+from agent.durable import decode_envelope
 from agent.errors import InvalidRequest
 from agent.gpu.sim.node import SimulatedNode
+from agent.gpu.sim.state import KIND
 
 from .conftest import create_gi, enable_mig, nvml_code
 
@@ -153,7 +154,7 @@ def test_crash_fault_kills_the_process_before_the_effect(tmp_path: Path) -> None
                             timeout=60, check=False, cwd=Path(__file__).parents[3])
     assert result.returncode == -9, result.stderr
     assert "not reached" not in result.stdout
-    saved = json.loads((tmp_path / "state/sim/hardware.json").read_text())
+    saved = decode_envelope((tmp_path / "state/sim/hardware.json").read_bytes(), KIND).payload
     assert [gi["start"] for gi in saved["gpus"][0]["gpu_instances"]] == [0]
     with SimulatedNode("dgx-h100", tmp_path / "state", tmp_path / "proc") as node:
         node.nvml.nvmlInit()

@@ -10,12 +10,17 @@ from typing import Any
 import pynvml
 import pytest
 
-from agent.durable import document_digest
+from agent.durable import FileKind, decode_envelope, encode_envelope
 from agent.errors import InvalidRequest, StateLocked
 from agent.gpu.sim.node import SimulatedNode
-from agent.gpu.sim.state import SCHEMA_VERSION, SimulatorStateError
+from agent.gpu.sim.state import KIND, SCHEMA_VERSION, SimulatorStateError
 
 from .conftest import create_gi, enable_mig
+
+
+def _saved(path: Path) -> Any:
+    """The state document as written (inside its durable envelope)."""
+    return decode_envelope(path.read_bytes(), KIND).payload
 
 
 def _snapshot(node: SimulatedNode) -> dict[str, Any]:
@@ -78,7 +83,7 @@ def test_state_file_is_written_before_the_call_returns(tmp_path: Path) -> None:
     with SimulatedNode("dgx-a100", tmp_path / "state", tmp_path / "proc") as node:
         node.nvml.nvmlInit()
         create_gi(node, enable_mig(node), 9, (0, 4))
-        saved = json.loads((tmp_path / "state/sim/hardware.json").read_text())
+        saved = _saved(tmp_path / "state/sim/hardware.json")
         assert saved["schema_version"] == SCHEMA_VERSION
         assert saved["gpus"][0]["gpu_instances"][0]["profile_id"] == 9
         assert saved["gpus"][0]["mig_current"] == 1
@@ -118,27 +123,46 @@ def test_corrupt_state_is_kept_aside(tmp_path: Path, content: bytes) -> None:
     assert kept[0].name in excinfo.value.detail
 
 
-def test_newer_schema_is_refused_without_moving_the_file(tmp_path: Path) -> None:
-    """A state file from a newer simulator is an error but stays where it is."""
+def test_newer_schema_is_read(tmp_path: Path) -> None:
+    """A state file from a newer simulator (higher version, unknown fields) is read, not
+    refused: going back a version keeps the node."""
+    state_file = tmp_path / "state/sim/hardware.json"
+    node = SimulatedNode("dgx-h100", tmp_path / "state", tmp_path / "proc")
+    uuids = node.gpu_uuids()
+    node.close()
+    data = _saved(state_file)
+    data["schema_version"] = SCHEMA_VERSION + 1
+    data["future"] = {"x": 1}
+    newer = FileKind(KIND.format, SCHEMA_VERSION + 1)
+    state_file.write_bytes(encode_envelope(newer, json.dumps(data).encode()))
+    with SimulatedNode("dgx-h100", tmp_path / "state", tmp_path / "proc") as again:
+        assert again.gpu_uuids() == uuids
+    assert not list(state_file.parent.glob("hardware.json.corrupt-*"))
+
+
+def test_state_directory_where_the_file_belongs_is_kept_aside(tmp_path: Path) -> None:
+    """A directory at hardware.json is the documented unreadable case: kept aside, reported
+    as SimulatorStateError naming where it went (never a traceback of another kind)."""
     state_file = tmp_path / "state/sim/hardware.json"
     SimulatedNode("dgx-h100", tmp_path / "state", tmp_path / "proc").close()
-    data = json.loads(state_file.read_text())
-    data["schema_version"] = SCHEMA_VERSION + 1
-    state_file.write_text(json.dumps(data))
-    with pytest.raises(SimulatorStateError):
+    state_file.unlink()
+    (state_file / "inner").mkdir(parents=True)
+    with pytest.raises(SimulatorStateError) as excinfo:
         SimulatedNode("dgx-h100", tmp_path / "state", tmp_path / "proc")
-    assert state_file.exists()
+    kept = list(state_file.parent.glob("hardware.json.corrupt-*"))
+    assert len(kept) == 1 and (kept[0] / "inner").is_dir()
+    assert "directory" in excinfo.value.detail and kept[0].name in excinfo.value.detail
+    SimulatedNode("dgx-h100", tmp_path / "state", tmp_path / "proc").close()  # starts fresh
 
 
 def test_unknown_fields_are_tolerated(tmp_path: Path) -> None:
     """Fields a newer writer added (same schema) are ignored on load."""
     state_file = tmp_path / "state/sim/hardware.json"
     SimulatedNode("dgx-h100", tmp_path / "state", tmp_path / "proc").close()
-    data = json.loads(state_file.read_text())
+    data = _saved(state_file)
     data["future"] = {"x": 1}
     data["gpus"][0]["also_future"] = True
-    data["sha256"] = document_digest(data)  # a newer writer checksums what it writes
-    state_file.write_text(json.dumps(data))
+    state_file.write_bytes(encode_envelope(KIND, json.dumps(data).encode()))
     SimulatedNode("dgx-h100", tmp_path / "state", tmp_path / "proc").close()
 
 
