@@ -612,7 +612,7 @@ class MigService:
                                                  for i in want.instances))
                 try:
                     await self.request(gpu, desired, DrainPolicy("fail"), explicit_mode=True)
-                except (Conflict, GeometryNotPlaceable) as err:
+                except (Conflict, GeometryNotPlaceable, CheckpointUnusable) as err:
                     self._set_drift(gpu, f"re-applying failed: {err.detail}")
                 continue
             self._set_drift(gpu, f"hardware shows {_layout(actual)}, the agent last applied "
