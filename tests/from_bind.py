@@ -119,7 +119,7 @@ def unix_request(sock: Path, method: str, path: str, body: Any = None, *,
 
 
 def send_from_bind(sock: Path, token: str | None, calls: Sequence[Call] | Callable[[int], Call],
-                   *, timeout: float = 30, after_ready: int = 0,
+                   *, timeout: float = 30, after_ready: int = 0, pause: float = 0.002,
                    on_first_accept: Callable[[], None] | None = None) -> FromBind:
     """Connect-retry on ``sock`` (a stale socket file refuses until the agent binds), then send
     ``calls`` round-robin (or ``calls(n)`` for the n-th), each followed by a ``/readyz`` probe,
@@ -158,6 +158,7 @@ def send_from_bind(sock: Path, token: str | None, calls: Sequence[Call] | Callab
             if left <= 0:
                 return result
             left -= 1
+        time.sleep(pause)  # a retrying caller, not a flood: the CPUs are shared
     result.died = f"not ready after {timeout}s"
     return result
 
