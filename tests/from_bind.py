@@ -119,7 +119,7 @@ def unix_request(sock: Path, method: str, path: str, body: Any = None, *,
 
 
 def send_from_bind(sock: Path, token: str | None, calls: Sequence[Call] | Callable[[int], Call],
-                   *, timeout: float = 30, after_ready: int = 0, pause: float = 0.002,
+                   *, timeout: float = 30, after_ready: int = 0, pause: float = 0.02,
                    on_first_accept: Callable[[], None] | None = None) -> FromBind:
     """Connect-retry on ``sock`` (a stale socket file refuses until the agent binds), then send
     ``calls`` round-robin (or ``calls(n)`` for the n-th), each followed by a ``/readyz`` probe,
@@ -135,7 +135,7 @@ def send_from_bind(sock: Path, token: str | None, calls: Sequence[Call] | Callab
             if time.monotonic() > deadline:
                 result.died = "the socket never accepted"
                 return result
-            time.sleep(0.001)
+            time.sleep(0.005)
     result.first_accept = time.monotonic()
     if on_first_accept is not None:
         on_first_accept()
