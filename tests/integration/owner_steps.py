@@ -47,6 +47,17 @@ def wait_transition(agent: AgentProcess, location: str, timeout: float = 30) -> 
     raise AssertionError(f"transition {location} did not end")
 
 
+def settled_transitions(agent: AgentProcess, timeout: float = 30) -> list[dict[str, Any]]:
+    """GET /v1/transitions once every transition is terminal (or at the timeout)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        body = agent.request("GET", "/v1/transitions", token=None).body
+        transitions: list[dict[str, Any]] = body["transitions"]
+        if all(t["terminal"] for t in transitions) or time.monotonic() > deadline:
+            return transitions
+        time.sleep(0.02)
+
+
 def set_geometry(agent: AgentProcess, gpu: str, body: dict[str, Any]) -> None:
     """Change a GPU's geometry and wait for it to succeed (a no-op when already there)."""
     reply = agent.request("PUT", f"/v1/gpus/{gpu}/mig", body)
