@@ -2,6 +2,9 @@
 a seeded mix of geometry changes and claim prepares/unprepares, SIGKILLed at seeded random
 moments and at deterministic points (the simulator's CRASH fault at the k-th mutating NVML
 call of a transition, of a slice prepare and of a slice unprepare), restarted, and checked.
+Each restart is met the way kubelet meets a plugin socket: prepares, unprepares, claim reads
+and geometry requests from the moment the socket accepts, not after ``/readyz``; every one
+answered before ready must be 503 ``not-ready`` with ``Retry-After`` (nothing acknowledged).
 
 ``python -m tests.harness.crash --trials N --seed S`` runs N trials and prints figures.
 """
@@ -22,6 +25,7 @@ from typing import Any
 
 from agent.claims.checkpoint import decode
 from tests.agent_process import AgentProcess, start_agent
+from tests.from_bind import Background, Call
 
 MUTATING = {"destroy_ci": "nvmlComputeInstanceDestroy", "destroy_gi": "nvmlGpuInstanceDestroy",
             "set_mode": "nvmlDeviceSetMigMode",
@@ -56,6 +60,8 @@ class Figures:
     acknowledged_prepares: int = 0
     acknowledged_unprepares: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)
+    early_answers: int = 0
+    """Requests sent from the socket's bind and answered before ready (each a 503)."""
     seconds: float = 0.0
 
 
@@ -88,6 +94,9 @@ class Harness:
     def __init__(self, workdir: Path, seed: int) -> None:
         self.state = workdir / "state"
         self.rng = random.Random(seed)
+        # Requests sent from bind are as many as the start-up takes: their own generator keeps
+        # the seeded trial sequence independent of timing.
+        self.early_rng = random.Random(seed + 1)
         self.figures = Figures()
         self.acknowledged: dict[str, list[str]] = {}  # uid -> device uuids
         self.unprepare_sent: set[str] = set()
@@ -267,19 +276,49 @@ class Harness:
 
     # -- restart and invariants ------------------------------------------------------------
 
+    def _early_call(self, n: int) -> Call:
+        """The n-th request sent from the socket's bind: prepares (whole GPU, slice), an
+        unprepare of a claim nobody made, claim and CDI reads, a geometry dry run."""
+        kind = n % 6
+        if kind == 0:
+            return Call("PUT", f"/v1/claims/{self._uid()}", {"devices": [
+                {"request": "gpu", "device": self.early_rng.choice(FULL_GPUS)}]})
+        if kind == 1:
+            return Call("PUT", f"/v1/claims/{self._uid()}", {"devices": [
+                {"request": "slice", "profile": "1g.10gb",
+                 "gpu": self.early_rng.choice(SLICE_GPUS)}]})
+        if kind == 2:
+            return Call("DELETE", f"/v1/claims/never-{n}")
+        if kind == 3:
+            return Call("GET", "/v1/claims")
+        if kind == 4:
+            return Call("GET", "/v1/cdi")
+        return Call("PUT", f"/v1/gpus/{self.early_rng.choice(GEOMETRY_GPUS)}/mig?dry_run=true",
+                    self.early_rng.choice(TARGETS))
+
     def _restart_and_check(self, changing: dict[str, list[list[str]]]) -> None:
+        # The client starts first, so it is there when the socket binds.
+        client = Background(self.state / "agent.sock", self.agent.token, self._early_call,
+                            timeout=30)
         self.agent = start_agent(self.state, wait_ready=False)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                ready = self.agent.request("GET", "/readyz", token=None).status == 200
-            except OSError:
-                ready = False
-            if ready:
-                break
-            if time.monotonic() > deadline:
-                raise InvariantBroken(f"not ready after 30 s:\n{self.agent.log()}")
-            time.sleep(0.01)
+        early = client.join()
+        if early.died is not None:
+            raise InvariantBroken(f"from bind: {early.died}:\n{self.agent.log()[-4000:]}")
+        broken = early.violations()
+        if broken:
+            raise InvariantBroken(f"{len(broken)} requests answered before ready were not "
+                                  f"503 not-ready: {broken[:3]}")
+        self.figures.early_answers += len(early.early())
+        self.figures.requests += len(early.answers)
+        for answer in early.answers:
+            if answer.status not in OK_CODES:
+                raise InvariantBroken(f"{answer.call.method} {answer.call.path}: "
+                                      f"{answer.status} {answer.body}")
+            if answer.call.method == "PUT" and answer.status == 200 and \
+                    answer.call.path.startswith("/v1/claims/"):
+                uid = answer.call.path.rsplit("/", 1)[1]
+                self.acknowledged[uid] = [d["uuid"] for d in answer.body["devices"]]
+                self.figures.acknowledged_prepares += 1
         # Ready means recovered: no open journal entry, no half-done claim on disk.
         journal = list((self.state / "mig" / "journal").glob("*.json"))
         if journal:
@@ -368,6 +407,7 @@ def main() -> None:
           f"requests {f.requests}")
     print(f"acknowledged prepares {f.acknowledged_prepares}, unprepares "
           f"{f.acknowledged_unprepares}; outcomes {dict(f.outcomes)}")
+    print(f"requests answered before ready (all 503 not-ready) {f.early_answers}")
     print("invariants held in every trial")
 
 

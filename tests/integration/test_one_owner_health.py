@@ -1,0 +1,89 @@
+"""Issue 12, measured defect 4 (health computed three ways), against a real agent process:
+after any XID the health rules call critical, claims, topology selection and ResourceSlices
+all treat the GPU (and its MIG devices) as unavailable, naming the XID."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.agent_process import AgentProcess, start_agent
+from tests.integration.owner_steps import (
+    gpu_request,
+    mig_devices,
+    prepare,
+    problem,
+    set_geometry,
+    slice_request,
+)
+
+# (XID, GPU index); GPU 0 of the first batch runs MIG, the rest are whole GPUs. Every XID in
+# the health rules' critical set is covered (79 is the one today's main already handles).
+BATCHES = {
+    "48-95": [(48, 0), (48, 1), (63, 2), (64, 3), (74, 4), (92, 5), (94, 6), (95, 7)],
+    "119-79": [(119, 0), (120, 1), (154, 2), (79, 3)],
+}
+
+
+def _raise_xid(agent: AgentProcess, gpu: int, xid: int) -> str:
+    """Inject the XID on the GPU and wait until the GPU reads unhealthy; its UUID."""
+    uuid = str(agent.request("GET", f"/v1/gpus/{gpu}", token=None).body["uuid"])
+    assert agent.request("POST", "/v1/sim/xid", {"gpu": uuid, "xid": xid}).status == 202
+    deadline = time.monotonic() + 10
+    while agent.request("GET", f"/v1/gpus/{gpu}", token=None).body["health"]["healthy"]:
+        assert time.monotonic() < deadline, f"GPU {gpu} still healthy after XID {xid}"
+        time.sleep(0.05)
+    return uuid
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_critical_xid_makes_the_gpu_unavailable_everywhere(tmp_path: Path, batch: str) -> None:
+    """Defect 4 (after XID 48 the GPU reads unhealthy yet stays in ResourceSlices, topology
+    picks it and a claim on it succeeds): a critical XID removes the GPU from ResourceSlices
+    and selection, and claims on it are 409 device-unavailable naming the XID."""
+    agent = start_agent(tmp_path / "state")
+    try:
+        table = BATCHES[batch]
+        mig_gpu = 0 if batch == "48-95" else None
+        if mig_gpu is not None:
+            set_geometry(agent, str(mig_gpu), {"profiles": ["3g.40gb"]})
+        mig_uuid = mig_devices(agent, "0")[0]["uuid"] if mig_gpu is not None else None
+        uuids = {gpu: _raise_xid(agent, gpu, xid) for xid, gpu in table}
+        slices = json.dumps(agent.request("GET", "/v1/resourceslices", token=None).body)
+        failures = []
+        for xid, gpu in table:
+            # A GPU off the bus (79) may be named as lost rather than by its XID.
+            words = (f"XID {xid}", "lost") if xid == 79 else (f"XID {xid}",)
+            body = agent.request("GET", f"/v1/gpus/{gpu}", token=None).body
+            availability = body.get("availability") or {}
+            if availability.get("state") != "unavailable" or not any(
+                    w in json.dumps(availability.get("reasons")) for w in words):
+                failures.append(f"GPU {gpu} availability {availability}")
+            if uuids[gpu] in slices:
+                failures.append(f"GPU {gpu} (XID {xid}) is still in /v1/resourceslices")
+            if gpu == mig_gpu:
+                assert mig_uuid is not None
+                if mig_uuid in slices:
+                    failures.append(f"GPU {gpu}'s MIG device is still in /v1/resourceslices")
+                claims = {"mig device": gpu_request(mig_uuid),
+                          "pinned slice": slice_request(gpu=str(gpu))}
+            else:
+                claims = {"whole GPU": gpu_request(str(gpu))}
+                picked = agent.request("POST", "/v1/topology/select",
+                                       {"count": 1, "candidates": [gpu]})
+                if picked.status != 409:
+                    failures.append(f"topology selection picks GPU {gpu} (XID {xid}): "
+                                    f"{picked.status} {picked.body}")
+            for what, device in claims.items():
+                reply = prepare(agent, f"c-{gpu}-{what.replace(' ', '-')}", device)
+                if reply.status != 409 or problem(reply) != "device-unavailable" or not any(
+                        w in reply.body.get("detail", "") for w in words):
+                    failures.append(f"{what} claim on GPU {gpu} (XID {xid}): {reply.status} "
+                                    f"{problem(reply)} {str(reply.body)[:160]}")
+        assert not failures, "\n".join(failures)
+    finally:
+        agent.stop(signal.SIGKILL)
