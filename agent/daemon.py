@@ -116,6 +116,8 @@ async def _become_ready(node: Node) -> None:
                 else "NVML not available")
         said = err.detail if isinstance(err, AgentError) else err
         reason = f"{what}: {said} (attempt {state.attempt_number}, retrying)"
+        node.readiness.storage_blocked = (err.errno or 0, err.path) \
+            if isinstance(err, StorageUnavailable) else None
         node.readiness.set(reason)
         log.warning(what, extra={"attempt": state.attempt_number, "error": str(err)})
 

@@ -16,6 +16,9 @@ class Readiness:
     reason: str | None = "starting"
     since: float = field(default_factory=time.monotonic)
     reconciled: bool = False
+    #: Recovery waits for a durable write the state directory refuses (errno, path): writes
+    #: answer that (507) rather than "not ready", since it is what the operator must fix.
+    storage_blocked: tuple[int, str] | None = None
     #: Called with the new reason on every change (e.g. systemd's STATUS= lines).
     watchers: list[Callable[[str | None], None]] = field(default_factory=list)
 

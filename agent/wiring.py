@@ -84,11 +84,14 @@ class Node:
         await self.claims.reconcile()
         self.readiness.set("reconciling MIG geometry")
         await self.mig.reconcile()
-        self.readiness.reconciled = True
         # Metrics and XID health work even where claims cannot (below): they need NVML only.
         self.readiness.set("collecting metrics")
         await self.collector.start()
         self.xids.start(gpu.static for gpu in self.inventory.gpus)
+        # From here on mutations are served: in the same step as /readyz turns ready, so
+        # nothing is acknowledged while the agent still reports itself not ready.
+        self.readiness.reconciled = True
+        self.readiness.storage_blocked = None
         if self.claims.corrupt is not None:
             # Reported here and in /readyz; claims answer 503 until an operator acts.
             self.readiness.set(f"{self.claims.corrupt}; an operator must act before claims "

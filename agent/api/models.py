@@ -51,6 +51,9 @@ class HealthModel(BaseModel):
 
 
 class AvailabilityModel(BaseModel):
+    state: Literal["available", "held", "unavailable"] = Field(
+        description="unavailable: lost, unhealthy, quarantined, drained or being created (the "
+                    "reasons say which); held: claims hold it; available: a claim may take it")
     available: bool = Field(description="Whether a new claim may take it now")
     reasons: list[str] = Field(description="Why not, besides holders: lost, unhealthy (the "
                                            "XID), quarantined, drained or being created by a "
@@ -59,8 +62,10 @@ class AvailabilityModel(BaseModel):
 
     @classmethod
     def of(cls, availability: Availability) -> AvailabilityModel:
-        return cls(available=availability.available, reasons=list(availability.reasons),
-                   holders=list(availability.holders))
+        state = "unavailable" if availability.reasons else \
+            "held" if availability.holders else "available"
+        return cls(state=state, available=availability.available,
+                   reasons=list(availability.reasons), holders=list(availability.holders))
 
 
 class HoldModel(BaseModel):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import logging
 import re
 import secrets
@@ -15,7 +16,7 @@ from pydantic import BaseModel
 
 from agent.api.access import audit_log, peer_credentials, summarise_body
 from agent.api.context import AGENT, PRINCIPAL, REQUEST_ID
-from agent.errors import Forbidden, NotReady
+from agent.errors import Forbidden, NotReady, StorageUnavailable
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 access_log = logging.getLogger("agent.access")
@@ -168,7 +169,11 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
             principal = ctx.tokens.authenticate(request.headers.get("Authorization"))
             request[PRINCIPAL] = principal.name
             principal.require(spec.scope or "read")
-    if spec is not None and spec.needs_recovery and not ctx.node.readiness.reconciled:
+    readiness = ctx.node.readiness
+    if spec is not None and spec.needs_recovery and not readiness.reconciled:
+        if readiness.storage_blocked is not None and spec.mutating:
+            code, path = readiness.storage_blocked
+            raise StorageUnavailable(path, OSError(code, os.strerror(code)))
         # Before recovery ends, who holds what is not known yet: acknowledging anything now
         # could hand out a held device or lose an acknowledged claim.
         raise NotReady(f"agent not ready: {ctx.node.readiness.reason or 'starting'}; retry "

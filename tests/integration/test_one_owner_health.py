@@ -53,7 +53,13 @@ def test_critical_xid_makes_the_gpu_unavailable_everywhere(tmp_path: Path, batch
             set_geometry(agent, str(mig_gpu), {"profiles": ["3g.40gb"]})
         mig_uuid = mig_devices(agent, "0")[0]["uuid"] if mig_gpu is not None else None
         uuids = {gpu: _raise_xid(agent, gpu, xid) for xid, gpu in table}
-        slices = json.dumps(agent.request("GET", "/v1/resourceslices", token=None).body)
+        # The UUIDs of the published devices and of their parents (an NVLink island is named
+        # after a GPU's UUID too, so the slices' text alone would not say what is published).
+        published = agent.request("GET", "/v1/resourceslices", token=None).body
+        slices = {attrs[key]["string"] for item in published["items"]
+                  for device in item["spec"].get("devices", ())
+                  for attrs in [device["attributes"]]
+                  for key in ("uuid", "parentUUID") if key in attrs}
         failures = []
         for xid, gpu in table:
             # A GPU off the bus (79) may be named as lost rather than by its XID.
