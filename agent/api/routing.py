@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import itertools
-import os
 import logging
+import os
 import re
 import secrets
 import time
