@@ -45,6 +45,7 @@ from agent.errors import (
     ClaimUnprepared,
     Conflict,
     DeviceBusy,
+    DeviceUnavailable,
     InvalidRequest,
     NotFound,
     NvmlError,
@@ -459,9 +460,11 @@ class ClaimService:
             created = await self._session.mutate(gpu.uuid, partial(
                 create_slice, mutator, self._journal, device.slice.profile, placement))
         except RestoreFailed as err:
-            await self._quarantine(gpu, f"making slice {device.device_name} for claim "
-                                        f"{record.uid} failed and could not be undone: {err}")
-            raise
+            reason = (f"making slice {device.device_name} for claim {record.uid} failed and "
+                      f"could not be undone: {err}")
+            await self._quarantine(gpu, reason)
+            raise DeviceUnavailable(f"GPU {gpu.index} is quarantined: {reason}", gpu=gpu.uuid,
+                                    reason=reason) from err
         device.gi_id, device.ci_id, device.uuid = created
         device.slice.gi_id, device.slice.ci_id = created[0], created[1]
 

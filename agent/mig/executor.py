@@ -62,6 +62,11 @@ def _transient(err: BaseException) -> bool:
     return isinstance(err, NvmlError) and err.name in TRANSIENT
 
 
+def retrying(step: str, gpu: str) -> Retrying:
+    """Retries of transient NVML errors (bounded, jittered) for one named step."""
+    return _retrying(step, gpu)
+
+
 def _retrying(step: str, gpu: str) -> Retrying:
     def before_sleep(state: Any) -> None:
         err = state.outcome.exception() if state.outcome else None

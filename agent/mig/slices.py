@@ -10,7 +10,7 @@ import uuid
 from agent.errors import NotFound
 from agent.gpu import mig
 from agent.gpu.types import Placement
-from agent.mig.executor import GpuMutator, RestoreFailed, steps_of
+from agent.mig.executor import GpuMutator, RestoreFailed, retrying, steps_of
 from agent.mig.geometry import Geometry, Instance, Plan
 from agent.mig.journal import TransitionJournal, new_entry
 
@@ -27,7 +27,9 @@ def _change(mutator: GpuMutator, journal: TransitionJournal, plan: Plan, old: Ge
             mutator.run(step)
     except BaseException as err:
         try:
-            mutator.restore(old, entry.old_ci_profiles)
+            for attempt in retrying("restore", mutator.gpu):
+                with attempt:
+                    mutator.restore(old, entry.old_ci_profiles)
         except Exception as failure:
             raise RestoreFailed(f"{failure} (after: {err})") from failure
         journal.close(mutator.gpu)

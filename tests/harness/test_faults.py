@@ -93,8 +93,15 @@ async def _claim(layout: tuple, profile: str, fault: tuple[str, str, int, int]) 
                 record = None
             node.sim.clear_faults()
             after = _layout(await node.geometry())
-            assert not await _bare(node)
             specs = sorted(p.name for p in claims.cdi.claim_specs())
+            if record is None and node.mig.quarantined(gpu.uuid):
+                # NVML kept failing while the slice was undone: the GPU is quarantined (as
+                # for a failed rollback) and the claim stays recorded for start-up to finish.
+                assert "c" not in claims.checkpoint.data.claims or \
+                    claims.checkpoint.data.claims["c"].state == "prepare_started"
+                assert specs == []
+                return
+            assert not await _bare(node)
             if record is None:
                 assert after == before
                 assert "c" not in claims.checkpoint.data.claims
