@@ -17,7 +17,7 @@ import logging
 import shlex
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -45,6 +45,7 @@ from agent.mig.geometry import (
     Desired,
     DesiredDisabled,
     DesiredInstances,
+    DesiredProfiles,
     Geometry,
     Instance,
     Plan,
@@ -209,7 +210,7 @@ class MigService:
         started = False
         try:
             current, processes = await self.current(gpu)
-            plan = make_plan(catalog_of(gpu.profiles), current, desired)
+            plan = self._plan(gpu, current, desired)
             if plan.mode_change and gpu.static.architecture in _RESET_TO_CHANGE_MODE \
                     and not explicit_mode:
                 raise Conflict(
@@ -277,6 +278,30 @@ class MigService:
         self._history[transition.id] = transition
         while len(self._history) > HISTORY:
             self._history.popitem(last=False)
+
+    def _plan(self, gpu: Gpu, current: Geometry, desired: Desired) -> Plan:
+        """The plan to ``desired`` that keeps the claims' slices besides; when they cannot
+        stay, the plan to ``desired`` alone (its holders then block it, or are waited for)."""
+        catalog = catalog_of(gpu.profiles)
+        with_slices = self._with_slices(gpu.uuid, desired)
+        if with_slices is desired:
+            return make_plan(catalog, current, desired)
+        try:
+            return make_plan(catalog, current, with_slices)
+        except GeometryNotPlaceable:
+            return make_plan(catalog, current, desired)
+
+    def _with_slices(self, gpu: str, desired: Desired) -> Desired:
+        """The desired geometry plus the claims' on-demand slices where they are: a slice is
+        the claim's, not part of the node's geometry, so it never stands in for a profile the
+        caller asked for (a MIG-off request keeps none: its holders block it instead)."""
+        slices = sorted(self.ledger.on_demand(gpu), key=lambda s: (s[1].start, s[0]))
+        if not slices or isinstance(desired, DesiredDisabled):
+            return desired
+        if isinstance(desired, DesiredProfiles):
+            return DesiredProfiles(Counter(desired.multiset()) + Counter(p for p, _ in slices))
+        listed = set(desired.instances)
+        return DesiredInstances((*desired.instances, *(s for s in slices if s not in listed)))
 
     def _static(self, gpu: str, geometry: Geometry) -> Geometry:
         """The geometry without the claims' on-demand slices."""

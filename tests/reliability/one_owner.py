@@ -949,6 +949,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cycles", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--cycles-per-agent", type=int, default=250)
+    parser.add_argument("--keep", type=Path, metavar="DIR",
+                        help="work in DIR and keep it (agent logs, state) for a post-mortem")
     parser.add_argument("--story", action="store_true",
                         help="also print the steps before each invariant's first violation")
     parser.add_argument("--actions", help="only these actions, comma-separated (of: "
@@ -962,7 +964,8 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
 
     with tempfile.TemporaryDirectory(prefix="one-owner-") as tmp:
-        figures = run(args.cycles, args.seed, Path(tmp), cycles_per_agent=args.cycles_per_agent,
+        workdir = args.keep or Path(tmp)
+        figures = run(args.cycles, args.seed, workdir, cycles_per_agent=args.cycles_per_agent,
                       only=only, progress=progress)
     print(figures.summary())
     if args.story:
