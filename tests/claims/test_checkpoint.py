@@ -71,3 +71,13 @@ async def test_a_new_boot_is_always_written(tmp_path: Path) -> None:
     assert after.load() == "boot-1"
     await after.commit()
     assert after.fsyncs == 1
+
+
+def test_tombstones_are_capped_oldest_first(tmp_path: Path) -> None:
+    """Unprepares cannot grow the checkpoint without bound: past the cap, the oldest
+    tombstones go first."""
+    checkpoint = ClaimCheckpoint(tmp_path / "c", "boot")
+    for i in range(10):
+        checkpoint.tombstone(f"u{i}")
+    checkpoint.cap_tombstones(4)
+    assert list(checkpoint.data.tombstones) == ["u6", "u7", "u8", "u9"]
