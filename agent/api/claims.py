@@ -18,7 +18,7 @@ from agent.claims.checkpoint import ClaimRecord
 from agent.claims.service import ClaimService, DeviceRequest
 from agent.errors import InvalidRequest
 
-_UID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_UID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 
 
 class PlacementStart(Strict):
@@ -130,7 +130,9 @@ def _service(request: web.Request) -> ClaimService:
 def _uid(request: web.Request) -> str:
     uid = request.match_info["uid"]
     if not _UID.match(uid):
-        raise InvalidRequest(f"uid: {uid!r} is not a claim UID",
+        shown = uid if len(uid) <= 64 else uid[:64] + "..."
+        raise InvalidRequest(f"uid: {shown!r} is not a claim UID (1-128 of letters, digits, "
+                             "'.', '_', '-', starting with a letter or digit)",
                              [{"field": "uid", "reason": "letters, digits, '.', '_', '-'"}])
     return uid
 

@@ -11,9 +11,11 @@ from agent.gpu.types import DriverInfo, Gpu, MigDevice
 
 
 class Strict(BaseModel):
-    """Requests reject unknown fields, so a typo is an error rather than a silent default."""
+    """Requests reject unknown fields, so a typo is an error rather than a silent default, and
+    take each field in its one JSON type: ``"60"`` is not a number, ``"false"`` not a
+    boolean, ``true`` not a count (strict mode; bodies are validated from their JSON text)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class Problem(BaseModel):
