@@ -20,8 +20,9 @@ import agent
 from agent.api.access import TokenReloader, set_socket_owner, ssl_context
 from agent.api.app import build_app
 from agent.api.auth import TokenStore, generate_token_file
+from agent.api.connections import IDLE_TIMEOUT_S, ConnectionLimits, GuardedSite
 from agent.api.context import AgentContext
-from agent.claims.cdi_writer import CdiWriter
+from agent.claims.cdi_writer import CdiDirectoryLock, CdiWriter, agent_id
 from agent.claims.checkpoint import ClaimCheckpoint
 from agent.claims.service import ClaimService
 from agent.dra.service import SliceService
@@ -83,29 +84,21 @@ def _unlink_stale_socket(path: Path) -> None:
 
 
 async def _start_sites(runner: web.AppRunner, listeners: tuple[Listener, ...], *,
-                      tls: ssl.SSLContext | None = None,
+                      cap: int, limits: ConnectionLimits, tls: ssl.SSLContext | None = None,
                       socket_group: str | None = None) -> list[str]:
-    """Bind every listener: Unix sockets mode 0660 (group ``socket_group``), TCP listeners
-    over TLS when ``tls`` is given."""
+    """Bind every listener, each holding at most ``cap`` connections: Unix sockets mode 0660
+    (group ``socket_group``), TCP listeners over TLS when ``tls`` is given."""
     bound: list[str] = []
-    scheme = "https" if tls is not None else "http"
     for listener in listeners:
         if listener.path is not None:
             listener.path.parent.mkdir(parents=True, exist_ok=True)
             _unlink_stale_socket(listener.path)
-            site: web.BaseSite = web.UnixSite(runner, str(listener.path))
-            await site.start()
+        site = GuardedSite(runner, listener, cap=cap, limits=limits,
+                           ssl_context=tls if listener.path is None else None)
+        await site.start()
+        if listener.path is not None:
             set_socket_owner(listener.path, socket_group)
-            bound.append(f"unix:{listener.path}")
-        else:
-            site = web.TCPSite(runner, listener.host, listener.port, reuse_address=True,
-                               ssl_context=tls)
-            await site.start()
-            server = site._server  # the bound port is only known here when port 0 was asked
-            for sock in getattr(server, "sockets", None) or ():
-                host, port = sock.getsockname()[:2]
-                bound.append(f"{scheme}://[{host}]:{port}" if ":" in host
-                             else f"{scheme}://{host}:{port}")
+        bound += site.addresses()  # the bound port is only known here when port 0 was asked
     return bound
 
 
@@ -169,13 +162,16 @@ async def serve(settings: Settings) -> int:
     """Run the agent until SIGTERM/SIGINT; return the process exit code."""
     lock = ExclusiveLock(settings.state_dir / "agent.lock")
     lock.acquire()
+    cdi_lock = CdiDirectoryLock(settings.cdi_dir, settings.state_dir)
     backend: Backend | None = None
     try:
+        cdi_lock.acquire()
         backend = open_backend(settings)
         return await _run(settings, backend)
     finally:
         if backend is not None and backend.sim is not None:
             backend.sim.close()
+        cdi_lock.release()
         lock.release()
 
 
@@ -193,7 +189,8 @@ async def _run(settings: Settings, backend: Backend) -> int:
         checkpoint=ClaimCheckpoint(settings.state_dir / "claims.checkpoint",
                                    boot_id(settings.proc_root),
                                    on_write=metrics.claims_checkpoint_writes.inc),
-        cdi=CdiWriter(settings.cdi_dir, settings.proc_root, settings.driver_root),
+        cdi=CdiWriter(settings.cdi_dir, settings.proc_root, settings.driver_root,
+                      owner=agent_id(settings.state_dir)),
         tombstone_s=settings.claim_tombstone_s)
     health = GpuHealth(events=events, metrics=metrics, lost_reason=session.lost_reason)
     topology = TopologyService(session=session, inventory=inventory, sys_root=backend.sys_root,
@@ -210,13 +207,17 @@ async def _run(settings: Settings, backend: Backend) -> int:
                        events=events, tokens=load_tokens(settings), metrics=metrics,
                        backend=backend.name, mig=service, claims=claims, sim=backend.sim,
                        collector=collector, health=health, topology=topology, slices=slices)
+    limits = ConnectionLimits.for_process(len(settings.listen),
+                                          metrics=settings.metrics_listen is not None)
     runner = web.AppRunner(build_app(ctx), handle_signals=False, access_log=None,
-                           shutdown_timeout=settings.shutdown_timeout_s)
+                           shutdown_timeout=settings.shutdown_timeout_s,
+                           keepalive_timeout=IDLE_TIMEOUT_S)
     await runner.setup()
     metrics_runner: web.AppRunner | None = None
     if settings.metrics_listen is not None:
         metrics_runner = web.AppRunner(build_metrics_app(ctx), handle_signals=False,
-                                       access_log=None, shutdown_timeout=2)
+                                       access_log=None, shutdown_timeout=2,
+                                       keepalive_timeout=IDLE_TIMEOUT_S)
         await metrics_runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -232,8 +233,10 @@ async def _run(settings: Settings, backend: Backend) -> int:
     notifier = Notifier.attach(ctx)  # None unless systemd started us with Type=notify
     try:
         bound = await _start_sites(runner, settings.listen, tls=ssl_context(settings),
-                                   socket_group=settings.socket_group)
-        metrics_bound = (await _start_sites(metrics_runner, (settings.metrics_listen,))
+                                   socket_group=settings.socket_group, cap=limits.api_cap,
+                                   limits=limits)
+        metrics_bound = (await _start_sites(metrics_runner, (settings.metrics_listen,),
+                                            cap=limits.metrics_cap, limits=limits)
                          if metrics_runner is not None and settings.metrics_listen else [])
         write_atomic(settings.state_dir / "listeners.json",
                      json.dumps({"pid": os.getpid(), "listeners": bound,

@@ -9,10 +9,10 @@ from typing import Literal
 from aiohttp import web
 from pydantic import BaseModel, Field, model_validator
 
+from agent.api.body import parse_body
 from agent.api.context import AGENT
 from agent.api.models import Strict
 from agent.api.node import require_ready
-from agent.api.problems import parse_body
 from agent.api.routing import json_response
 from agent.claims.checkpoint import ClaimRecord
 from agent.claims.service import ClaimService, DeviceRequest

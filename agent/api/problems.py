@@ -11,7 +11,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 # Body parsing lives in agent.api.body; handlers import it from here too.
-from agent.api.body import parse_body  # noqa: F401 - re-exported
+from agent.api.body import parse_body as parse_body  # noqa: PLC0414 - re-exported
 from agent.api.context import MAX_BODY_BYTES, REQUEST_ID
 from agent.errors import AgentError, InvalidRequest, StorageUnavailable
 

@@ -376,8 +376,9 @@ def _check_events(text: str) -> None:
             return  # not YAML: the loader says where and why, in the words the tests know
         if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
             mark = event.start_mark
-            raise _refuse(f"line {mark.line + 1}, column {mark.column + 1}: YAML anchors and "
-                          "aliases are not accepted (a mig-parted config needs none)")
+            where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+            raise _refuse(f"{where}YAML anchors and aliases are not accepted (a mig-parted "
+                          "config needs none)")
         if isinstance(event, yaml.CollectionStartEvent):
             depth += 1
             if depth > MAX_CONFIG_DEPTH:

@@ -1,0 +1,265 @@
+"""Connections from hostile peers: a bounded number per listener, a deadline for each
+request's head and body, and an idle keep-alive timeout.
+
+aiohttp has no header-read timeout and no connection cap: a few hundred sockets that open and
+trickle a byte now and then hold as many descriptors for as long as they like, and once the
+process runs out, every listener stops accepting (``/healthz`` on the Unix socket included).
+Here each listener is an asyncio server whose protocol wraps aiohttp's request handler:
+
+- a listener holds at most ``cap`` connections; one more is answered ``503`` and closed at
+  once (the metrics listener, open to the pod network without a token, gets a smaller cap);
+- a request's head (request line and headers) must arrive within ``header_timeout_s`` of its
+  first byte (of the connection's start, for the first request), and a body with a
+  ``Content-Length`` within ``body_timeout_s`` of the head; else the connection is closed;
+- between requests aiohttp's keep-alive timeout (:data:`IDLE_TIMEOUT_S`) closes idle
+  connections. A request being handled is never timed out here.
+
+The caps are derived from the process's descriptor limit (``RLIMIT_NOFILE``) so that the
+listeners together can never exhaust it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from agent.settings import Listener
+
+#: Seconds an idle keep-alive connection stays open (aiohttp's own default is an hour).
+IDLE_TIMEOUT_S = 15.0
+HEADER_TIMEOUT_S = 10.0
+BODY_TIMEOUT_S = 30.0
+#: Descriptors kept free for everything else the agent opens (state files, NVML, logs).
+RESERVED_FDS = 128
+#: Upper bounds of the caps, whatever the descriptor limit allows.
+MAX_API_CONNECTIONS = 1024
+MAX_METRICS_CONNECTIONS = 64
+_MAX_HEAD_BYTES = 64 * 1024
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/problem+json\r\n"
+         b"Connection: close\r\nRetry-After: 1\r\nContent-Length: %d\r\n\r\n%s")
+_BUSY_BODY = (b'{"type":"https://gpu.nodeagent.dev/problems/too-many-connections",'
+              b'"title":"Too many connections","status":503,'
+              b'"detail":"this listener holds as many connections as it takes; retry"}')
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """The caps of one agent's listeners and the read deadlines of every connection."""
+
+    api_cap: int
+    metrics_cap: int
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    body_timeout_s: float = BODY_TIMEOUT_S
+
+    @classmethod
+    def for_process(cls, api_listeners: int, *, metrics: bool) -> ConnectionLimits:
+        """Caps that fit this process's soft ``RLIMIT_NOFILE``: the metrics listener takes at
+        most an eighth of the spare descriptors, each API listener an equal share of half of
+        the rest, so the listeners together never take all of them."""
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        spare = max(16, (soft if soft != resource.RLIM_INFINITY else 1 << 20) - RESERVED_FDS)
+        metrics_cap = min(MAX_METRICS_CONNECTIONS, max(4, spare // 8)) if metrics else 0
+        api_cap = min(MAX_API_CONNECTIONS,
+                      max(4, (spare - metrics_cap) // (2 * max(1, api_listeners))))
+        return cls(api_cap=api_cap, metrics_cap=metrics_cap)
+
+
+class _Gate:
+    """One listener's open connections."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.open = 0
+        self.refused = 0
+
+
+class _Guarded(asyncio.Protocol):
+    """aiohttp's request handler behind the listener's cap and the read deadlines.
+
+    It follows the request framing only as far as the deadlines need: the head ends at the
+    first blank line, a ``Content-Length`` body is counted, and a chunked body (or anything
+    it cannot frame) ends the deadlines for the rest of the connection (aiohttp still limits
+    the body's size)."""
+
+    def __init__(self, inner: Any, gate: _Gate, limits: ConnectionLimits) -> None:
+        self._inner = inner
+        self._gate = gate
+        self._limits = limits
+        self._transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._admitted = False
+        self._state = "head"  # head | body | idle | untracked
+        self._head = b""
+        self._body_left = 0
+
+    # --- asyncio.Protocol -------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        if self._gate.open >= self._gate.cap:
+            self._gate.refused += 1
+            transport.write(_BUSY % (len(_BUSY_BODY), _BUSY_BODY))
+            transport.close()
+            return
+        self._admitted = True
+        self._gate.open += 1
+        self._transport = transport
+        self._arm(self._limits.header_timeout_s)
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._admitted:
+            return
+        self._frame(data)
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        if not self._admitted:
+            return None
+        result: bool | None = self._inner.eof_received()
+        return result
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self._admitted:
+            return
+        self._admitted = False
+        self._gate.open -= 1
+        self._disarm()
+        self._inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self._admitted:
+            self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self._admitted:
+            self._inner.resume_writing()
+
+    # --- deadlines --------------------------------------------------------------------
+
+    def _arm(self, seconds: float) -> None:
+        self._disarm()
+        self._timer = asyncio.get_running_loop().call_later(seconds, self._expire)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expire(self) -> None:
+        self._timer = None
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.close()
+
+    def _frame(self, data: bytes) -> None:
+        view = data
+        while view and self._state != "untracked":
+            if self._state == "idle":
+                self._state = "head"
+                self._head = b""
+                self._arm(self._limits.header_timeout_s)
+            if self._state == "head":
+                joined = self._head + view
+                end = joined.find(b"\r\n\r\n")
+                if end < 0:
+                    self._head = joined[-_MAX_HEAD_BYTES:]
+                    return
+                head, view = joined[:end], joined[end + 4:]
+                self._head = b""
+                self._body_left = _content_length(head)
+                if self._body_left < 0:
+                    self._state = "untracked"
+                    self._disarm()
+                    return
+                if self._body_left == 0:
+                    self._state = "idle"
+                    self._disarm()
+                else:
+                    self._state = "body"
+                    self._arm(self._limits.body_timeout_s)
+            elif self._state == "body":
+                taken = min(len(view), self._body_left)
+                self._body_left -= taken
+                view = view[taken:]
+                if self._body_left == 0:
+                    self._state = "idle"
+                    self._disarm()
+
+
+def _content_length(head: bytes) -> int:
+    """The body length a request head announces: 0 for none, -1 for a body this guard does
+    not frame (chunked, or a length it cannot read; aiohttp answers those itself)."""
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        name = name.strip().lower()
+        if name == b"transfer-encoding":
+            return -1
+        if name == b"content-length":
+            text = value.strip()
+            if not text.isdigit() or len(text) > 18:
+                return -1
+            length = int(text)
+    return length
+
+
+class GuardedSite(web.BaseSite):
+    """A listener (TCP or Unix socket) of an aiohttp runner, with a connection cap and read
+    deadlines; ``addresses`` are what it bound (the port is only known once started)."""
+
+    __slots__ = ("_gate", "_limits", "_listener")
+
+    def __init__(self, runner: web.BaseRunner, listener: Listener, *, cap: int,
+                 limits: ConnectionLimits, ssl_context: ssl.SSLContext | None = None) -> None:
+        super().__init__(runner, ssl_context=ssl_context, backlog=512)
+        self._listener = listener
+        self._gate = _Gate(cap)
+        self._limits = limits
+
+    @property
+    def name(self) -> str:
+        if self._listener.path is not None:
+            return f"unix:{self._listener.path}"
+        scheme = "https" if self._ssl_context else "http"
+        return f"{scheme}://{self._listener.host}:{self._listener.port}"
+
+    @property
+    def open_connections(self) -> int:
+        return self._gate.open
+
+    async def start(self) -> None:
+        await super().start()
+        loop = asyncio.get_running_loop()
+        server = self._runner.server
+        assert server is not None
+
+        def factory() -> asyncio.Protocol:
+            return _Guarded(server(), self._gate, self._limits)
+
+        handshake = self._limits.header_timeout_s if self._ssl_context else None
+        if self._listener.path is not None:
+            self._server = await loop.create_unix_server(
+                factory, str(self._listener.path), ssl=self._ssl_context,
+                backlog=self._backlog, ssl_handshake_timeout=handshake)
+        else:
+            self._server = await loop.create_server(
+                factory, self._listener.host, self._listener.port or 0, ssl=self._ssl_context,
+                backlog=self._backlog, reuse_address=True, ssl_handshake_timeout=handshake)
+
+    def addresses(self) -> list[str]:
+        """``unix:PATH`` or ``http(s)://host:port`` for each bound socket."""
+        if self._listener.path is not None:
+            return [f"unix:{Path(self._listener.path)}"]
+        scheme = "https" if self._ssl_context else "http"
+        bound = []
+        for sock in getattr(self._server, "sockets", None) or ():
+            host, port = sock.getsockname()[:2]
+            bound.append(f"{scheme}://[{host}]:{port}" if ":" in host
+                         else f"{scheme}://{host}:{port}")
+        return bound
