@@ -154,14 +154,15 @@ def validate_body(raw: bytes, model: type[M]) -> M:
     """Validate a raw JSON body against ``model``: :class:`BadRequest` (400) for a document
     this module refuses, :class:`InvalidRequest` (422) naming each field the model refuses."""
     try:
-        load_json(raw or b"null")
+        doc = load_json(raw or b"null")
     except BodyError as err:
         raise BadRequest(f"body is {err}" if str(err).startswith("not")
                          else f"body refused: {err}") from None
-    # The model reads the JSON text itself, in strict mode: JSON types are kept as they are
-    # (an array is a list, a string never becomes a number or an enum member's lookalike).
+    # Strict mode: each JSON value keeps its type (a string never becomes a number or a
+    # boolean, a boolean never a count). Validated from the parsed document, not the text:
+    # pydantic's JSON parser stops at about 200 levels with no field named.
     try:
-        return model.model_validate_json(raw or b"null", strict=True)
+        return model.model_validate(doc, strict=True)
     except ValidationError as err:
         raise validation_problem(err) from None
 

@@ -157,7 +157,7 @@ async def query_middleware(request: web.Request, handler: Handler) -> web.Stream
     spec = _spec_of(request)
     if spec is not None and request.query:
         known = {q.name for q in spec.query}
-        names = list(request.query.keys())
+        names = [name for name, _ in request.query.items()]
         unknown = sorted({n for n in names if n not in known})
         twice = sorted({n for n in names if n in known and names.count(n) > 1})
         if unknown or twice:
