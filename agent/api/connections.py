@@ -4,10 +4,13 @@ request's head and body, and an idle keep-alive timeout.
 aiohttp has no header-read timeout and no connection cap: a few hundred sockets that open and
 trickle a byte now and then hold as many descriptors for as long as they like, and once the
 process runs out, every listener stops accepting (``/healthz`` on the Unix socket included).
-Here each listener is an asyncio server whose protocol wraps aiohttp's request handler:
+Here each listener runs its own accept loop and hands each connection to a protocol that
+wraps aiohttp's request handler:
 
-- a listener holds at most ``cap`` connections; one more is answered ``503`` and closed at
-  once (the metrics listener, open to the pod network without a token, gets a smaller cap);
+- a listener holds at most ``cap`` connections; at the cap it stops accepting until one
+  closes, so the excess waits in the kernel's listen backlog (no descriptor, no CPU) or is
+  refused by the kernel (the metrics listener, open to the pod network without a token,
+  gets a smaller cap);
 - a request's head (request line and headers) must arrive within ``header_timeout_s`` of its
   first byte (of the connection's start, for the first request), and a body with a
   ``Content-Length`` within ``body_timeout_s`` of the head; else the connection is closed;
@@ -21,7 +24,9 @@ listeners together can never exhaust it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import resource
+import socket
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +35,8 @@ from typing import Any
 from aiohttp import web
 
 from agent.settings import Listener
+
+log = logging.getLogger("agent.api.connections")
 
 #: Seconds an idle keep-alive connection stays open (aiohttp's own default is an hour).
 IDLE_TIMEOUT_S = 15.0
@@ -41,11 +48,6 @@ RESERVED_FDS = 128
 MAX_API_CONNECTIONS = 1024
 MAX_METRICS_CONNECTIONS = 64
 _MAX_HEAD_BYTES = 64 * 1024
-_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/problem+json\r\n"
-         b"Connection: close\r\nRetry-After: 1\r\nContent-Length: %d\r\n\r\n%s")
-_BUSY_BODY = (b'{"type":"https://gpu.nodeagent.dev/problems/too-many-connections",'
-              b'"title":"Too many connections","status":503,'
-              b'"detail":"this listener holds as many connections as it takes; retry"}')
 
 
 @dataclass(frozen=True)
@@ -71,12 +73,25 @@ class ConnectionLimits:
 
 
 class _Gate:
-    """One listener's open connections."""
+    """One listener's open connections (counted from accept to close) and its cap."""
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
         self.open = 0
-        self.refused = 0
+        self._freed: asyncio.Event | None = None
+
+    def take(self) -> None:
+        self.open += 1
+
+    def release(self) -> None:
+        self.open -= 1
+        if self._freed is not None:
+            self._freed.set()
+
+    async def wait_for_room(self) -> None:
+        while self.open >= self.cap:
+            self._freed = asyncio.Event()
+            await self._freed.wait()
 
 
 class _Guarded(asyncio.Protocol):
@@ -94,21 +109,21 @@ class _Guarded(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._admitted = False
+        self._done = False
         self._state = "head"  # head | body | idle | untracked
         self._head = b""
         self._body_left = 0
 
     # --- asyncio.Protocol -------------------------------------------------------------
 
+    @property
+    def made(self) -> bool:
+        """Whether the connection reached the handler (a TLS handshake can fail before)."""
+        return self._admitted or self._done
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
-        if self._gate.open >= self._gate.cap:
-            self._gate.refused += 1
-            transport.write(_BUSY % (len(_BUSY_BODY), _BUSY_BODY))
-            transport.close()
-            return
         self._admitted = True
-        self._gate.open += 1
         self._transport = transport
         self._arm(self._limits.header_timeout_s)
         self._inner.connection_made(transport)
@@ -129,7 +144,8 @@ class _Guarded(asyncio.Protocol):
         if not self._admitted:
             return
         self._admitted = False
-        self._gate.open -= 1
+        self._done = True
+        self._gate.release()
         self._disarm()
         self._inner.connection_lost(exc)
 
@@ -213,7 +229,7 @@ class GuardedSite(web.BaseSite):
     """A listener (TCP or Unix socket) of an aiohttp runner, with a connection cap and read
     deadlines; ``addresses`` are what it bound (the port is only known once started)."""
 
-    __slots__ = ("_gate", "_limits", "_listener")
+    __slots__ = ("_gate", "_limits", "_listener", "_sockets", "_tasks")
 
     def __init__(self, runner: web.BaseRunner, listener: Listener, *, cap: int,
                  limits: ConnectionLimits, ssl_context: ssl.SSLContext | None = None) -> None:
@@ -221,6 +237,8 @@ class GuardedSite(web.BaseSite):
         self._listener = listener
         self._gate = _Gate(cap)
         self._limits = limits
+        self._sockets: list[socket.socket] = []
+        self._tasks: set[asyncio.Task[None]] = set()
 
     @property
     def name(self) -> str:
@@ -235,22 +253,84 @@ class GuardedSite(web.BaseSite):
 
     async def start(self) -> None:
         await super().start()
+        self._sockets = self._bind()
+        loop = asyncio.get_running_loop()
+        for sock in self._sockets:
+            self._spawn(loop, self._accept(sock))
+
+    def _bind(self) -> list[socket.socket]:
+        if self._listener.path is not None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.bind(str(self._listener.path))
+            sock.listen(self._backlog)
+            sock.setblocking(False)
+            return [sock]
+        bound: list[socket.socket] = []
+        infos = socket.getaddrinfo(self._listener.host or None, self._listener.port or 0,
+                                   type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        seen: set[tuple[Any, ...]] = set()
+        try:
+            for family, kind, proto, _, address in infos:
+                if (family, address) in seen:
+                    continue
+                seen.add((family, address))
+                sock = socket.socket(family, kind, proto)
+                bound.append(sock)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
+                sock.listen(self._backlog)
+                sock.setblocking(False)
+        except OSError:
+            for sock in bound:
+                sock.close()
+            raise
+        return bound
+
+    def _spawn(self, loop: asyncio.AbstractEventLoop, work: Any) -> None:
+        task = loop.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accept(self, listening: socket.socket) -> None:
+        """Accept while there is room; at the cap, wait for a connection to close."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._gate.wait_for_room()
+            try:
+                conn, _ = await loop.sock_accept(listening)
+            except OSError as err:  # EMFILE and the like: back off rather than spin
+                log.warning("accept failed", extra={"listener": self.name,
+                                                    "error": err.strerror})
+                await asyncio.sleep(0.5)
+                continue
+            conn.setblocking(False)
+            self._gate.take()
+            self._spawn(loop, self._serve(conn))
+
+    async def _serve(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         server = self._runner.server
         assert server is not None
-
-        def factory() -> asyncio.Protocol:
-            return _Guarded(server(), self._gate, self._limits)
-
+        protocol = _Guarded(server(), self._gate, self._limits)
         handshake = self._limits.header_timeout_s if self._ssl_context else None
-        if self._listener.path is not None:
-            self._server = await loop.create_unix_server(
-                factory, str(self._listener.path), ssl=self._ssl_context,
-                backlog=self._backlog, ssl_handshake_timeout=handshake)
-        else:
-            self._server = await loop.create_server(
-                factory, self._listener.host, self._listener.port or 0, ssl=self._ssl_context,
-                backlog=self._backlog, reuse_address=True, ssl_handshake_timeout=handshake)
+        try:
+            await loop.connect_accepted_socket(lambda: protocol, conn, ssl=self._ssl_context,
+                                               ssl_handshake_timeout=handshake)
+        except (OSError, TimeoutError, asyncio.CancelledError):
+            # A failed TLS handshake (or a peer already gone) never reached the protocol.
+            conn.close()
+            if not protocol.made:
+                self._gate.release()
+
+    async def stop(self) -> None:
+        for sock in self._sockets:
+            sock.close()
+        for task in list(self._tasks):
+            task.cancel()
+        self._sockets = []
+        await super().stop()
 
     def addresses(self) -> list[str]:
         """``unix:PATH`` or ``http(s)://host:port`` for each bound socket."""
@@ -258,7 +338,7 @@ class GuardedSite(web.BaseSite):
             return [f"unix:{Path(self._listener.path)}"]
         scheme = "https" if self._ssl_context else "http"
         bound = []
-        for sock in getattr(self._server, "sockets", None) or ():
+        for sock in self._sockets:
             host, port = sock.getsockname()[:2]
             bound.append(f"{scheme}://[{host}]:{port}" if ":" in host
                          else f"{scheme}://{host}:{port}")
