@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any, TypeVar
 
-from aiohttp import web
+from aiohttp import ClientPayloadError, web
+from aiohttp.web_protocol import RequestPayloadError
 from pydantic import BaseModel, ValidationError
 
 from agent.errors import BadRequest, InvalidRequest
@@ -172,4 +173,10 @@ async def parse_body(request: web.Request, model: type[M]) -> M:
     if request.content_type not in ("application/json", ""):
         raise BadRequest(f"expected Content-Type application/json, got "
                          f"{request.content_type[:64]!r}")
-    return validate_body(await request.read(), model)
+    try:
+        raw = await request.read()
+    except (ClientPayloadError, RequestPayloadError) as err:
+        # A body that is not what its Content-Encoding says (or was cut short).
+        raise BadRequest(f"body could not be read: {str(err).splitlines()[-1].strip()}") \
+            from None
+    return validate_body(raw, model)
