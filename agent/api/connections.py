@@ -24,16 +24,22 @@ listeners together can never exhaust it.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import resource
 import socket
 import ssl
 from dataclasses import dataclass
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 
+from agent.api.problems import PROBLEM_BASE, PROBLEM_CONTENT_TYPE
 from agent.settings import Listener
 
 log = logging.getLogger("agent.api.connections")
@@ -92,6 +98,34 @@ class _Gate:
         while self.open >= self.cap:
             self._freed = asyncio.Event()
             await self._freed.wait()
+
+
+class _ProblemHandler(RequestHandler):
+    """aiohttp's request handler, answering the requests it refuses itself (a request line or
+    header it cannot parse, a bad ``Content-Length``) with a problem like every other 4xx,
+    and logging each in one line instead of a traceback a peer could fill the log with."""
+
+    __slots__ = ()
+
+    def handle_error(self, request: BaseRequest, status: int = 500,
+                     exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        text = exc.message if isinstance(exc, HttpProcessingError) else message
+        reason = (str(text or "").strip().splitlines() or ["malformed request"])[0]
+        reason = reason[:120].rstrip(":")
+        log.info("malformed request refused", extra={"status": status, "reason": reason,
+                                                     "peer": request.remote or "unix"})
+        if request.writer.output_size > 0:
+            raise ConnectionError("a response was already sent on this connection")
+        phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ \
+            else "Error"
+        kind = "internal-error" if status >= 500 else phrase.lower().replace(" ", "-")
+        body = {"type": PROBLEM_BASE + kind, "title": phrase, "status": status,
+                "detail": reason if status < 500 else "the agent failed unexpectedly"}
+        response = web.Response(status=status, text=json.dumps(body),
+                                content_type=PROBLEM_CONTENT_TYPE)
+        response.force_close()
+        return response
 
 
 class _Guarded(asyncio.Protocol):
@@ -313,7 +347,11 @@ class GuardedSite(web.BaseSite):
         loop = asyncio.get_running_loop()
         server = self._runner.server
         assert server is not None
-        protocol = _Guarded(server(), self._gate, self._limits)
+        handler = server()
+        # Same layout (no slots added), so the class can be swapped on what aiohttp made with
+        # the runner's settings; aiohttp offers no handler class to configure.
+        handler.__class__ = _ProblemHandler
+        protocol = _Guarded(handler, self._gate, self._limits)
         handshake = self._limits.header_timeout_s if self._ssl_context else None
         try:
             await loop.connect_accepted_socket(lambda: protocol, conn, ssl=self._ssl_context,

@@ -8,6 +8,7 @@ import http.client
 import itertools
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -364,3 +365,26 @@ def test_a_second_agent_on_one_cdi_dir_is_refused_and_removes_nothing(tmp_path: 
         assert not spec.exists()
     finally:
         again.stop()
+
+
+@pytest.mark.parametrize("wire", [
+    b"PUT /v1/claims/x HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+    b"PUT /v1/claims/x HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+    b"GET /v1/node HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 9000 + b"\r\n\r\n",
+    b"GET /v1/node HTTP/1.1\r\nHost: x\r\nBad Name: 1\r\n\r\n",
+    b"GET /v1/gpus/\xff HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"GET /v1/node?since=\xc2\xb2 HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03 not http at all\r\n\r\n",
+])
+def test_requests_the_http_parser_refuses_get_a_problem(agent: AgentProcess,
+                                                        wire: bytes) -> None:
+    """A request line or header aiohttp cannot parse is a 400 problem too, naming why."""
+    for address in (agent.address, metrics_address(agent)):
+        with socket.create_connection(address, timeout=10) as sock:
+            sock.sendall(wire)
+            response = http.client.HTTPResponse(sock)
+            response.begin()
+            payload = response.read()
+        assert response.status == 400, payload
+        assert response.getheader("Content-Type", "").startswith("application/problem+json")
+        assert json.loads(payload)["detail"]
