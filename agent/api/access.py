@@ -30,6 +30,7 @@ audit_log = logging.getLogger("agent.audit")
 #: Body fields never written to an audit line, whatever their value.
 _SECRET_WORDS = ("token", "secret", "password", "authorization", "key", "credential")
 _SUMMARY_CHARS = 300
+_SUMMARY_PARSE_BYTES = 16 * 1024
 
 
 def ssl_context(settings: Settings) -> ssl.SSLContext | None:
@@ -103,7 +104,8 @@ def summarise_body(raw: bytes, content_type: str) -> str:
     if not raw:
         return "-"
     kind = content_type[:64] or "unknown type"
-    if not content_type.endswith("json"):
+    # Parsing is bounded too: the line is written for requests without a token as well.
+    if not content_type.endswith("json") or len(raw) > _SUMMARY_PARSE_BYTES:
         return f"<{len(raw)} bytes {kind}>"
     try:
         doc = load_json(raw)

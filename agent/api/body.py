@@ -9,7 +9,9 @@ a 5,000-digit number and ``NaN`` are refusals, not a ``RecursionError`` or ``Val
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 from typing import Any, TypeVar
 
 from aiohttp import ClientPayloadError, web
@@ -82,36 +84,23 @@ def nesting_depth(doc: Any) -> int:
     return deepest
 
 
+# A string, or an unterminated one to the end: the pattern matches from every opening quote,
+# so the scan never restarts inside a string (which made it quadratic in escaped quotes).
+_STRING = re.compile(r'"(?:[^"\\]|\\[\s\S])*(?:"|\\?\Z)')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_DELTA = {"[": 1, "{": 1, "]": -1, "}": -1}
+
+
 def _bracket_depth(text: str) -> int:
     """An upper bound of the nesting depth of JSON text, read before parsing it: brackets
-    outside strings, found by skipping each string in one ``str.find`` step."""
-    deepest = depth = i = 0
-    n = len(text)
-    while i < n:
-        ch = text[i]
-        if ch == '"':
-            i += 1
-            while True:
-                j = text.find('"', i)
-                if j < 0:
-                    return deepest
-                k = j - 1
-                while k >= i and text[k] == "\\":
-                    k -= 1
-                i = j + 1
-                if (j - 1 - k) % 2 == 0:  # an even run of backslashes: the quote ends it
-                    break
-            continue
-        if ch in "[{":
-            depth += 1
-            if depth > deepest:
-                deepest = depth
-                if deepest > MAX_DEPTH:
-                    return deepest
-        elif ch in "]}":
-            depth -= 1
-        i += 1
-    return deepest
+    outside strings. Every step runs in C (a regex, ``accumulate``), so a megabyte of
+    brackets costs milliseconds, not a Python loop over each character."""
+    if text.count("[") + text.count("{") <= MAX_DEPTH:
+        return text.count("[") + text.count("{")
+    brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
+    if brackets.count("[") + brackets.count("{") <= MAX_DEPTH:
+        return brackets.count("[") + brackets.count("{")
+    return max(itertools.accumulate(map(_DELTA.__getitem__, brackets)), default=0)
 
 
 def load_json(raw: bytes) -> Any:
