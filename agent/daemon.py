@@ -20,8 +20,10 @@ import agent
 from agent.api.access import TokenReloader, set_socket_owner, ssl_context
 from agent.api.app import build_app
 from agent.api.auth import TokenStore, generate_token_file
+from agent.api.connections import IDLE_TIMEOUT_S, ConnectionLimits, GuardedSite
 from agent.api.context import AgentContext
 from agent.api.metrics_app import build_metrics_app
+from agent.claims.cdi_writer import CdiDirectoryLock
 from agent.durable import ExclusiveLock, write_atomic
 from agent.errors import AgentError, NvmlError, StorageUnavailable
 from agent.events import Severity
@@ -71,29 +73,21 @@ def _unlink_stale_socket(path: Path) -> None:
 
 
 async def _start_sites(runner: web.AppRunner, listeners: tuple[Listener, ...], *,
-                      tls: ssl.SSLContext | None = None,
+                      cap: int, limits: ConnectionLimits, tls: ssl.SSLContext | None = None,
                       socket_group: str | None = None) -> list[str]:
-    """Bind every listener: Unix sockets mode 0660 (group ``socket_group``), TCP listeners
-    over TLS when ``tls`` is given."""
+    """Bind every listener, each holding at most ``cap`` connections: Unix sockets mode 0660
+    (group ``socket_group``), TCP listeners over TLS when ``tls`` is given."""
     bound: list[str] = []
-    scheme = "https" if tls is not None else "http"
     for listener in listeners:
         if listener.path is not None:
             listener.path.parent.mkdir(parents=True, exist_ok=True)
             _unlink_stale_socket(listener.path)
-            site: web.BaseSite = web.UnixSite(runner, str(listener.path))
-            await site.start()
+        site = GuardedSite(runner, listener, cap=cap, limits=limits,
+                           ssl_context=tls if listener.path is None else None)
+        await site.start()
+        if listener.path is not None:
             set_socket_owner(listener.path, socket_group)
-            bound.append(f"unix:{listener.path}")
-        else:
-            site = web.TCPSite(runner, listener.host, listener.port, reuse_address=True,
-                               ssl_context=tls)
-            await site.start()
-            server = site._server  # the bound port is only known here when port 0 was asked
-            for sock in getattr(server, "sockets", None) or ():
-                host, port = sock.getsockname()[:2]
-                bound.append(f"{scheme}://[{host}]:{port}" if ":" in host
-                             else f"{scheme}://{host}:{port}")
+        bound += site.addresses()  # the bound port is only known here when port 0 was asked
     return bound
 
 
@@ -135,13 +129,16 @@ async def serve(settings: Settings) -> int:
     """Run the agent until SIGTERM/SIGINT; return the process exit code."""
     lock = ExclusiveLock(settings.state_dir / "agent.lock")
     lock.acquire()
+    cdi_lock = CdiDirectoryLock(settings.cdi_dir, settings.state_dir)
     backend: Backend | None = None
     try:
+        cdi_lock.acquire()
         backend = open_backend(settings)
         return await _run(settings, backend)
     finally:
         if backend is not None and backend.sim is not None:
             backend.sim.close()
+        cdi_lock.release()
         lock.release()
 
 
@@ -154,13 +151,17 @@ async def _run(settings: Settings, backend: Backend) -> int:
 async def _serve(node: Node) -> int:
     settings = node.settings
     ctx = AgentContext(node=node, tokens=load_tokens(settings))
+    limits = ConnectionLimits.for_process(len(settings.listen),
+                                          metrics=settings.metrics_listen is not None)
     runner = web.AppRunner(build_app(ctx), handle_signals=False, access_log=None,
-                           shutdown_timeout=settings.shutdown_timeout_s)
+                           shutdown_timeout=settings.shutdown_timeout_s,
+                           keepalive_timeout=IDLE_TIMEOUT_S)
     await runner.setup()
     metrics_runner: web.AppRunner | None = None
     if settings.metrics_listen is not None:
         metrics_runner = web.AppRunner(build_metrics_app(ctx), handle_signals=False,
-                                       access_log=None, shutdown_timeout=2)
+                                       access_log=None, shutdown_timeout=2,
+                                       keepalive_timeout=IDLE_TIMEOUT_S)
         await metrics_runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -176,8 +177,10 @@ async def _serve(node: Node) -> int:
     notifier = Notifier.attach(node)  # None unless systemd started us with Type=notify
     try:
         bound = await _start_sites(runner, settings.listen, tls=ssl_context(settings),
-                                   socket_group=settings.socket_group)
-        metrics_bound = (await _start_sites(metrics_runner, (settings.metrics_listen,))
+                                   socket_group=settings.socket_group, cap=limits.api_cap,
+                                   limits=limits)
+        metrics_bound = (await _start_sites(metrics_runner, (settings.metrics_listen,),
+                                            cap=limits.metrics_cap, limits=limits)
                          if metrics_runner is not None and settings.metrics_listen else [])
         await _write_listeners(settings.state_dir / "listeners.json",
                                {"pid": os.getpid(), "listeners": bound, "metrics": metrics_bound})

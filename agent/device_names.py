@@ -10,15 +10,17 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-_MIG = re.compile(r"^gpu-(\d+)-mig-([a-z0-9]+)-(\d+)-(\d+)$")
-_GPU = re.compile(r"^gpu-(\d+)$")
+_MIG = re.compile(r"^gpu-(0|[1-9][0-9]*)-mig-([a-z0-9]+)-(0|[1-9][0-9]*)-(0|[1-9][0-9]*)\Z")
+_GPU = re.compile(r"^gpu-(0|[1-9][0-9]*)\Z")
 
 
 def ascii_integer(text: str, *, digits: int = 18) -> int | None:
     """``text`` as a non-negative integer when it is one in ASCII digits (at most ``digits``
-    of them), else None. ``str.isdigit`` alone accepts ``"²"``, which ``int`` refuses, and
-    ``int`` refuses more than 4,300 digits: either would be a 500 for a GPU reference."""
-    if 0 < len(text) <= digits and text.isascii() and text.isdigit():
+    of them) spelled the one canonical way (no leading zero: ``"02"`` is not GPU 2), else
+    None. ``str.isdigit`` alone accepts ``"²"``, which ``int`` refuses, and ``int`` refuses
+    more than 4,300 digits: either would be a 500 for a GPU reference."""
+    if (0 < len(text) <= digits and text.isascii() and text.isdigit()
+            and (text[0] != "0" or text == "0")):
         return int(text)
     return None
 

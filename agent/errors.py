@@ -217,7 +217,15 @@ class GpuLost(NvmlError):
 
 
 class BadRequest(AgentError):
-    """The body is not what the endpoint reads at all (not JSON, wrong content type)."""
+    """The request is not what the endpoint reads at all (not JSON, wrong content type, an
+    unknown query parameter); ``errors`` names the offending parts when there are several."""
+
+    def __init__(self, detail: str, errors: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(detail)
+        self.errors = errors or []
+
+    def _fields(self) -> dict[str, Any]:
+        return {"errors": self.errors or None}
 
 
 class GeometryNotPlaceable(AgentError):

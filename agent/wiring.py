@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import agent
 from agent.claims.attribution import claim_attribution
-from agent.claims.cdi_writer import CdiWriter
+from agent.claims.cdi_writer import CdiWriter, agent_id
 from agent.claims.checkpoint import ClaimCheckpoint
 from agent.claims.service import ClaimService
 from agent.dra.service import SliceService
@@ -156,7 +156,8 @@ def build_node(settings: Settings, backend: Backend) -> Node:
         session=session, inventory=inventory, ledger=ledger, journal=journal, events=events,
         checkpoint=ClaimCheckpoint(state / "claims.checkpoint", boot_id(settings.proc_root),
                                    on_write=metrics.claims_checkpoint_writes.inc),
-        cdi=CdiWriter(settings.cdi_dir, settings.proc_root, settings.driver_root),
+        cdi=CdiWriter(settings.cdi_dir, settings.proc_root, settings.driver_root,
+                      owner=agent_id(settings.state_dir)),
         tombstone_s=settings.claim_tombstone_s, run_dir=settings.run_dir)
     topology = TopologyService(session=session, inventory=inventory, sys_root=backend.sys_root,
                                ledger=ledger)

@@ -28,13 +28,14 @@ def test_names_round_trip_and_are_dns_labels(name: str, parsed: ParsedName) -> N
     assert parse_device_name(name) == parsed
 
 
-@pytest.mark.parametrize("name", ["gpu", "gpu-a", "GPU-0", "gpu-0-mig-1g.10gb-19-0", "mig-1"])
+@pytest.mark.parametrize("name", ["gpu", "gpu-a", "GPU-0", "gpu-0-mig-1g.10gb-19-0", "mig-1",
+                                  "gpu-02", "gpu-\u0662", "gpu-2\n", "gpu-0-mig-1g10gb-19-00"])
 def test_other_strings_are_not_device_names(name: str) -> None:
     assert parse_device_name(name) is None
 
 
 @pytest.mark.parametrize(("text", "value"), [
-    ("0", 0), ("7", 7), ("0042", 42), ("9" * 18, int("9" * 18)),
+    ("0", 0), ("7", 7), ("0042", None), ("00", None), ("9" * 18, int("9" * 18)),
     ("", None), ("-1", None), ("+1", None), (" 1", None), ("1.0", None), ("\u00b2", None),
     ("\u0663", None), ("\uff11", None), ("9" * 19, None),
 ])

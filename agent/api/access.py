@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.api.auth import TokenStore
+from agent.api.body import BodyError, load_json
 from agent.errors import AgentError
 from agent.settings import Settings
 
@@ -29,6 +30,7 @@ audit_log = logging.getLogger("agent.audit")
 #: Body fields never written to an audit line, whatever their value.
 _SECRET_WORDS = ("token", "secret", "password", "authorization", "key", "credential")
 _SUMMARY_CHARS = 300
+_SUMMARY_PARSE_BYTES = 16 * 1024
 
 
 def ssl_context(settings: Settings) -> ssl.SSLContext | None:
@@ -79,27 +81,41 @@ def peer_credentials(sock: socket.socket | None) -> str | None:
     return f"uid={uid} gid={gid} pid={pid}"
 
 
+#: Objects and arrays nested deeper than this are summarised as ``...`` in an audit line.
+_SUMMARY_DEPTH = 6
+
+
 def _redact(value: Any, depth: int = 0) -> Any:
+    if isinstance(value, dict | list) and depth >= _SUMMARY_DEPTH:
+        return "..."
     if isinstance(value, dict):
         return {k: "<redacted>" if any(w in str(k).lower() for w in _SECRET_WORDS)
-                else _redact(v, depth + 1) for k, v in value.items()}
+                else _redact(v, depth + 1) for k, v in list(value.items())[:16]}
     if isinstance(value, list):
         return [_redact(v, depth + 1) for v in value[:8]]
+    if isinstance(value, str) and len(value) > _SUMMARY_CHARS:
+        return value[:_SUMMARY_CHARS] + "..."
     return value
 
 
 def summarise_body(raw: bytes, content_type: str) -> str:
-    """A short, secret-free description of a request body for the audit line."""
+    """A short, secret-free description of a request body for the audit line. It never
+    raises, whatever the body: the audit line of a refused request matters most."""
     if not raw:
         return "-"
-    if content_type.endswith("json"):
-        try:
-            doc = json.loads(raw)
-        except ValueError:
-            return f"<{len(raw)} bytes, not JSON>"
+    kind = content_type[:64] or "unknown type"
+    # Parsing is bounded too: the line is written for requests without a token as well.
+    if not content_type.endswith("json") or len(raw) > _SUMMARY_PARSE_BYTES:
+        return f"<{len(raw)} bytes {kind}>"
+    try:
+        doc = load_json(raw)
+    except BodyError as err:
+        return f"<{len(raw)} bytes, refused: {err}>"
+    try:
         text = json.dumps(_redact(doc), separators=(",", ":"), default=str)
-        return text if len(text) <= _SUMMARY_CHARS else text[:_SUMMARY_CHARS] + "..."
-    return f"<{len(raw)} bytes {content_type or 'unknown type'}>"
+    except (ValueError, TypeError, RecursionError):  # pragma: no cover - bounded by _redact
+        return f"<{len(raw)} bytes {kind}>"
+    return text if len(text) <= _SUMMARY_CHARS else text[:_SUMMARY_CHARS] + "..."
 
 
 class TokenReloader:

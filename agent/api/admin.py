@@ -7,10 +7,10 @@ from typing import Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
+from agent.api.body import parse_body
 from agent.api.context import AGENT, PRINCIPAL, AgentContext
 from agent.api.mig_models import TransitionModel
 from agent.api.node import require_ready
-from agent.api.problems import parse_body
 from agent.api.routing import Route, json_response
 from agent.claims.service import ClaimService
 from agent.errors import InvalidRequest

@@ -34,7 +34,14 @@ from agent.api.models import (
 )
 from agent.api.openapi import build_openapi
 from agent.api.problems import problem_middleware
-from agent.api.routing import QueryParam, Route, auth_middleware, register, request_middleware
+from agent.api.routing import (
+    QueryParam,
+    Route,
+    auth_middleware,
+    query_middleware,
+    register,
+    request_middleware,
+)
 
 CORE_ROUTES = [
     Route("GET", "/healthz", node.healthz, "Liveness: the process and its event loop answer",
@@ -136,7 +143,7 @@ def build_app(ctx: AgentContext) -> web.Application:
     """The application for one agent; ``/v1/sim`` exists only when ``ctx.node.sim`` is set."""
     app = web.Application(
         client_max_size=ctx.node.settings.max_body_bytes,
-        middlewares=[request_middleware, problem_middleware, auth_middleware],
+        middlewares=[request_middleware, problem_middleware, auth_middleware, query_middleware],
     )
     app[AGENT] = ctx
     app[MAX_BODY_BYTES] = ctx.node.settings.max_body_bytes

@@ -71,8 +71,10 @@ class TokenStore:
                 raise InvalidRequest(f"token file {path} line {number}: expected "
                                      "name:token[:scope,...]")
             name, secret = parts[0], parts[1]
+            # ``name:token`` and ``name:token:`` both list no scope: all of them, as documented.
             scopes = frozenset(s.strip() for s in parts[2].split(",") if s.strip()) \
-                if len(parts) == 3 else SCOPES
+                if len(parts) == 3 else frozenset()
+            scopes = scopes or SCOPES
             unknown = scopes - SCOPES
             if unknown:
                 raise InvalidRequest(f"token file {path} line {number}: unknown scope(s) "
@@ -90,9 +92,16 @@ class TokenStore:
 
     def authenticate(self, header: str | None) -> Principal:
         """The principal of an ``Authorization: Bearer`` header, or :class:`Unauthorized`."""
-        if not header or not header.startswith("Bearer "):
+        scheme, _, credentials = (header or "").strip().partition(" ")
+        # RFC 9110 §11.1: the scheme is case-insensitive.
+        if scheme.lower() != "bearer" or not credentials.strip():
             raise Unauthorized("missing bearer token (send 'Authorization: Bearer <token>')")
-        offered = header[len("Bearer "):].strip().encode()
+        try:
+            # aiohttp hands undecodable header bytes over as surrogates; a token is ASCII.
+            offered = credentials.strip().encode("ascii")
+        except UnicodeEncodeError:
+            raise Unauthorized("the Authorization header is not ASCII; a bearer token is") \
+                from None
         found: Principal | None = None
         # Compare against every token so the time taken does not say which one nearly matched.
         for token in self._tokens:

@@ -9,16 +9,16 @@ from typing import Literal
 from aiohttp import web
 from pydantic import BaseModel, Field, model_validator
 
+from agent.api.body import parse_body
 from agent.api.context import AGENT
 from agent.api.models import Strict
 from agent.api.node import require_ready
-from agent.api.problems import parse_body
 from agent.api.routing import json_response
 from agent.claims.checkpoint import ClaimRecord
 from agent.claims.service import ClaimService, DeviceRequest
 from agent.errors import InvalidRequest
 
-_UID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_UID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 
 
 class PlacementStart(Strict):
@@ -129,7 +129,9 @@ def _service(request: web.Request) -> ClaimService:
 def _uid(request: web.Request) -> str:
     uid = request.match_info["uid"]
     if not _UID.match(uid):
-        raise InvalidRequest(f"uid: {uid!r} is not a claim UID",
+        shown = uid if len(uid) <= 64 else uid[:64] + "..."
+        raise InvalidRequest(f"uid: {shown!r} is not a claim UID (1-128 of letters, digits, "
+                             "'.', '_', '-', starting with a letter or digit)",
                              [{"field": "uid", "reason": "letters, digits, '.', '_', '-'"}])
     return uid
 

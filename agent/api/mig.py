@@ -6,6 +6,7 @@ import uuid
 
 from aiohttp import web
 
+from agent.api.body import parse_body
 from agent.api.context import AGENT, AgentContext
 from agent.api.mig_models import (
     ApplyModel,
@@ -22,7 +23,6 @@ from agent.api.mig_models import (
 )
 from agent.api.models import MigModeModel
 from agent.api.node import require_ready
-from agent.api.problems import parse_body
 from agent.api.routing import json_response
 from agent.errors import Conflict, InvalidRequest, NotFound
 from agent.gpu.types import Gpu

@@ -12,9 +12,11 @@ from agent.ledger.ledger import Availability, Hold, NodeLedger
 
 
 class Strict(BaseModel):
-    """Requests reject unknown fields, so a typo is an error rather than a silent default."""
+    """Requests reject unknown fields, so a typo is an error rather than a silent default, and
+    take each field in its one JSON type: ``"60"`` is not a number, ``"false"`` not a
+    boolean, ``true`` not a count (strict mode; bodies are validated from their JSON text)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class Problem(BaseModel):

@@ -13,7 +13,8 @@ from agent.api.problems import PROBLEM_CONTENT_TYPE
 from agent.api.routing import Route
 
 _REF = "#/components/schemas/{model}"
-_ERROR_TEXT = {400: "Malformed body", 401: "Missing or invalid token",
+_ERROR_TEXT = {400: "Malformed request: body, query parameter or header",
+               401: "Missing or invalid token",
                403: "Token lacks the scope, or no tokens configured",
                404: "Not found", 409: "Conflict", 413: "Body too large",
                422: "Invalid request: the offending fields and why",
@@ -62,9 +63,11 @@ def build_openapi(routes: list[Route], *, version: str) -> dict[str, Any]:
         for status, model in route.extra_responses.items():
             op["responses"][str(status)] = {"description": model.__doc__ or "", "content": {
                 "application/json": {"schema": _schema(model, components, "s")}}}
-        errors = set(route.errors)
+        # 400 everywhere: an unknown or repeated query parameter, or a request the HTTP
+        # parser refuses, on any route.
+        errors = set(route.errors) | {400}
         if route.body is not None:
-            errors |= {400, 413, 422}
+            errors |= {413, 422}
         if "{" in route.path:
             errors.add(404)
         if not route.public:

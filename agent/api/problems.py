@@ -11,6 +11,8 @@ from typing import Any, NamedTuple, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+# Body parsing lives in agent.api.body; handlers import it from here too.
+from agent.api.body import parse_body as parse_body  # noqa: PLC0414 - re-exported
 from agent.api.context import MAX_BODY_BYTES, REQUEST_ID
 from agent.errors import (
     AgentError,
@@ -138,21 +140,6 @@ def validation_problem(err: ValidationError, what: str = "body") -> InvalidReque
     if len(errors) > 1:
         detail += f" (and {len(errors) - 1} more)"
     return InvalidRequest(detail, errors)
-
-
-async def parse_body(request: web.Request, model: type[M]) -> M:
-    """Read and validate a JSON body; bad input raises a 4xx naming what is wrong."""
-    if request.content_type not in ("application/json", ""):
-        raise BadRequest(f"expected Content-Type application/json, got {request.content_type}")
-    raw = await request.read()
-    try:
-        data = json.loads(raw or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise BadRequest(f"body is not valid JSON: {err}") from err
-    try:
-        return model.model_validate(data)
-    except ValidationError as err:
-        raise validation_problem(err) from err
 
 
 @web.middleware

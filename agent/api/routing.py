@@ -16,15 +16,16 @@ from pydantic import BaseModel
 
 from agent.api.access import audit_log, peer_credentials, summarise_body
 from agent.api.context import AGENT, PRINCIPAL, REQUEST_ID
-from agent.errors import Forbidden, NotReady, StorageUnavailable
+from agent.errors import BadRequest, Forbidden, NotReady, StorageUnavailable
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 access_log = logging.getLogger("agent.access")
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}\Z")
 # Generated request ids: 32 hex digits, a random prefix per process and a counter (a uuid4 per
 # request cost a getrandom call and 4% of the event loop under load).
 _ID_PREFIX = secrets.token_hex(10)
 _ID_COUNTER = itertools.count()
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
 
 
 @dataclass(frozen=True)
@@ -120,8 +121,9 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
         elapsed_ms = (time.perf_counter() - started) * 1000
         spec = _spec_of(request)
         route = spec.path if spec else "unmatched"
-        request.app[AGENT].node.metrics.http_requests.labels(request.method, route,
-                                                             str(status)).inc()
+        # Any token is a method to aiohttp; the label set stays closed.
+        method = request.method if request.method in _METHODS else "other"
+        request.app[AGENT].node.metrics.http_requests.labels(method, route, str(status)).inc()
         peer = _peer(request)
         if spec.mutating if spec else request.method not in ("GET", "HEAD", "OPTIONS"):
             await _audit(request, status, peer, elapsed_ms)
@@ -140,17 +142,45 @@ def _peer(request: web.Request) -> str:
 
 
 async def _audit(request: web.Request, status: int, peer: str, elapsed_ms: float) -> None:
-    """One ``agent.audit`` line per mutating request: who, what, result (never a secret)."""
+    """One ``agent.audit`` line per mutating request: who, what, result (never a secret).
+    Nothing a client sends can stop the line being written: a body that cannot be read or
+    summarised is described by its size, and any failure here still writes the line."""
     try:
         raw = await request.read()
-    except (web.HTTPException, ConnectionError, RuntimeError):
-        raw = b""
+        body = summarise_body(raw, request.content_type)
+    except Exception as err:  # e.g. a body that is not the gzip it says it is; still audited
+        body = f"<unreadable body: {type(err).__name__}>"
     audit_log.info("audit", extra={
         "who": request[PRINCIPAL], "peer": peer, "method": request.method,
-        "path": request.path, "query": request.query_string or "-",
-        "body": summarise_body(raw, request.content_type), "status": status,
+        "path": request.path, "query": request.query_string[:512] or "-",
+        "body": body, "status": status,
         "result": "ok" if status < 400 else "refused" if status in (401, 403) else "failed",
         "duration_ms": round(elapsed_ms, 2), "request_id": request[REQUEST_ID]})
+
+
+@web.middleware
+async def query_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A query parameter the route does not take, or one given twice, is a 400 naming it: a
+    typo such as ``?dryrun=true`` must not run the request for real."""
+    spec = _spec_of(request)
+    if spec is not None and request.query:
+        known = {q.name for q in spec.query}
+        names = [name for name, _ in request.query.items()]
+        unknown = sorted({n for n in names if n not in known})
+        twice = sorted({n for n in names if n in known and names.count(n) > 1})
+        if unknown or twice:
+            errors = [{"field": _shown(n), "reason": "unknown query parameter"}
+                      for n in unknown[:8]]
+            errors += [{"field": n, "reason": "given more than once"} for n in twice]
+            takes = ", ".join(sorted(known)) or "none"
+            raise BadRequest(f"query parameter(s) {', '.join(e['field'] for e in errors)}: "
+                             f"{errors[0]['reason']}; {spec.path} takes {takes}",
+                             errors=errors)
+    return await handler(request)
+
+
+def _shown(name: str) -> str:
+    return name if len(name) <= 40 else name[:40] + "..."
 
 
 @web.middleware

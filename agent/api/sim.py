@@ -6,6 +6,7 @@ import asyncio
 
 from aiohttp import web
 
+from agent.api.body import parse_body
 from agent.api.context import AGENT
 from agent.api.models import (
     SimFault,
@@ -17,7 +18,6 @@ from agent.api.models import (
     SimState,
     SimXidRequest,
 )
-from agent.api.problems import parse_body
 from agent.api.routing import json_response
 from agent.device_names import ascii_integer
 from agent.errors import InvalidRequest, NotFound

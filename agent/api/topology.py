@@ -5,10 +5,10 @@ from __future__ import annotations
 from aiohttp import web
 from pydantic import BaseModel, Field
 
+from agent.api.body import parse_body
 from agent.api.context import AGENT, AgentContext
 from agent.api.models import Strict
 from agent.api.node import require_ready
-from agent.api.problems import parse_body
 from agent.api.routing import Route, json_response
 from agent.device_names import ascii_integer
 from agent.errors import InvalidRequest, NotReady

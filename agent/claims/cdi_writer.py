@@ -4,11 +4,15 @@ checkpoint and the hardware, rewritten after every MIG change."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import secrets
 from collections.abc import Sequence
 from pathlib import Path
 
 from agent.claims.checkpoint import PreparedDevice
+from agent.durable import ExclusiveLock, write_atomic
+from agent.errors import AgentError, StateLocked
 from agent.gpu.types import Gpu
 from cdi.build import CLAIM_KIND, NODE_KIND, NamedEdits, build_spec, claim_device
 from cdi.names import qualified, spec_file_name, transient_file_name
@@ -53,9 +57,57 @@ def find_driver_files(driver_root: Path) -> DriverFiles:
                        binaries=tuple(binaries))
 
 
+def agent_id(state_dir: Path) -> str:
+    """This agent's id, kept in its state directory (made on first use): the owner its CDI
+    specs are marked with, so another agent sharing the spec directory leaves them alone."""
+    path = state_dir / "agent.id"
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        text = ""
+    if text:
+        return text
+    made = f"gpu-agent-{secrets.token_hex(8)}"
+    try:
+        write_atomic(path, f"{made}\n".encode(), mode=0o644)
+    except OSError:
+        # A full state directory must not stop the agent; an id derived from the directory
+        # still tells this agent's specs from another's, and is written at a later start.
+        return f"gpu-agent-{hashlib.sha256(str(state_dir.absolute()).encode()).hexdigest()[:16]}"
+    return made
+
+
+class CdiDirectoryLock:
+    """One live agent per CDI directory: an ``flock`` on ``.gpu-agent.lock`` in it, held for
+    the agent's life. A second agent on the same ``--cdi-dir`` (with another state directory)
+    would remove the first one's specs as stale; it is refused at start instead."""
+
+    def __init__(self, spec_dir: Path, state_dir: Path) -> None:
+        self._lock = ExclusiveLock(spec_dir / ".gpu-agent.lock")
+        self._spec_dir = spec_dir
+        self._state_dir = state_dir
+
+    def acquire(self) -> None:
+        """Take the lock or raise :class:`AgentError` naming the other agent."""
+        try:
+            self._lock.acquire()
+        except StateLocked as err:
+            raise AgentError(
+                f"--cdi-dir {self._spec_dir} is in use by another running gpu-agent (pid "
+                f"{err.holder_pid}); each agent needs its own CDI directory, or stop "
+                f"the other agent first (this one's state directory is {self._state_dir})"
+            ) from err
+
+    def release(self) -> None:
+        self._lock.release()
+
+
 class CdiWriter:
-    def __init__(self, spec_dir: Path, proc_root: Path, driver_root: Path | None = None) -> None:
-        self.store = SpecStore(spec_dir, (NODE_KIND, CLAIM_KIND))
+    def __init__(self, spec_dir: Path, proc_root: Path, driver_root: Path | None = None, *,
+                 owner: str | None = None) -> None:
+        """``owner`` marks every spec written and limits removal to specs with that mark (or
+        none); without it the writer treats every spec of its kinds as its own."""
+        self.store = SpecStore(spec_dir, (NODE_KIND, CLAIM_KIND), owner=owner)
         self._proc_root = proc_root
         self._driver_root = driver_root
         self._host: HostDevices | None = None

@@ -64,14 +64,14 @@ def profile_name_problem(name: str) -> str | None:
     """Why ``name`` is not a mig-parted profile string, or None if it is one."""
     m = _PROFILE.fullmatch(name)
     if not m:
-        return f"{name!r} is not a MIG profile ({_PROFILE_FORMAT})"
+        return f"{_shown(name)} is not a MIG profile ({_PROFILE_FORMAT})"
     attrs = m["attrs"].split(",") if m["attrs"] else [m["neg"]] if m["neg"] else []
     unknown = [a for a in attrs if a not in _ATTRIBUTES]
     if unknown:
-        return (f"{name!r} has unknown attribute {unknown[0]!r} "
+        return (f"{_shown(name)} has unknown attribute {_shown(unknown[0])} "
                 f"(known: {join_words(_ATTRIBUTES, 'and')})")
     if len(set(attrs)) != len(attrs):
-        return f"{name!r} repeats an attribute"
+        return f"{_shown(name)} repeats an attribute"
     return None
 
 
@@ -102,7 +102,8 @@ class DeviceFilter:
     def parse(cls, text: str) -> DeviceFilter:
         m = _FILTER.fullmatch(text)
         if not m:
-            raise ValueError(f"{text!r} is not a PCI id (0xDDDDVVVV or 0xDDDDVVVV:0xSSSSVVVV)")
+            raise ValueError(f"{_shown(text)} is not a PCI id "
+                             "(0xDDDDVVVV or 0xDDDDVVVV:0xSSSSVVVV)")
         return cls(int(m["id"], 16), int(m["sub"], 16) if m["sub"] else None)
 
     def matches(self, gpu: GpuIdentity) -> bool:
@@ -128,6 +129,20 @@ class GpuIdentity:
 # --- the config model ----------------------------------------------------------------------
 
 
+def _shown(v: object) -> str:
+    """A client's value as an error message may show it: a short scalar as written, anything
+    else by its kind. The parsed input is never echoed whole (a YAML alias bomb's expansion
+    was a 1 GB error message, formatted on the event loop)."""
+    if isinstance(v, Mapping):
+        return "a mapping"
+    if isinstance(v, list | tuple):
+        return f"a list of {len(v)} item(s)"
+    if v is None or isinstance(v, bool | int | float | str):
+        text = repr(v)
+        return text if len(text) <= 40 else text[:40] + "..."
+    return f"a {type(v).__name__}"
+
+
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -149,13 +164,13 @@ class MigConfigEntry(BaseModel):
         if isinstance(v, str):
             if v == "all":
                 return v
-            raise ValueError(f'must be "all" or a list of GPU indices, got {v!r}')
+            raise ValueError(f'must be "all" or a list of GPU indices, got {_shown(v)}')
         if _is_int(v):
             raise ValueError(f"must be a list of GPU indices such as [{v}] or \"all\"; "
                              "a bare number is not accepted")
         if not isinstance(v, list | tuple):
-            raise ValueError(f'must be "all" or a list of GPU indices, got {v!r}')
-        problems = [f"{i!r} is not a GPU index (a whole number ≥ 0)"
+            raise ValueError(f'must be "all" or a list of GPU indices, got {_shown(v)}')
+        problems = [f"{_shown(i)} is not a GPU index (a whole number ≥ 0)"
                     for i in v if not _is_int(i) or i < 0]
         twice = sorted({i for i in v if _is_int(i) and v.count(i) > 1})
         if twice:
@@ -171,7 +186,7 @@ class MigConfigEntry(BaseModel):
             return None
         items = v if isinstance(v, list | tuple) else [v]
         if not isinstance(v, str | int | list | tuple) or isinstance(v, bool):
-            raise ValueError(f"must be a PCI id or a list of them, got {v!r}")
+            raise ValueError(f"must be a PCI id or a list of them, got {_shown(v)}")
         if not items:
             raise ValueError("must name at least one PCI id (leave it out to match every GPU)")
         problems = []
@@ -180,7 +195,7 @@ class MigConfigEntry(BaseModel):
                 problems.append(f"{item} is a number; quote the PCI id: \"0x{item:08X}\"")
                 continue
             if not isinstance(item, str):
-                problems.append(f"{item!r} is not a PCI id string such as \"0x233010DE\"")
+                problems.append(f"{_shown(item)} is not a PCI id string such as \"0x233010DE\"")
                 continue
             try:
                 DeviceFilter.parse(item)
@@ -194,7 +209,7 @@ class MigConfigEntry(BaseModel):
     @classmethod
     def _mig_enabled(cls, v: Any) -> Any:
         if not isinstance(v, bool):
-            raise ValueError(f"must be true or false, got {v!r}")
+            raise ValueError(f"must be true or false, got {_shown(v)}")
         return v
 
     @field_validator("mig_devices", mode="before")
@@ -203,17 +218,17 @@ class MigConfigEntry(BaseModel):
         if v is None:
             return None
         if not isinstance(v, Mapping):
-            raise ValueError(f"must be a mapping of MIG profile to count, got {v!r}")
+            raise ValueError(f"must be a mapping of MIG profile to count, got {_shown(v)}")
         problems = []
         for name, n in v.items():
             if not isinstance(name, str):
-                problems.append(f"{name!r} is not a MIG profile ({_PROFILE_FORMAT})")
+                problems.append(f"{_shown(name)} is not a MIG profile ({_PROFILE_FORMAT})")
                 continue
             problem = profile_name_problem(name)
             if problem:
                 problems.append(problem)
             if not _is_int(n) or n < 0:
-                problems.append(f"count of {name} must be a whole number ≥ 0, got {n!r}")
+                problems.append(f"count of {name} must be a whole number ≥ 0, got {_shown(n)}")
         if not problems and v and not any(v.values()):
             problems.append("all counts are 0; write {} for MIG enabled with no devices")
         if problems:
@@ -273,7 +288,7 @@ class MigConfigFile(BaseModel):
     @classmethod
     def _version(cls, v: Any) -> Any:
         if v != VERSION:
-            raise ValueError(f'unsupported version {v!r}; only "{VERSION}" is known')
+            raise ValueError(f'unsupported version {_shown(v)}; only "{VERSION}" is known')
         return v
 
     @field_validator("mig_configs", mode="before")
@@ -282,7 +297,7 @@ class MigConfigFile(BaseModel):
         if isinstance(v, Mapping):
             bad = [k for k in v if not isinstance(k, str) or not k]
             if bad:
-                raise ValueError(f"label {bad[0]!r} is not a non-empty string")
+                raise ValueError(f"label {_shown(bad[0])} is not a non-empty string")
         return v
 
     @property
@@ -315,7 +330,7 @@ def _no_duplicates(loader: Any, node: Any) -> dict[Any, Any]:
         if duplicate:
             raise yaml.constructor.ConstructorError(
                 "while constructing a mapping", node.start_mark,
-                f"found duplicate key {key!r}", key_node.start_mark)
+                f"found duplicate key {_shown(key)}", key_node.start_mark)
     return dict(loader.construct_mapping(node, deep=True))
 
 
@@ -331,10 +346,58 @@ def _loader() -> Any:
     return _Loader
 
 
+#: Bounds on a config given as text. mig-parted configs are small and flat: the standard set
+#: for a GPU model is a few kB, four levels deep, and uses no anchors.
+MAX_CONFIG_CHARS = 64 * 1024
+MAX_CONFIG_DEPTH = 16
+MAX_CONFIG_NODES = 20_000
+
+
+def _refuse(reason: str) -> InvalidRequest:
+    return InvalidRequest(f"config refused: {reason}", errors=[{"field": "config",
+                                                                "reason": reason}])
+
+
+def _check_events(text: str) -> None:
+    """Walk the YAML events (no objects are built) and refuse anchors and aliases (a few
+    hundred bytes of aliases expand to gigabytes), nesting deeper than
+    :data:`MAX_CONFIG_DEPTH` and more than :data:`MAX_CONFIG_NODES` nodes."""
+    import yaml  # noqa: PLC0415
+
+    parser = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    depth = nodes = 0
+    events = yaml.parse(text, Loader=parser)
+    while True:
+        try:
+            event = next(events)
+        except StopIteration:
+            return
+        except yaml.YAMLError:
+            return  # not YAML: the loader says where and why, in the words the tests know
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            mark = event.start_mark
+            where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+            raise _refuse(f"{where}YAML anchors and aliases are not accepted (a mig-parted "
+                          "config needs none)")
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_CONFIG_DEPTH:
+                raise _refuse(f"nested more than {MAX_CONFIG_DEPTH} deep")
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+        if isinstance(event, yaml.NodeEvent):
+            nodes += 1
+            if nodes > MAX_CONFIG_NODES:
+                raise _refuse(f"more than {MAX_CONFIG_NODES} YAML nodes")
+
+
 def _load_yaml(text: str) -> Any:
     import yaml  # noqa: PLC0415
 
+    if len(text) > MAX_CONFIG_CHARS:
+        raise _refuse(f"{len(text)} characters (at most {MAX_CONFIG_CHARS})")
     try:
+        _check_events(text)
         return yaml.load(text, Loader=_loader())  # a SafeLoader
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
@@ -385,9 +448,9 @@ def _reason(error: Any) -> str:
     if kind == "too_short":
         return "needs at least one label" if len(loc) == 1 else "needs at least one entry"
     if kind in ("dict_type", "model_type", "model_attributes_type"):
-        return f"must be a mapping, got {error['input']!r}"
+        return f"must be a mapping, got {_shown(error['input'])}"
     if kind in ("list_type", "tuple_type"):
-        return f"must be a list of entries, got {error['input']!r}"
+        return f"must be a list of entries, got {_shown(error['input'])}"
     return str(error["msg"])
 
 
@@ -425,7 +488,9 @@ def select(config: MigConfigFile, label: str,
     """
     entries = config.mig_configs.get(label)
     if entries is None:
-        known = join_words(config.labels)
+        labels = [_shown(name) for name in config.labels[:10]]
+        more = len(config.labels) - len(labels)
+        known = join_words(labels) + (f" and {more} more" if more else "")
         raise InvalidRequest(f"unknown MIG config {label!r}; the config has {known}",
                              errors=[{"field": "label", "reason": f"must be one of: {known}"}])
     by_index = {g.index: g for g in gpus}
@@ -484,7 +549,7 @@ def check_profiles(selection: Mapping[int, Desired], catalogs: Mapping[int, Cata
             if catalog is None or catalog.knows(name):
                 continue
             known = join_words(catalog.names)
-            reason = f"GPU {index} offers no MIG profile {name!r}; it offers {known}"
+            reason = f"GPU {index} offers no MIG profile {_shown(name)}; it offers {known}"
             m = _PROFILE.fullmatch(name)
             if m and m["c"] is not None:
                 reason += " (compute-instance sub-profiles are not supported)"

@@ -152,6 +152,29 @@ def test_store_writes_atomically_lists_only_its_own_and_removes_idempotently(
         store.write(_node_spec().model_copy(update={"cdi_version": "0.6.0"}))
 
 
+def _claim_spec(uid: str) -> Spec:
+    return build_spec(CLAIM_KIND, [NamedEdits((f"{uid}-gpu-0",), gpu_edits(0))],
+                      common_edits(HOST))
+
+
+def test_stores_with_owners_touch_only_their_own_specs(tmp_path: Path) -> None:
+    """Two owners on one directory: each lists and removes only the specs it marked; a spec
+    without a mark (written before marks) is adopted; removing a spec removes its mark."""
+    first = SpecStore(tmp_path, (NODE_KIND, CLAIM_KIND), owner="agent-a")
+    second = SpecStore(tmp_path, (NODE_KIND, CLAIM_KIND), owner="agent-b")
+    mine = first.write(_claim_spec("a1"), spec_id="a1")
+    theirs = second.write(_claim_spec("b1"), spec_id="b1")
+    legacy = SpecStore(tmp_path, (CLAIM_KIND,)).write(_claim_spec("old"), spec_id="old")
+    assert first.owner_of(mine) == "agent-a" and first.owner_of(legacy) is None
+    assert first.owned() == sorted([mine, legacy])
+    assert second.owned() == sorted([theirs, legacy])
+    assert not first.remove(theirs) and theirs.exists()
+    assert first.remove(mine) and not mine.exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [
+        f".{theirs.name}.owner"]
+    assert second.remove(legacy) and not legacy.exists()
+
+
 def test_specs_validate_against_the_upstream_schema(
         cdi_schema: Callable[[dict[str, Any]], None]) -> None:
     cdi_schema(json.loads(_node_spec().to_json()))

@@ -68,6 +68,8 @@ def test_unit_has_what_the_agent_relies_on() -> None:
                        "NoNewPrivileges": "yes", "MemoryDenyWriteExecute": "yes"}.items():
         assert d.get(key) == [value], key
     assert "WatchdogSec" in d
+    # Over systemd's 1,024 default, so the API listeners' connection caps are not squeezed.
+    assert int(d["LimitNOFILE"][0]) >= 4096
     assert d["ReadWritePaths"] == ["/var/run/cdi"]
     assert d["SystemCallFilter"][0] == "@system-service"
     assert "CAP_SYS_ADMIN" in d["CapabilityBoundingSet"][0]
