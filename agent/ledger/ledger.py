@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,16 +153,10 @@ class NodeLedger:
             return list(self.gpu(gpu).holds)
         return [h for entry in self._gpus.values() for h in entry.holds]
 
-    def holds_of(self, holder: str) -> list[Hold]:
-        return [h for h in self.holds() if h.holder == holder]
-
-    def conflicting(self, key: DeviceKey, *, except_holder: str | None = None) -> list[Hold]:
-        """The holds that overlap ``key`` (the whole GPU overlaps everything on it)."""
-        return [h for h in self.gpu(key.gpu).holds
-                if h.holder != except_holder and h.key.conflicts(key)]
-
     def holders(self, key: DeviceKey) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(h.holder for h in self.conflicting(key)))
+        """The claims whose holds overlap ``key`` (the whole GPU overlaps all on it)."""
+        return tuple(dict.fromkeys(h.holder for h in self.gpu(key.gpu).holds
+                                   if h.key.conflicts(key)))
 
     def take(self, hold: Hold, *, name: str, capacity: Mapping[str, int] | None = None) -> None:
         """Register ``hold`` (``name`` is how the caller named the device, for the message),
@@ -340,10 +334,3 @@ class NodeLedger:
         reason, entry.quarantine = entry.quarantine, None
         return reason
 
-
-def holders_by_placement(holds: Sequence[Hold]) -> dict[Placement | None, list[str]]:
-    """Claim UIDs per held placement (None: the whole GPU)."""
-    found: dict[Placement | None, list[str]] = {}
-    for hold in holds:
-        found.setdefault(hold.key.placement, []).append(hold.holder)
-    return found

@@ -1,0 +1,192 @@
+"""The per-GPU ledger as a specification: one key space, holds that never overlap, shares
+within capacity, the transition's ownership and marks, and one availability answer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agent.errors import Conflict, DeviceBusy, DeviceUnavailable
+from agent.events import EventLog
+from agent.gpu.types import Gpu, GpuStatic, Health, MigDevice, MigMode, Placement
+from agent.ledger.keys import DeviceKey
+from agent.ledger.ledger import Hold, NodeLedger, Share
+
+A, B = "GPU-a", "GPU-b"
+
+
+HEALTHY = Health(True)
+
+
+def _gpu(uuid: str = A, *, index: int = 0, mig_capable: bool = True,
+         health: Health = HEALTHY) -> Gpu:
+    static = GpuStatic(index=index, minor=index, uuid=uuid, name="NVIDIA H100 80GB HBM3",
+                       brand="nvidia", architecture="hopper", cuda_compute_capability="9.0",
+                       pci_bus_id=f"00000000:0{index}:00.0", pci_device_id=0, pci_subsystem_id=0,
+                       memory_total_mib=81559, numa_node=0, cpu_affinity="0-7",
+                       mig_capable=mig_capable)
+    return Gpu(static=static, mig_mode=MigMode(True, True), mig_devices=(), health=health)
+
+
+def _device(start: int, size: int) -> MigDevice:
+    return MigDevice(index=0, uuid=f"MIG-{start}", profile="1g.10gb", gi_id=9, ci_id=0,
+                     placement=Placement(start, size), memory_mib=9856, multiprocessors=16)
+
+
+def _ledger(tmp_path: Path, **kwargs: object) -> NodeLedger:
+    return NodeLedger(quarantine_path=tmp_path / "quarantine.json", events=EventLog(),
+                      **kwargs)  # type: ignore[arg-type]
+
+
+WHOLE = None
+CONFLICTS = [
+    # (gpu, placement) x (gpu, placement) -> conflict?
+    ((A, WHOLE), (A, WHOLE), True),
+    ((A, WHOLE), (A, (0, 1)), True),  # the whole GPU overlaps everything on it
+    ((A, (0, 4)), (A, (3, 1)), True),  # a 3g and a 1g inside it
+    ((A, (0, 4)), (A, (4, 4)), False),  # adjacent halves
+    ((A, (2, 2)), (A, (2, 2)), True),  # an existing MIG device and a slice at the same place
+    ((A, WHOLE), (B, WHOLE), False),
+    ((A, (0, 8)), (B, (0, 8)), False),
+]
+
+
+@pytest.mark.parametrize(("one", "other", "conflict"), CONFLICTS)
+def test_keys_conflict_when_they_share_memory_slices(one: tuple, other: tuple,
+                                                     conflict: bool) -> None:
+    """Two keys conflict exactly when they are on one GPU and either is the whole GPU or
+    their slices overlap (in both orders)."""
+    def key(spec: tuple) -> DeviceKey:
+        gpu, placement = spec
+        return DeviceKey(gpu, None if placement is None else Placement(*placement))
+    assert key(one).conflicts(key(other)) is conflict
+    assert key(other).conflicts(key(one)) is conflict
+
+
+def test_a_device_is_held_once_and_a_share_only_within_capacity(tmp_path: Path) -> None:
+    """An exclusive hold refuses every overlapping hold of another claim, naming it; a
+    repeat of the same hold is a no-op; shares of one device add up to its capacity."""
+    ledger = _ledger(tmp_path)
+    slot = DeviceKey(A, Placement(0, 2))
+    ledger.take(Hold("c1", slot), name="gpu-0-mig")
+    ledger.take(Hold("c1", slot), name="gpu-0-mig")
+    with pytest.raises(DeviceBusy, match="c1") as caught:
+        ledger.take(Hold("c2", DeviceKey(A)), name="gpu-0")
+    assert list(caught.value.holders) == ["c1"]
+    whole = DeviceKey(B)
+    memory = {"memory_mib": 40000}
+    ledger.take(Hold("s1", whole, shares=(Share("memory_mib", 20000),)), name="b", capacity=memory)
+    ledger.take(Hold("s2", whole, shares=(Share("memory_mib", 20000),)), name="b", capacity=memory)
+    with pytest.raises(DeviceBusy):
+        ledger.take(Hold("s3", whole, shares=(Share("memory_mib", 1),)), name="b",
+                    capacity=memory)
+    with pytest.raises(DeviceBusy):  # an exclusive claim never joins shares
+        ledger.take(Hold("x", whole), name="b")
+    assert ledger.holders(DeviceKey(A)) == ("c1",)
+
+
+@given(st.lists(st.tuples(st.sampled_from(["c1", "c2", "c3"]),
+                          st.one_of(st.none(), st.tuples(st.integers(0, 7),
+                                                         st.sampled_from([1, 2, 4, 8]))))))
+def test_no_two_claims_ever_hold_overlapping_devices(takes: list) -> None:
+    """Whatever order claims take devices in, the holds left never overlap between claims."""
+    ledger = NodeLedger(quarantine_path=Path("/nonexistent/q.json"), events=EventLog())
+    for holder, placement in takes:
+        spec = None if placement is None else Placement(placement[0], min(placement[1],
+                                                                          8 - placement[0]))
+        with contextlib.suppress(DeviceBusy):
+            ledger.take(Hold(holder, DeviceKey(A, spec)), name="d")
+    holds = ledger.holds(A)
+    for i, one in enumerate(holds):
+        for other in holds[i + 1:]:
+            assert one.holder == other.holder or not one.key.conflicts(other.key)
+
+
+def test_releasing_holds_still_keep_others_off_but_no_longer_block_changes(
+        tmp_path: Path) -> None:
+    """A claim being unprepared keeps its device from others until it is gone, and stops
+    counting among the holds a transition must keep or wait for."""
+    ledger = _ledger(tmp_path)
+    key = DeviceKey(A, Placement(4, 4))
+    ledger.take(Hold("c1", key, profile="3g.40gb"), name="d")
+    ledger.settle("c1")
+    assert [h.state for h in ledger.holds(A)] == ["prepared"]
+    ledger.settle("c1", "releasing")
+    assert ledger.keeping(A) == []
+    with pytest.raises(DeviceBusy):
+        ledger.take(Hold("c2", key), name="d")
+    ledger.release("c1")
+    ledger.take(Hold("c2", key), name="d")
+
+
+def test_availability_is_one_answer(tmp_path: Path) -> None:
+    """Lost, unhealthy (the XID), quarantined and a transition's marks make a device
+    unavailable, each with its reason; holders are reported beside them."""
+    xids = {A: ("XID 48: Double Bit ECC Error",)}
+    lost = {B: "GPU_IS_LOST"}
+    ledger = _ledger(tmp_path, xid_reasons=lambda g: xids.get(g, ()),
+                     lost_reason=lost.get)
+    gpu_a, gpu_b = _gpu(A), _gpu(B, index=1)
+    assert ledger.availability(gpu_a).reasons == ("XID 48: Double Bit ECC Error",)
+    assert ledger.availability(gpu_b).reasons == ("GPU is lost: GPU_IS_LOST",)
+    with pytest.raises(DeviceUnavailable, match="XID 48"):
+        ledger.check_usable(gpu_a)
+    xids.clear()
+    device = _device(2, 1)
+    ledger.name_transition(A, "t1", drain=[device.placement])
+    with pytest.raises(DeviceBusy, match="drained by MIG transition t1"):
+        ledger.check_usable(gpu_a, device)
+    ledger.name_transition(A, "t1", create=[device.placement])
+    assert "being created by MIG transition t1" in ledger.availability(gpu_a, device).reasons[0]
+    ledger.end_transition(A, changed=False)
+    ledger.take(Hold("c1", DeviceKey(A, device.placement)), name="d")
+    available = ledger.availability(gpu_a, device)
+    assert available.reasons == () and available.holders == ("c1",) and not available.available
+
+
+async def test_one_transition_owns_a_gpu_and_slices_wait_or_are_refused(tmp_path: Path) -> None:
+    """While a transition owns a GPU a second one is a conflict and making a slice is
+    refused; destroying one waits for the transition to end."""
+    ledger = _ledger(tmp_path)
+    changed: list[str] = []
+    ledger.watchers.append(changed.append)
+    await ledger.begin_transition(A)
+    with pytest.raises(Conflict, match="being planned"):
+        await ledger.begin_transition(A)
+    ledger.name_transition(A, "t1")
+    with pytest.raises(DeviceBusy, match="t1"):
+        async with ledger.slice_change(A):
+            pass
+    done = asyncio.Event()
+
+    async def destroy() -> None:
+        async with ledger.slice_change(A, wait=True):
+            done.set()
+    waiting = asyncio.ensure_future(destroy())
+    await asyncio.sleep(0.01)
+    assert not done.is_set()
+    ledger.end_transition(A, changed=True)
+    await waiting
+    assert done.is_set() and changed == [A, A]
+
+
+async def test_unreadable_quarantine_state_quarantines_every_mig_gpu(tmp_path: Path) -> None:
+    """Which GPUs were quarantined can no longer be known: every MIG-capable GPU is, durably,
+    until an operator clears each; a GPU without MIG is not."""
+    (tmp_path / "quarantine.json").write_bytes(b"{torn")
+    ledger = _ledger(tmp_path)
+    await ledger.register([_gpu(A), _gpu(B, index=1, mig_capable=False)])
+    assert "unreadable" in (ledger.quarantined(A) or "")
+    assert ledger.quarantined(B) is None
+    again = _ledger(tmp_path)  # a restart reads the marks written at the first
+    await again.register([_gpu(A), _gpu(B, index=1, mig_capable=False)])
+    assert again.quarantined(A) is not None
+    assert "unreadable" in await again.clear_quarantine(A)
+    third = _ledger(tmp_path)
+    await third.register([_gpu(A)])
+    assert third.quarantined(A) is None
