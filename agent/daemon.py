@@ -113,7 +113,7 @@ async def _become_ready(node: Node) -> None:
         node.readiness.storage_blocked = (err.errno or 0, err.path) \
             if isinstance(err, StorageUnavailable) else None
         node.readiness.set(reason)
-        log.warning(what, extra={"attempt": state.attempt_number, "error": str(err)})
+        log.warning(what.lower(), extra={"attempt": state.attempt_number, "error": str(err)})
 
     # A full state directory is retried like a missing driver: the agent stays up, serving
     # what needs no reconciliation, and /readyz says which write recovery is waiting for.

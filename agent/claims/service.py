@@ -402,7 +402,7 @@ class ClaimService:
                     if any(i.placement.overlaps(placement) for i in geometry.instances):
                         self._ledger.release(uid, _key(device))
                         continue  # the hardware changed under the choice: choose again
-                    await self._create(record, device, gpu, placement)
+                    await self._create(record, device, gpu, geometry)
                     return
             except DeviceBusy:  # a transition took the GPU meanwhile
                 if device not in record.devices:
@@ -447,7 +447,7 @@ class ClaimService:
         return next(g for g in idle if g.index == choice.index), choice.placement
 
     async def _create(self, record: ClaimRecord, device: PreparedDevice, gpu: Gpu,
-                      placement: Placement) -> None:
+                      current: Geometry) -> None:
         """Make the reserved slice. Recorded, durably, before the GI exists: a crash from
         here on is rolled back at start-up (the journal, then this record), destroying
         exactly this slice, never anything else."""
@@ -456,9 +456,11 @@ class ClaimService:
         self.checkpoint.data.claims[record.uid] = record
         await self.checkpoint.commit()
         mutator = GpuMutator(self._session, gpu.uuid, gpu.profiles)
+        made = device.slice
         try:
             created = await self._session.mutate(gpu.uuid, partial(
-                create_slice, mutator, self._journal, device.slice.profile, placement))
+                create_slice, mutator, self._journal, current, made.profile,
+                profile_id=made.profile_id, placement=Placement(made.start, made.size)))
         except RestoreFailed as err:
             reason = (f"making slice {device.device_name} for claim {record.uid} failed and "
                       f"could not be undone: {err}")
@@ -544,7 +546,8 @@ class ClaimService:
                 async with self._ledger.slice_change(gpu, wait=True):
                     await self._session.mutate(gpu, partial(
                         destroy_slice, mutator, self._journal, device.slice.profile,
-                        Placement(device.slice.start, device.slice.size)))
+                        profile_id=device.slice.profile_id,
+                        placement=Placement(device.slice.start, device.slice.size)))
         self._ledger.release(record.uid)
         self.cdi.store.remove(self.cdi.claim_path(record.uid))  # on the loop, as it is written
         if self.checkpoint.data.claims.get(record.uid) is record:

@@ -108,6 +108,10 @@ class GpuMutator:
         return geometry_of(catalog_of(self.profiles), mig_enabled=self.mig_enabled(),
                            instances=self.instances(), held_gi_ids=held_gi_ids)
 
+    def layout(self, instances: Sequence[GpuInstanceState]) -> Geometry:
+        """The geometry of instances just walked, MIG on (no NVML call)."""
+        return geometry_of(catalog_of(self.profiles), mig_enabled=True, instances=instances)
+
     def ci_profiles(self) -> dict[str, list[int]]:
         """CI profile ids of every current GI, keyed ``profile@start:size``: what a rollback
         needs to re-create exactly what was there."""
