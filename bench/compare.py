@@ -325,6 +325,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"# {args.rounds} round{'s' if args.rounds != 1 else ''}, order swapped each "
               f"round, {minutes:.1f} min; {machine()}",
               f"# sizes per run: {described}",
+              "# driven through: " + "; ".join(
+                  f"{side} {', '.join(sorted({v[side] for v in via.values()}))}"
+                  for side in ("baseline", "current")),
               f"# load average (1 min) after each run: median {statistics.median(loads):.1f}, "
               f"max {max(loads):.1f} (the compare's own client and agent count)",
               f"# every figure lower-is-better; ratio = current / baseline medians; gate: "
