@@ -540,6 +540,43 @@ def report(result: ClaimsResult, disk: str = "?") -> list[str]:
     return lines
 
 
+# What ``bench.compare`` compares against a baseline tree: 1 client's prepare and unprepare
+# p50 per scenario, the cycle time (the inverse of throughput) with the most clients, the
+# agent's CPU per cycle, and the in-process prepare/unprepare p50. A baseline tree without
+# this function is measured through the same fields by ``bench/compare_driver.py``.
+COMPARE_CLIENTS = (1, 16)
+COMPARE_CYCLES = 128
+COMPARE_SAMPLES = 300
+
+
+def figures_of(result: ClaimsResult) -> dict[str, float]:
+    """The compared figures of one run, each lower-is-better (ms)."""
+    out: dict[str, float] = {}
+    most = max(r.clients for r in result.http)
+    for r in result.http:
+        if r.clients == 1:
+            out[f"http {r.scenario} prepare p50 ms, 1 client"] = r.prepare_p50_s * 1e3
+            out[f"http {r.scenario} unprepare p50 ms, 1 client"] = r.unprepare_p50_s * 1e3
+        if r.clients == most:
+            out[f"http {r.scenario} ms per cycle, {most} clients"] = (
+                1e3 / r.throughput if r.throughput else math.inf)
+            out[f"http {r.scenario} agent CPU ms per cycle, {most} clients"] = (
+                r.cpu_per_cycle_s * 1e3)
+    p = result.in_process
+    out["in-process prepare p50 ms"] = p.prepare_p50_s * 1e3
+    out["in-process unprepare p50 ms"] = p.unprepare_p50_s * 1e3
+    return out
+
+
+def figures(clients: Sequence[int] = COMPARE_CLIENTS, cycles: int = COMPARE_CYCLES,
+            samples: int = COMPARE_SAMPLES) -> dict[str, float]:
+    """One short run for ``bench.compare`` (one prepare per in-process batch kind): name ->
+    value, lower is better."""
+    result = run(clients, cycles, samples, concurrent=(1,), repeats=1,
+                 directory=Path(tempfile.gettempdir()))
+    return figures_of(result)
+
+
 def main(clients: Sequence[int] = CLIENTS, cycles: int = CYCLES, samples: int = SAMPLES) -> None:
     directory = Path(tempfile.gettempdir())
     result = run(clients, cycles, samples, directory=directory)

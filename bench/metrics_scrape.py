@@ -103,8 +103,9 @@ class Agent:
                     found.append(float(json.loads(line)["duration_ms"]))
         return found
 
-    def collection_rounds(self) -> float:
-        """Mean wall time of a collection round (ms), from the agent's own histogram."""
+    def collection_totals(self) -> tuple[float, float]:
+        """Seconds spent in collection rounds so far and their count, from the agent's own
+        histogram."""
         host, port = self.metrics.rsplit(":", 1)
         conn = http.client.HTTPConnection(host, int(port), timeout=60)
         conn.request("GET", "/metrics")
@@ -115,7 +116,12 @@ class Agent:
             for suffix in ("sum", "count"):
                 if line.startswith(f"gpu_agent_collection_duration_seconds_{suffix} "):
                     found[suffix] = float(line.split()[1])
-        return found["sum"] / found["count"] * 1000
+        return found["sum"], found["count"]
+
+    def collection_rounds(self) -> float:
+        """Mean wall time of a collection round (ms), from the agent's own histogram."""
+        seconds, count = self.collection_totals()
+        return seconds / count * 1000
 
     def log_size(self) -> int:
         return self.log.stat().st_size
@@ -249,6 +255,47 @@ def in_process() -> list[str]:
     rows.append(f"{'prometheus-client generate_latest':<34} {count:>6} "
                 f"{_pct(baseline, 0.5):>9.2f} {_pct(baseline, 0.99):>9.2f}")
     return rows
+
+
+def figures(scrapes: int = 200, rounds: int = 2) -> dict[str, float]:
+    """For ``bench.compare``: the real agent's scrape p50s (server and client side, plain and
+    gzip), its RSS after them, the mean collection round over the next ``rounds`` rounds (0:
+    every round so far), and the in-process render and cached-scrape p50s at
+    dcgm-exporter's scale; name -> value, lower is better."""
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        agent = Agent(Path(tmp) / "state")
+        try:
+            agent.split_all()
+            # Rounds from here on see all 56 MIG devices; the scrapes wait for one of them.
+            seconds0, count0 = agent.collection_totals() if rounds else (0.0, 0.0)
+            time.sleep(INTERVAL_S + 0.5)
+            for encoding in ("", "gzip"):
+                mark = agent.log_size()
+                client, _, _ = agent.scrapes(scrapes, encoding)
+                server = agent.server_ms(mark)
+                out[f"scrape {encoding or 'plain'} srv p50 ms"] = _pct(server, 0.5)
+                out[f"scrape {encoding or 'plain'} cli p50 ms"] = _pct(client, 0.5) * 1000
+            out["agent RSS MiB after the scrapes"] = agent.rss_mib()
+            deadline = time.monotonic() + rounds * INTERVAL_S + 10
+            seconds, count = agent.collection_totals()
+            while count < count0 + rounds and time.monotonic() < deadline:
+                time.sleep(0.5)
+                seconds, count = agent.collection_totals()
+            if count <= count0:
+                raise RuntimeError(f"no collection round in {rounds * INTERVAL_S + 10:g} s")
+            out["collection round mean ms"] = (seconds - seconds0) / (count - count0) * 1000
+        finally:
+            agent.stop()
+    series = [DeviceSeries(labels_text(pairs), values) for pairs, values in dcgm_scale_entities()]
+    metrics = AgentMetrics()
+    block = CachedBlock(render(series))
+    out["in-process render + gzip p50 ms"] = _pct(
+        _timed(lambda: CachedBlock(render(series)), 50), 0.5)
+    for label, encoding in (("plain", ""), ("gzip", "gzip")):
+        served = _timed(partial(scrape, block, metrics.registry, accept_encoding=encoding), 500)
+        out[f"in-process scrape from cache {label} p50 ms"] = _pct(served, 0.5)
+    return out
 
 
 def main(idle_s: float = IDLE_S, soak_s: float = SOAK_S) -> None:

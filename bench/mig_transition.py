@@ -94,6 +94,26 @@ def measure(agent: AgentProcess,
     return Sample(name, hardware, one, every)
 
 
+def figures(runs: int = 1, scenarios: int = len(SCENARIOS)) -> dict[str, float]:
+    """For ``bench.compare``: the agent's overhead (wall time minus the simulated hardware
+    time) of the first ``scenarios`` changes, on one GPU and on all 8 at once, median of
+    ``runs``; name -> ms, lower is better."""
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        agent = start_agent(Path(tmp) / "state")
+        try:
+            for scenario in SCENARIOS[:scenarios]:
+                samples = [measure(agent, scenario) for _ in range(runs)]
+                hardware = samples[0].hardware_s
+                one = statistics.median(s.one_gpu_s for s in samples)
+                every = statistics.median(s.all_gpus_s for s in samples)
+                out[f"1 GPU overhead ms: {scenario[0]}"] = (one - hardware) * 1e3
+                out[f"8 GPUs overhead ms: {scenario[0]}"] = (every - hardware) * 1e3
+        finally:
+            agent.stop()
+    return out
+
+
 def main(runs: int = 3) -> None:
     print(f"# MIG transition overhead: simulated latencies {LATENCY_S} s; median of {runs} "
           f"runs; {os.cpu_count()} CPUs {platform.processor() or platform.machine()}, "
