@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import agent
 from agent.claims.attribution import claim_attribution
@@ -56,6 +56,8 @@ class Node:
     topology: TopologyService
     slices: SliceService
     xids: XidWatcher
+    #: Background work started by :meth:`start` and stopped by :meth:`stop`.
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     @property
     def sim(self) -> SimulatedNode | None:
@@ -88,6 +90,8 @@ class Node:
         self.readiness.set("collecting metrics")
         await self.collector.start()
         self.xids.start(gpu.static for gpu in self.inventory.gpus)
+        self.publish_availability()
+        self.tasks.append(asyncio.create_task(self._publish_availability()))
         # From here on mutations are served: in the same step as /readyz turns ready, so
         # nothing is acknowledged while the agent still reports itself not ready.
         self.readiness.reconciled = True
@@ -108,6 +112,13 @@ class Node:
             self.metrics.gpu_available.labels(str(gpu.index), gpu.uuid).set(
                 0 if self.ledger.condition(gpu) else 1)
 
+    async def _publish_availability(self) -> None:
+        """Keep the gauge as fresh as the DCGM series (one collection interval), off the
+        scrape path: a scrape serves what is there."""
+        while True:
+            await asyncio.sleep(self.settings.collect_interval_s)
+            self.publish_availability()
+
     async def watch_drift(self) -> None:
         """Report MIG geometries changed behind the agent's back (nvidia-smi, mig-parted)."""
         while True:
@@ -121,6 +132,12 @@ class Node:
     async def stop(self) -> None:
         """Stop background work (transitions in flight are abandoned; the journal resolves
         them at the next start), metrics, XIDs and NVML."""
+        for task in self.tasks:
+            task.cancel()
+        for task in self.tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self.tasks.clear()
         await self.mig.close()
         self.xids.stop()
         self.collector.stop()

@@ -60,7 +60,6 @@ async def list_events(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     """The collector's last snapshot (never an NVML call) and the live gpu_agent_* registry."""
     ctx = request.app[AGENT]
-    ctx.node.publish_availability()
     body, headers = exposition.scrape(ctx.node.collector.snapshot.block, ctx.node.metrics.registry,
                                       accept_encoding=request.headers.get("Accept-Encoding", ""))
     return web.Response(body=body, headers=headers)

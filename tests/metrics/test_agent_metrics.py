@@ -186,3 +186,22 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def test_gpu_available_follows_the_ledger(tmp_path: Path) -> None:
+    """gpu_agent_gpu_available is the ledger's availability: 1 for every GPU at start, 0 for
+    a GPU a critical XID (48, which leaves it on the bus) made unavailable, within one
+    collection interval."""
+    agent = start_agent(tmp_path / "state", extra=["--collect-interval", "0.2"])
+    try:
+        def available() -> dict[str, float]:
+            out = parse(agent.request("GET", "/metrics").body)
+            return {s.labels["gpu"]: s.value for s in out.named("gpu_agent_gpu_available")}
+
+        assert available() == {str(i): 1.0 for i in range(8)}
+        uuid = agent.request("GET", "/v1/gpus/2").body["uuid"]
+        assert agent.request("POST", "/v1/sim/xid", {"gpu": uuid, "xid": 48}).status == 202
+        wait_for(lambda: available().get("2") == 0.0, "GPU 2 unavailable", timeout=5)
+        assert available() == {**{str(i): 1.0 for i in range(8)}, "2": 0.0}
+    finally:
+        agent.stop()
