@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple, TypeVar
 
 from aiohttp import web
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 # Body parsing lives in agent.api.body; handlers import it from here too.
 from agent.api.body import parse_body as parse_body  # noqa: PLC0414 - re-exported
@@ -125,21 +125,6 @@ def problem_response(request: web.Request, *, status: int, type_name: str, title
             body.setdefault(key, value)
     return web.Response(status=status, text=json.dumps(body), content_type=PROBLEM_CONTENT_TYPE,
                         headers=headers)
-
-
-def _field_errors(err: ValidationError) -> list[dict[str, Any]]:
-    return [{"field": ".".join(str(p) for p in e["loc"]) or "(body)", "reason": e["msg"]}
-            for e in err.errors(include_url=False, include_input=False)]
-
-
-def validation_problem(err: ValidationError, what: str = "body") -> InvalidRequest:
-    """A pydantic error as :class:`InvalidRequest` naming every offending field."""
-    errors = _field_errors(err)
-    first = errors[0]
-    detail = f"invalid {what}: {first['field']}: {first['reason']}"
-    if len(errors) > 1:
-        detail += f" (and {len(errors) - 1} more)"
-    return InvalidRequest(detail, errors)
 
 
 @web.middleware
