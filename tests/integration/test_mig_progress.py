@@ -57,7 +57,7 @@ def follow(cmd: list[str], *, terminal: bool, until: str, then: Callable[[], Non
                 out += chunk
             if not fired and until in out.decode(errors="replace"):
                 fired = True
-                time.sleep(1.0)  # about five polls while the drain waits
+                time.sleep(1.5)  # several polls while the drain waits
                 then()
         return proc.wait(timeout), out.decode(errors="replace")
     finally:
