@@ -10,6 +10,7 @@ from agent.api.context import AGENT, MAX_BODY_BYTES, AgentContext
 from agent.api.mig_models import (
     ApplyModel,
     ApplyRequest,
+    ExportedConfig,
     MigChange,
     MigGeometryModel,
     MigRequest,
@@ -79,9 +80,15 @@ CORE_ROUTES = [
           "Cancel a transition that is still draining (ends aborted, nothing changed)",
           TransitionModel, scope="geometry", tag="mig", errors=(409, 503)),
     Route("POST", "/v1/mig/apply", mig.apply_config,
-          "Apply a mig-parted v1 config (JSON or YAML) by label to the matching GPUs",
+          "Apply a mig-parted v1 config (JSON or YAML) by label to the matching GPUs, by "
+          "mig-parted's rules (GPUs without MIG skipped, missing indices ignored); "
+          "?dry_run=true: 200 with every GPU's plan, nothing changed",
           ApplyModel, body=ApplyRequest, status=202, scope="geometry", tag="mig",
-          errors=(409, 503)),
+          errors=(409, 503), extra_responses={200: ApplyModel},
+          query=(QueryParam("dry_run", {"type": "boolean"}, "Only plan"),)),
+    Route("GET", "/v1/mig/export", mig.export_config,
+          "The current layout of every GPU as a mig-parted v1 config (label 'current')",
+          ExportedConfig, tag="mig", errors=(503,), reconciled=True),
     Route("GET", "/v1/mig/apply/{apply_id}", mig.get_apply,
           "A node-wide apply: each GPU's transition and the overall state", ApplyModel,
           tag="mig", errors=(503,), reconciled=True),

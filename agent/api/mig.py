@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
@@ -12,12 +13,14 @@ from agent.api.mig_models import (
     ApplyModel,
     ApplyRequest,
     BlockerModel,
+    ExportedConfig,
     MigChange,
     MigGeometryModel,
     MigRequest,
     PlanModel,
     ProfileList,
     ProfileModel,
+    SkippedGpu,
     TransitionList,
     TransitionModel,
 )
@@ -28,7 +31,14 @@ from agent.errors import Conflict, InvalidRequest, NotFound
 from agent.gpu.types import Gpu
 from agent.mig.catalog import catalog_of
 from agent.mig.geometry import Geometry
-from agent.mig.parted_config import GpuIdentity, check_profiles, parse_config, select
+from agent.mig.parted_config import (
+    GpuIdentity,
+    Selection,
+    check_profiles,
+    parse_config,
+    selection,
+)
+from agent.mig.parted_config import export_config as export_parted
 from agent.mig.service import ApplyRecord, MigService
 from agent.mig.transition import DrainPolicy
 
@@ -115,32 +125,57 @@ async def cancel_transition(request: web.Request) -> web.Response:
     return json_response(TransitionModel.of(transition))
 
 
+@dataclass
+class LabelApply(ApplyRecord):
+    """An apply with what mig-parted's rules left out: GPUs without MIG skipped, indices the
+    node lacks."""
+
+    skipped: list[SkippedGpu] = field(default_factory=list)
+    missing: tuple[int, ...] = ()
+
+
+def _skipped(chosen: Selection, by_index: dict[int, Gpu]) -> list[SkippedGpu]:
+    return [SkippedGpu(gpu=by_index[i].uuid, index=i,
+                       reason=f"{by_index[i].static.name}: {why}")
+            for i, why in chosen.skipped.items()]
+
+
 async def apply_config(request: web.Request) -> web.Response:
+    dry_run = _flag(request, "dry_run")
     body = await parse_body(request, ApplyRequest)
     ctx = request.app[AGENT]
     service = _service(request)
     gpus = await ctx.node.inventory.refresh()
     config = parse_config(body.config)
-    selection = select(config, body.label, [
-        GpuIdentity(g.index, g.static.pci_device_id, g.static.pci_subsystem_id) for g in gpus])
+    chosen = selection(config, body.label, [
+        GpuIdentity(g.index, g.static.pci_device_id, g.static.pci_subsystem_id,
+                    mig_capable=g.static.mig_capable) for g in gpus])
     by_index = {g.index: g for g in gpus}
-    check_profiles(selection, {i: catalog_of(by_index[i].profiles) for i in selection})
+    check_profiles(chosen.desired, {i: catalog_of(by_index[i].profiles) for i in chosen.desired})
+    skipped = _skipped(chosen, by_index)
     drain = body.drain.policy_value()
     # Every GPU is planned (and refused on a bad geometry or a blocker) before any changes,
     # so a bad config changes nothing; then each GPU succeeds or rolls back on its own.
-    for index, desired in selection.items():
-        outcome = await service.request(by_index[index], desired, drain, explicit_mode=True,
-                                        dry_run=True)
-        if outcome.blockers and drain.policy == "fail":
+    plans = []
+    for index, desired in chosen.desired.items():
+        gpu = by_index[index]
+        outcome = await service.request(gpu, desired, drain, explicit_mode=True, dry_run=True)
+        if outcome.blockers and drain.policy == "fail" and not dry_run:
             raise Conflict(f"GPU {index}: instances the plan destroys are in use: "
                            + ", ".join(f"{b.instance} by {b.kind} {b.id}"
                                        for b in outcome.blockers),
                            blockers=[b.__dict__ for b in outcome.blockers])
-    record = ApplyRecord(id=uuid.uuid4().hex[:12], label=body.label, gpus=[])
-    for index, desired in selection.items():
+        plans.append((gpu.uuid, index, outcome.plan, outcome.blockers))
+    if dry_run:
+        return json_response(ApplyModel.planned(body.label, plans, skipped=skipped,
+                                                missing=chosen.missing))
+    record = LabelApply(id=uuid.uuid4().hex[:12], label=body.label, gpus=[], skipped=skipped,
+                        missing=chosen.missing)
+    for index, desired in chosen.desired.items():
         gpu = by_index[index]
         outcome = await service.request(gpu, desired, DrainPolicy(drain.policy, drain.timeout_s),
-                                        explicit_mode=True, apply_id=record.id)
+                                        explicit_mode=True, allow_reset=body.allow_reset,
+                                        apply_id=record.id)
         record.gpus.append((gpu.uuid, index, outcome.transition.id
                             if outcome.transition else None))
     service.remember_apply(record)
@@ -149,12 +184,11 @@ async def apply_config(request: web.Request) -> web.Response:
 
 
 def _apply_model(service: MigService, record: ApplyRecord) -> ApplyModel:
-    states = {}
-    for _, _, tid in record.gpus:
-        if tid is not None:
-            t = service.transition(tid)
-            states[tid] = (t.state.value, t.state.terminal)
-    return ApplyModel.of(record, states)
+    transitions = {tid: service.transition(tid) for _, _, tid in record.gpus if tid is not None}
+    if isinstance(record, LabelApply):
+        return ApplyModel.of(record, transitions, skipped=record.skipped,
+                             missing=record.missing)
+    return ApplyModel.of(record, transitions)
 
 
 async def get_apply(request: web.Request) -> web.Response:
@@ -164,3 +198,17 @@ async def get_apply(request: web.Request) -> web.Response:
     if record is None:
         raise NotFound(f"no apply {apply_id!r}")
     return json_response(_apply_model(service, record))
+
+
+async def export_config(request: web.Request) -> web.Response:
+    """The node's current layout as a mig-parted config: every GPU, from a fresh walk; a GPU
+    without MIG as ``mig-enabled: false``, as ``nvidia-mig-parted export`` writes it."""
+    ctx = request.app[AGENT]
+    service = _service(request)
+    layouts: dict[int, Geometry] = {}
+    for gpu in await ctx.node.inventory.refresh():
+        if gpu.static.mig_capable:
+            layouts[gpu.index] = (await service.current(gpu))[0]
+        else:
+            layouts[gpu.index] = Geometry(mig_enabled=False)
+    return json_response(ExportedConfig.model_validate(export_parted(layouts)))

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from agent.api.models import MigModeModel, PlacementModel, Strict
 from agent.device_names import ascii_integer
@@ -19,7 +20,7 @@ from agent.mig.geometry import (
     Plan,
 )
 from agent.mig.service import ApplyRecord
-from agent.mig.transition import DrainPolicy, Transition
+from agent.mig.transition import Blocker, DrainPolicy, Transition
 
 PROFILE_NAME = r"^[0-9]+g\.[0-9]+gb(\+[a-z.]+)?$"
 
@@ -253,30 +254,91 @@ class ApplyRequest(Strict):
                                                      "or YAML text")
     label: str = Field(min_length=1, max_length=128)
     drain: DrainIn = Field(default_factory=DrainIn)
+    allow_reset: bool = Field(
+        default=False, description="As in PUT /v1/gpus/{gpu}/mig: let the agent run its "
+        "configured GPU reset command (--gpu-reset-command) on a GPU whose MIG mode change "
+        "stays pending (Ampere), only when no process runs on it and no claim holds it")
 
 
 class ApplyGpu(BaseModel):
     gpu: str
     index: int
-    id: str | None = Field(description="Transition id; null when already applied")
-    state: str
+    id: str | None = Field(description="Transition id; null when already applied, and for a "
+                                       "dry run")
+    state: str = Field(description="The transition's state; unchanged (already applied); "
+                                   "planned (dry run)")
+    plan: PlanModel | None = Field(description="What the apply does to this GPU (for a dry "
+                                               "run, what it would do); null when unchanged")
+    step: str | None = Field(description="The step running now, else the last one run")
+    blockers: list[BlockerModel] = Field(
+        description="What the drain waits for (for a dry run: what would block it now)")
+    error: str | None
+
+
+class SkippedGpu(BaseModel):
+    gpu: str
+    index: int
+    reason: str
 
 
 class ApplyModel(BaseModel):
-    apply_id: str
+    apply_id: str | None = Field(description="null for a dry run, which is not kept")
     label: str
-    state: Literal["running", "succeeded", "partial", "failed"]
-    transitions: list[ApplyGpu]
+    dry_run: bool
+    state: Literal["planned", "running", "succeeded", "partial", "failed"] = Field(
+        description="planned: a dry run; otherwise running until every GPU's transition ends")
+    transitions: list[ApplyGpu] = Field(description="Every MIG-capable GPU the label selects")
+    skipped: list[SkippedGpu] = Field(
+        description="GPUs without MIG the label selects, left alone as mig-parted does "
+                    "(under devices: all, or with mig-enabled: false)")
+    missing_indices: list[int] = Field(
+        description="GPU indices the label lists that this node lacks, ignored as mig-parted "
+                    "does")
 
     @classmethod
-    def of(cls, record: ApplyRecord, states: dict[str, tuple[str, bool]]) -> ApplyModel:
+    def of(cls, record: ApplyRecord, transitions: Mapping[str, Transition], *,
+           skipped: Sequence[SkippedGpu] = (), missing: Sequence[int] = ()) -> ApplyModel:
+        """A running or finished apply; ``transitions`` by id (a GPU without one was
+        unchanged)."""
         rows = []
         for gpu, index, tid in record.gpus:
-            state, _ = states.get(tid or "", ("unchanged", True))
-            rows.append(ApplyGpu(gpu=gpu, index=index, id=tid, state=state))
-        done = all(states.get(t or "", ("", True))[1] for _, _, t in record.gpus)
+            t = transitions.get(tid or "")
+            if t is None:
+                rows.append(ApplyGpu(gpu=gpu, index=index, id=tid, state="unchanged",
+                                     plan=None, step=None, blockers=[], error=None))
+                continue
+            step = t.steps[-1].name if t.steps else None
+            rows.append(ApplyGpu(
+                gpu=gpu, index=index, id=tid, state=t.state.value, plan=PlanModel.of(t.plan),
+                step=step, blockers=[BlockerModel(instance=b.instance, kind=b.kind, id=b.id)
+                                     for b in t.blockers], error=t.error))
+        done = all(t.state.terminal for t in transitions.values())
         ok = [r.state in ("succeeded", "unchanged") for r in rows]
         overall: Literal["running", "succeeded", "partial", "failed"] = (
             "running" if not done else "succeeded" if all(ok) else
             "partial" if any(ok) else "failed")
-        return cls(apply_id=record.id, label=record.label, state=overall, transitions=rows)
+        return cls(apply_id=record.id, label=record.label, dry_run=False, state=overall,
+                   transitions=rows, skipped=list(skipped), missing_indices=list(missing))
+
+    @classmethod
+    def planned(cls, label: str, plans: Sequence[tuple[str, int, Plan, Sequence[Blocker]]], *,
+                skipped: Sequence[SkippedGpu] = (), missing: Sequence[int] = ()) -> ApplyModel:
+        """A dry run: each selected GPU's plan and what would block it now."""
+        rows = [ApplyGpu(gpu=gpu, index=index, id=None,
+                         state="unchanged" if plan.empty else "planned",
+                         plan=PlanModel.of(plan), step=None,
+                         blockers=[BlockerModel(instance=b.instance, kind=b.kind, id=b.id)
+                                   for b in blockers], error=None)
+                for gpu, index, plan, blockers in plans]
+        return cls(apply_id=None, label=label, dry_run=True, state="planned", transitions=rows,
+                   skipped=list(skipped), missing_indices=list(missing))
+
+
+class ExportedConfig(BaseModel):
+    """A mig-parted v1 config of the node's current layout, as ``nvidia-mig-parted export``
+    prints it (every GPU, one without MIG as ``mig-enabled: false``)."""
+
+    model_config = ConfigDict(serialize_by_alias=True, populate_by_name=True)
+
+    version: Literal["v1"]
+    mig_configs: dict[str, list[dict[str, Any]]] = Field(alias="mig-configs")

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from agent.cli.client import AgentClient, ClientError
 from agent.cli.tables import table
-from agent.gpu.types import Placement
-from agent.mig.geometry import Geometry, Instance
-from agent.mig.parted_config import export_config
+
+#: How often ``--wait`` asks for the state of what it follows.
+POLL_S = 0.2
 
 
 def add_parsers(sub: Any, client_opts: argparse.ArgumentParser) -> None:
@@ -39,10 +42,16 @@ def add_parsers(sub: Any, client_opts: argparse.ArgumentParser) -> None:
     apply.add_argument("-f", "--file", required=True, help="mig-parted v1 config (YAML/JSON)")
     apply.add_argument("-c", "--config", required=True, dest="label", help="label to apply")
     apply.add_argument("--drain", choices=("fail", "wait"), default="fail")
-    apply.add_argument("--timeout", type=float, default=60.0)
-    apply.add_argument("--wait", action="store_true")
+    apply.add_argument("--timeout", type=float, default=60.0, help="drain timeout, seconds")
+    apply.add_argument("--dry-run", action="store_true",
+                       help="only print every GPU's plan; nothing changes")
+    apply.add_argument("--allow-reset", action="store_true",
+                       help="let the agent reset idle GPUs whose MIG mode change is pending "
+                            "(Ampere), with its --gpu-reset-command")
+    apply.add_argument("--wait", action="store_true",
+                       help="follow every GPU's transition; exit non-zero unless all succeeded")
     verbs.add_parser("export", parents=[client_opts],
-                     help="the current layout as a mig-parted config")
+                     help="the current layout as a mig-parted config (every GPU)")
     transitions = sub.add_parser("transitions", parents=[client_opts],
                                  help="MIG transitions, or one of them")
     transitions.add_argument("id", nargs="?")
@@ -81,13 +90,96 @@ def _show(args: argparse.Namespace, client: AgentClient) -> int:
     return 0
 
 
-def _follow(client: AgentClient, location: str) -> dict[str, Any]:
-    """Poll a transition (until terminal) or an apply (until no longer running)."""
-    while True:
-        body: dict[str, Any] = client.request("GET", location).body
-        if body.get("terminal", body.get("state") != "running"):
-            return body
-        time.sleep(0.2)
+# --- progress of a long operation ------------------------------------------------------------
+
+
+def _live(stream: TextIO) -> bool:
+    """Whether ``stream`` is a terminal that can redraw lines in place."""
+    try:
+        return stream.isatty() and os.environ.get("TERM") != "dumb"
+    except (AttributeError, ValueError):
+        return False
+
+
+class Progress:
+    """Live progress of a long operation. On a terminal: one block (a title with the elapsed
+    time, a line per GPU) redrawn in place at every poll. Otherwise: plain lines, one each
+    time a GPU's line changes (never one per poll), each with the elapsed time."""
+
+    def __init__(self, stream: TextIO, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self._stream = stream
+        self._live = _live(stream)
+        self._clock = clock
+        self._started = clock()
+        self._drawn = 0
+        self._shown: dict[str, str] = {}
+
+    def show(self, title: str, lines: Mapping[str, str]) -> None:
+        """Show ``title`` and ``lines`` (key -> text; a key is one GPU)."""
+        elapsed = self._clock() - self._started
+        if self._live:
+            self._draw([f"{title}  [{elapsed:.1f}s]", *(f"  {text}" for text in lines.values())])
+            return
+        out = []
+        if self._shown.get("") != title:
+            self._shown[""] = title
+            out.append(title)
+        for key, text in lines.items():
+            if self._shown.get(key) != text:
+                self._shown[key] = text
+                out.append(f"[{elapsed:6.1f}s] {text}")
+        if out:
+            self._stream.write("".join(line + "\n" for line in out))
+            self._stream.flush()
+
+    def _draw(self, lines: Sequence[str]) -> None:
+        # Cut to the width so no line wraps: the cursor then goes back exactly len(lines).
+        width = max(20, shutil.get_terminal_size((100, 24)).columns - 1)
+        back = f"\x1b[{self._drawn}F" if self._drawn else ""
+        self._stream.write(back + "\x1b[J" + "".join(line[:width] + "\n" for line in lines))
+        self._stream.flush()
+        self._drawn = len(lines)
+
+
+def _doing(state: str, step: str | None, blockers: Sequence[dict[str, Any]],
+           error: str | None) -> str:
+    """One transition in words: the state, and what it waits for or the step it runs."""
+    if state == "draining" and blockers:
+        return "draining: waiting for " + ", ".join(
+            f"{b['kind']} {b['id']} on {b['instance']}" for b in blockers)
+    if state in ("applying", "rolling_back") and step:
+        return f"{state}: {step}"
+    return state + (f": {error}" if error else "")
+
+
+def _transition_line(t: dict[str, Any]) -> str:
+    step = t["steps"][-1]["name"] if t["steps"] else None
+    return f"GPU {t['gpu_index']}: " + _doing(t["state"], step, t["blockers"], t["error"])
+
+
+def _apply_lines(body: dict[str, Any]) -> dict[str, str]:
+    return {str(r["index"]): f"GPU {r['index']}: " + _doing(r["state"], r["step"],
+                                                           r["blockers"], r["error"])
+            for r in body["transitions"]}
+
+
+def _follow(client: AgentClient, location: str,
+            render: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Poll a transition (until terminal) or an apply (until no longer running), rendering
+    each answer. Ctrl-C stops following, not the change: one line says where to look."""
+    try:
+        while True:
+            body: dict[str, Any] = client.request("GET", location).body
+            if render is not None:
+                render(body)
+            if body.get("terminal", body.get("state") != "running"):
+                return body
+            time.sleep(POLL_S)
+    except KeyboardInterrupt:
+        raise ClientError(f"stopped following; the change goes on: GET {location}") from None
+
+
+# --- the verbs ----------------------------------------------------------------------------------
 
 
 def _set(args: argparse.Namespace, client: AgentClient) -> int:
@@ -104,9 +196,13 @@ def _set(args: argparse.Namespace, client: AgentClient) -> int:
     query = "?dry_run=true" if args.dry_run else ""
     answer = client.request("PUT", f"/v1/gpus/{args.gpu}/mig{query}", body).body
     transition = answer["transition"]
-    if args.json and not args.wait:
-        print(json.dumps(answer, indent=2))
-        return 0
+    if args.json:  # JSON only: the answer, or with --wait the finished transition
+        if not args.wait or transition is None:
+            print(json.dumps(answer, indent=2))
+            return 0
+        done = _follow(client, f"/v1/transitions/{transition['id']}")
+        print(json.dumps(done, indent=2))
+        return 0 if done["state"] == "succeeded" else 1
     print(("plan (dry run): " if args.dry_run else "plan: ") + answer["plan"]["summary"])
     if transition is None:
         if not args.dry_run:
@@ -115,12 +211,38 @@ def _set(args: argparse.Namespace, client: AgentClient) -> int:
     print(f"transition {transition['id']}: {transition['state']}")
     if not args.wait:
         return 0
-    done = _follow(client, f"/v1/transitions/{transition['id']}")
-    if args.json:
-        print(json.dumps(done, indent=2))
+    progress = Progress(sys.stdout)
+    done = _follow(client, f"/v1/transitions/{transition['id']}", lambda t: progress.show(
+        f"transition {t['id']} on GPU {t['gpu_index']}", {"gpu": _transition_line(t)}))
     print(f"transition {done['id']}: {done['state']}" +
           (f": {done['error']}" if done["error"] else ""))
     return 0 if done["state"] == "succeeded" else 1
+
+
+def _print_apply(answer: dict[str, Any]) -> None:
+    if answer["dry_run"]:
+        print(f"apply of {answer['label']} (dry run, nothing changed):")
+    else:
+        print(f"apply {answer['apply_id']} ({answer['label']}): {answer['state']}")
+    rows = answer["transitions"]
+    if rows:
+        print(table(["GPU", "TRANSITION", "STATE", "PLAN"], [
+            [str(t["index"]), t["id"] or "-", t["state"],
+             t["plan"]["summary"] if t["plan"] else "-"] for t in rows]))
+    for t in rows:
+        if t["error"]:
+            print(f"GPU {t['index']}: {t['error']}")
+        elif answer["dry_run"] and t["blockers"]:
+            print(f"GPU {t['index']}: in use now by " + ", ".join(
+                f"{b['kind']} {b['id']} on {b['instance']}" for b in t["blockers"]))
+    for s in answer["skipped"]:
+        print(f"GPU {s['index']} skipped: {s['reason']}")
+    if answer["missing_indices"]:
+        missing = answer["missing_indices"]
+        print(f"{'GPU' if len(missing) == 1 else 'GPUs'} {', '.join(map(str, missing))} "
+              "not on this node: ignored")
+    if not rows and not answer["skipped"]:
+        print("the label selects no GPU of this node")
 
 
 def _apply(args: argparse.Namespace, client: AgentClient) -> int:
@@ -128,34 +250,27 @@ def _apply(args: argparse.Namespace, client: AgentClient) -> int:
         text = Path(args.file).read_text()
     except OSError as err:
         raise ClientError(f"cannot read {args.file}: {err.strerror}") from err
-    answer = client.request("POST", "/v1/mig/apply", {
-        "config": text, "label": args.label,
+    query = "?dry_run=true" if args.dry_run else ""
+    answer = client.request("POST", f"/v1/mig/apply{query}", {
+        "config": text, "label": args.label, "allow_reset": args.allow_reset,
         "drain": {"policy": args.drain, "timeout_s": args.timeout}}).body
-    if args.wait:
-        answer = _follow(client, f"/v1/mig/apply/{answer['apply_id']}")
+    waited = args.wait and not args.dry_run
+    if waited:
+        progress = Progress(sys.stdout)
+        answer = _follow(client, f"/v1/mig/apply/{answer['apply_id']}", None if args.json
+                         else lambda body: progress.show(
+                             f"apply {body['apply_id']} ({body['label']})", _apply_lines(body)))
     if args.json:
         print(json.dumps(answer, indent=2))
     else:
-        print(f"apply {answer['apply_id']} ({answer['label']}): {answer['state']}")
-        print(table(["GPU", "TRANSITION", "STATE"], [
-            [str(t["index"]), t["id"] or "-", t["state"]] for t in answer["transitions"]]))
-    return 0 if not args.wait or answer["state"] == "succeeded" else 1
+        _print_apply(answer)
+    return 0 if not waited or answer["state"] == "succeeded" else 1
 
 
 def _export(args: argparse.Namespace, client: AgentClient) -> int:
-    layouts = {}
-    for gpu in client.request("GET", "/v1/gpus").body["gpus"]:
-        if not gpu["mig_capable"]:
-            continue
-        doc = client.request("GET", f"/v1/gpus/{gpu['index']}/mig").body
-        layouts[gpu["index"]] = Geometry(mig_enabled=doc["mig_mode"]["current"], instances=tuple(
-            Instance(i["profile"], Placement(i["placement"]["start"], i["placement"]["size"]))
-            for i in doc["instances"]))
-    if not layouts:
-        raise ClientError("no MIG-capable GPU on this node")
+    config = client.request("GET", "/v1/mig/export").body
     import yaml  # noqa: PLC0415 - only this verb writes YAML
 
-    config = export_config(layouts)
     sys.stdout.write(json.dumps(config, indent=2) + "\n" if args.json
                      else yaml.safe_dump(config, sort_keys=False))
     return 0

@@ -119,11 +119,13 @@ class DeviceFilter:
 @dataclass(frozen=True)
 class GpuIdentity:
     """What a config entry matches a GPU on: its index and PCI ids as NVML reports them
-    (``pci_device_id`` 0x233010DE is an H100 SXM: device 0x2330, vendor 0x10DE)."""
+    (``pci_device_id`` 0x233010DE is an H100 SXM: device 0x2330, vendor 0x10DE), and whether
+    it can do MIG at all (an L40S cannot), which decides whether a selected GPU is skipped."""
 
     index: int
     pci_device_id: int
     pci_subsystem_id: int
+    mig_capable: bool = True
 
 
 # --- the config model ----------------------------------------------------------------------
@@ -477,14 +479,34 @@ def parse_config(source: Mapping[str, Any] | str) -> MigConfigFile:
 # --- selection -----------------------------------------------------------------------------
 
 
-def select(config: MigConfigFile, label: str,
-           gpus: Sequence[GpuIdentity]) -> dict[int, Desired]:
-    """GPU index -> the desired state the entries of ``label`` give it, in index order.
+@dataclass(frozen=True)
+class Selection:
+    """What a label asks of a node, as mig-parted reads it.
+
+    ``desired``: GPU index -> the state the label gives a MIG-capable GPU, in index order
+    (GPUs no entry matches are absent: left alone). ``skipped``: GPU index -> why a GPU
+    without MIG that the label selects is left alone. ``missing``: indices the label lists
+    that the node lacks (ignored)."""
+
+    desired: dict[int, Desired]
+    skipped: dict[int, str]
+    missing: tuple[int, ...]
+
+
+#: mig-parted's own words (its ``apply/mode.go``) for an explicit MIG-on of a GPU without MIG.
+NOT_MIG_CAPABLE = "cannot set MIG mode on non MIG-capable GPU"
+
+
+def selection(config: MigConfigFile, label: str, gpus: Sequence[GpuIdentity]) -> Selection:
+    """What ``label`` asks of the node with ``gpus``, following mig-parted's rules.
 
     Each entry gives its state to every GPU whose index is in ``devices`` and whose PCI ids pass
-    ``device-filter``; GPUs no entry matches are absent (left alone). :class:`InvalidRequest`
-    for an unknown label, a ``devices`` index the node does not have, and a GPU two entries
-    match.
+    ``device-filter``. A GPU without MIG is skipped when its entry says ``devices: all`` (a
+    cluster-wide label such as the GPU Operator's ``all-disabled`` or ``all-balanced`` must
+    work on every node) or ``mig-enabled: false``; listed by index with ``mig-enabled: true``
+    it is refused. An index the node lacks is ignored and reported in ``missing``.
+
+    :class:`InvalidRequest` for an unknown label, a GPU two entries match, and that refusal.
     """
     entries = config.mig_configs.get(label)
     if entries is None:
@@ -496,34 +518,50 @@ def select(config: MigConfigFile, label: str,
     by_index = {g.index: g for g in gpus}
     if len(by_index) != len(gpus):
         raise ValueError(f"GPU indices repeat in {gpus!r}")
-    present = join_words(sorted(by_index)) or "none"
     errors: list[dict[str, Any]] = []
-    chosen: dict[int, tuple[int, Desired]] = {}
+    missing: set[int] = set()
+    chosen: dict[int, int] = {}  # GPU index -> the entry that selects it
     for n, entry in enumerate(entries):
         where = f"mig-configs.{label}[{n}]"
         if entry.devices != "all":
-            missing = [i for i in entry.devices if i not in by_index]
-            if missing:
-                word = "GPU" if len(missing) == 1 else "GPUs"
-                errors.append({"field": f"{where}.devices",
-                               "reason": f"no {word} {join_words(missing)} on this node "
-                                         f"(GPUs: {present})"})
-        desired = entry.desired()
+            missing.update(i for i in entry.devices if i not in by_index)
         for gpu in sorted(gpus, key=lambda g: g.index):
             if not entry.matches(gpu):
                 continue
             if gpu.index in chosen:
-                first = chosen[gpu.index][0]
                 errors.append({"field": where,
                                "reason": f"GPU {gpu.index} is also selected by "
-                                         f"mig-configs.{label}[{first}]"})
+                                         f"mig-configs.{label}[{chosen[gpu.index]}]"})
                 continue
-            chosen[gpu.index] = (n, desired)
+            chosen[gpu.index] = n
+    desired: dict[int, Desired] = {}
+    skipped: dict[int, str] = {}
+    for index in sorted(chosen):
+        n = chosen[index]
+        entry = entries[n]
+        if by_index[index].mig_capable:
+            desired[index] = entry.desired()
+        elif entry.devices == "all":
+            skipped[index] = "no MIG; skipped under devices: all"
+        elif not entry.mig_enabled:
+            skipped[index] = "no MIG; skipped as mig-enabled is false"
+        else:
+            errors.append({"field": f"mig-configs.{label}[{n}].devices", "gpu": index,
+                           "reason": f"GPU {index} has no MIG: {NOT_MIG_CAPABLE} (a GPU "
+                                     "without MIG is skipped only under devices: all or "
+                                     "mig-enabled: false)"})
     if errors:
         listed = "; ".join(f"{e['field']}: {e['reason']}" for e in errors)
         raise InvalidRequest(f"MIG config {label!r} cannot be applied here: {listed}",
                              errors=errors)
-    return {i: chosen[i][1] for i in sorted(chosen)}
+    return Selection(desired, skipped, tuple(sorted(missing)))
+
+
+def select(config: MigConfigFile, label: str,
+           gpus: Sequence[GpuIdentity]) -> dict[int, Desired]:
+    """GPU index -> the desired state ``label`` gives each MIG-capable GPU it selects (the
+    ``desired`` part of :func:`selection`, whose rules and errors it shares)."""
+    return selection(config, label, gpus).desired
 
 
 def _names(desired: Desired) -> list[str]:
@@ -536,17 +574,21 @@ def _names(desired: Desired) -> list[str]:
 
 def check_profiles(selection: Mapping[int, Desired], catalogs: Mapping[int, Catalog]) -> None:
     """:class:`InvalidRequest` unless every profile ``selection`` asks of a GPU is one its
-    catalog offers (a GPU without a catalog cannot do MIG: only MIG disabled fits it). Each
-    error names the GPU, the profile and the profiles the GPU offers."""
+    catalog offers (a GPU without a catalog, or with an empty one, cannot do MIG: only MIG
+    disabled fits it). Each error names the GPU, the profile and the profiles the GPU
+    offers."""
     errors: list[dict[str, Any]] = []
     for index, desired in sorted(selection.items()):
         catalog = catalogs.get(index)
-        if catalog is None and not isinstance(desired, DesiredDisabled):
-            errors.append({"field": "mig-devices", "gpu": index,
-                           "reason": f"GPU {index} cannot do MIG"})
+        if catalog is None or not catalog.profiles:
+            # No catalog, or an empty one (what NVML lists for a GPU without MIG): only MIG
+            # disabled fits, and there is no list of profiles to offer instead.
+            if not isinstance(desired, DesiredDisabled):
+                errors.append({"field": "mig-devices", "gpu": index,
+                               "reason": f"GPU {index} cannot do MIG"})
             continue
         for name in _names(desired):
-            if catalog is None or catalog.knows(name):
+            if catalog.knows(name):
                 continue
             known = join_words(catalog.names)
             reason = f"GPU {index} offers no MIG profile {_shown(name)}; it offers {known}"

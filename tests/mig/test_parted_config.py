@@ -15,6 +15,7 @@ import yaml
 
 from agent.api.problems import problem_of
 from agent.errors import InvalidRequest
+from agent.gpu.sim.presets import PRESETS
 from agent.gpu.types import Placement
 from agent.mig.geometry import (
     Catalog,
@@ -27,6 +28,7 @@ from agent.mig.geometry import (
     ProfileSpec,
 )
 from agent.mig.parted_config import (
+    NOT_MIG_CAPABLE,
     DeviceFilter,
     GpuIdentity,
     MigConfigFile,
@@ -37,6 +39,7 @@ from agent.mig.parted_config import (
     parse_config,
     profile_name_problem,
     select,
+    selection,
     standard_configs,
 )
 from agent.mig.planner import plan
@@ -398,17 +401,30 @@ def test_unknown_label_lists_the_known_ones() -> None:
                                                         "mig-configs.x[0]"),
     ([entry(devices=[0, 1]), entry(devices=[1, 2])], "mig-configs.x[1]", "GPU 1"),
     ([entry(device_filter="0x233010DE"), entry(devices=[3, 4])], "mig-configs.x[1]", "GPU 3"),
-    ([entry(devices=[0, 9])], "mig-configs.x[0].devices", "no GPU 9 on this node"),
-    ([entry(devices=[6, 7, 8])], "mig-configs.x[0].devices", "no GPUs 6, 7 and 8"),
 ])
 def test_selection_rejections(entries: list[dict[str, Any]], field: str, reason: str) -> None:
-    """A GPU two entries select, and an index the node lacks, are InvalidRequests naming the
-    entry; a GPU matched only through disjoint filters is fine."""
+    """A GPU two entries select is an InvalidRequest naming the entry."""
     cfg = parse_config(config(*entries))
     with pytest.raises(InvalidRequest) as caught:
         select(cfg, "x", MIXED_NODE)
     errors = caught.value.errors
     assert any(e["field"] == field and reason in e["reason"] for e in errors), errors
+
+
+@pytest.mark.parametrize(("devices", "selected", "missing"), [
+    ([0, 9], [0], (9,)),
+    ([6, 7, 8], [], (6, 7, 8)),
+    ([5, 4, 12], [4, 5], (12,)),
+    ("all", [0, 1, 2, 3, 4, 5], ()),
+])
+def test_indices_the_node_lacks_are_ignored_and_reported(
+        devices: Any, selected: list[int], missing: tuple[int, ...]) -> None:
+    """As in mig-parted, an index the node lacks is ignored, not a refusal of the label; the
+    selection lists it."""
+    chosen = selection(parse_config(config(entry(devices=devices))), "x", MIXED_NODE)
+    assert list(chosen.desired) == selected
+    assert chosen.missing == missing
+    assert chosen.skipped == {}
 
 
 def test_entries_with_disjoint_filters_do_not_overlap() -> None:
@@ -452,6 +468,146 @@ def test_check_profiles_names_gpu_profile_and_known_ones() -> None:
     assert "sub-profiles" in errors[1]["reason"]
     assert errors[3]["reason"] == "GPU 3 cannot do MIG"
     assert all(e["field"] == "mig-devices" for e in errors)
+
+
+def test_check_profiles_of_a_gpu_with_an_empty_catalog() -> None:
+    """A GPU whose catalog lists no profile (what NVML lists for a GPU without MIG) cannot do
+    MIG: the error says so, never "it offers" an empty list; MIG off still fits."""
+    with pytest.raises(InvalidRequest) as caught:
+        check_profiles({0: DesiredProfiles({"1g.10gb": 1}), 1: DesiredProfiles({})},
+                       {0: Catalog(()), 1: Catalog(())})
+    assert [e["reason"] for e in caught.value.errors] == ["GPU 0 cannot do MIG",
+                                                          "GPU 1 cannot do MIG"]
+    assert "offers" not in caught.value.detail
+    check_profiles({0: DesiredDisabled()}, {0: Catalog(())})
+
+
+# --- mig-parted's rules for GPUs without MIG, over simulated nodes ---------------------------
+
+# A config in the GPU Operator's style: cluster-wide labels, per-model entries behind device
+# filters, and per-index labels.
+NODE_CONFIG = """\
+version: v1
+mig-configs:
+  all-disabled:
+    - devices: all
+      mig-enabled: false
+  all-enabled:
+    - devices: all
+      mig-enabled: true
+      mig-devices: {}
+  all-balanced:
+    - device-filter: ["0x20B010DE", "0x20B510DE"]
+      devices: all
+      mig-enabled: true
+      mig-devices: {"1g.5gb": 2, "2g.10gb": 1, "3g.20gb": 1}
+    - device-filter: "0x233010DE"
+      devices: all
+      mig-enabled: true
+      mig-devices: {"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1}
+  all-3g.40gb:
+    - devices: all
+      mig-enabled: true
+      mig-devices: {"3g.40gb": 2}
+  first-two-off:
+    - devices: [0, 1]
+      mig-enabled: false
+  first-two-3g:
+    - devices: [0, 1]
+      mig-enabled: true
+      mig-devices: {"3g.40gb": 2}
+  zero-and-eight-off:
+    - devices: [0, 8]
+      mig-enabled: false
+  l40s-by-filter-and-index:
+    - device-filter: "0x26B910DE"
+      devices: [1]
+      mig-enabled: true
+      mig-devices: {}
+  two-and-three-on:
+    - devices: [2, 3]
+      mig-enabled: true
+      mig-devices: {}
+"""
+
+
+def preset_node(name: str) -> list[GpuIdentity]:
+    """The GPUs of a simulator preset as the agent identifies them."""
+    preset = PRESETS[name]
+    return [GpuIdentity(i, preset.gpu.pci_device_id, preset.gpu.pci_subsystem_id,
+                        mig_capable=preset.gpu.mig_capable)
+            for i in range(len(preset.bus_numbers))]
+
+
+# GPUs 0 and 1 H100, 2 and 3 L40S (no MIG): a node the simulator has no preset for.
+H100_L40S = [*(GpuIdentity(i, H100, H100_SUB) for i in (0, 1)),
+             *(GpuIdentity(i, 0x26B910DE, 0x185110DE, mig_capable=False) for i in (2, 3))]
+NODES = {name: preset_node(name) for name in ("l40s", "dgx-a100", "dgx-h100")}
+NODES["h100+l40s"] = H100_L40S
+OFF, ON = DesiredDisabled(), DesiredProfiles({})
+A100_BAL = DesiredProfiles({"1g.5gb": 2, "2g.10gb": 1, "3g.20gb": 1})
+H100_BAL = DesiredProfiles({"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1})
+TWO_3G = DesiredProfiles({"3g.40gb": 2})
+EIGHT = range(8)
+
+
+@pytest.mark.parametrize(("node", "label", "desired", "skipped", "missing"), [
+    # The GPU Operator's default label, and every cluster-wide label, work on an L40S node.
+    ("l40s", "all-disabled", {}, [0, 1, 2, 3], ()),
+    ("l40s", "all-enabled", {}, [0, 1, 2, 3], ()),
+    ("l40s", "all-3g.40gb", {}, [0, 1, 2, 3], ()),
+    ("l40s", "all-balanced", {}, [], ()),  # no filter matches: nothing selected at all
+    ("l40s", "first-two-off", {}, [0, 1], ()),
+    ("l40s", "zero-and-eight-off", {}, [0], (8,)),
+    ("dgx-a100", "all-disabled", dict.fromkeys(EIGHT, OFF), [], ()),
+    ("dgx-a100", "all-balanced", dict.fromkeys(EIGHT, A100_BAL), [], ()),
+    ("dgx-a100", "zero-and-eight-off", {0: OFF}, [], (8,)),
+    ("dgx-h100", "all-balanced", dict.fromkeys(EIGHT, H100_BAL), [], ()),
+    ("dgx-h100", "first-two-3g", {0: TWO_3G, 1: TWO_3G}, [], ()),
+    ("dgx-h100", "zero-and-eight-off", {0: OFF}, [], (8,)),
+    ("h100+l40s", "all-enabled", {0: ON, 1: ON}, [2, 3], ()),
+    ("h100+l40s", "all-balanced", {0: H100_BAL, 1: H100_BAL}, [], ()),
+    ("h100+l40s", "all-disabled", {0: OFF, 1: OFF}, [2, 3], ()),
+    ("h100+l40s", "first-two-3g", {0: TWO_3G, 1: TWO_3G}, [], ()),
+])
+def test_gpus_without_mig_are_skipped(node: str, label: str, desired: dict[int, Desired],
+                                      skipped: list[int], missing: tuple[int, ...]) -> None:
+    """mig-parted's rule: a GPU without MIG that a label selects through ``devices: all``, or
+    with ``mig-enabled: false``, is skipped (listed with the reason), not refused."""
+    chosen = selection(parse_config(NODE_CONFIG), label, NODES[node])
+    assert chosen.desired == desired
+    assert list(chosen.skipped) == skipped
+    assert chosen.missing == missing
+    assert all("no MIG" in why for why in chosen.skipped.values())
+
+
+@pytest.mark.parametrize(("node", "label", "refused"), [
+    ("l40s", "first-two-3g", [0, 1]),
+    ("l40s", "l40s-by-filter-and-index", [1]),
+    ("h100+l40s", "two-and-three-on", [2, 3]),
+])
+def test_mig_on_by_index_on_a_gpu_without_mig_is_refused(node: str, label: str,
+                                                         refused: list[int]) -> None:
+    """An index listed explicitly with ``mig-enabled: true`` on a GPU without MIG is an
+    InvalidRequest in mig-parted's words, naming the entry's devices and each GPU (a device
+    filter does not change that: mig-parted skips only under ``devices: all``)."""
+    with pytest.raises(InvalidRequest) as caught:
+        selection(parse_config(NODE_CONFIG), label, NODES[node])
+    errors = caught.value.errors
+    assert [e["gpu"] for e in errors] == refused
+    assert all(e["field"] == f"mig-configs.{label}[0].devices" for e in errors)
+    assert all(NOT_MIG_CAPABLE in e["reason"] for e in errors)
+    assert problem_of(caught.value).status == 422
+
+
+@pytest.mark.parametrize("catalog", [H100_80GB, A100_40GB])
+def test_every_standard_label_works_on_a_node_without_mig(catalog: Catalog) -> None:
+    """generate-config's labels all use ``devices: all``: on an L40S node every one selects
+    nothing to change and skips every GPU."""
+    cfg = parse_config(standard_configs(catalog))
+    for label in cfg.labels:
+        chosen = selection(cfg, label, NODES["l40s"])
+        assert (chosen.desired, list(chosen.skipped)) == ({}, [0, 1, 2, 3]), label
 
 
 # --- export -> parse -> select ----------------------------------------------------------------
