@@ -501,10 +501,10 @@ def selection(config: MigConfigFile, label: str, gpus: Sequence[GpuIdentity]) ->
     """What ``label`` asks of the node with ``gpus``, following mig-parted's rules.
 
     Each entry gives its state to every GPU whose index is in ``devices`` and whose PCI ids pass
-    ``device-filter``. A GPU without MIG is skipped when its entry says ``devices: all`` (a
-    cluster-wide label such as the GPU Operator's ``all-disabled`` or ``all-balanced`` must
-    work on every node) or ``mig-enabled: false``; listed by index with ``mig-enabled: true``
-    it is refused. An index the node lacks is ignored and reported in ``missing``.
+    ``device-filter``. A GPU without MIG is skipped when its entry selects it through
+    ``devices: all`` (a cluster-wide label such as the GPU Operator's ``all-disabled`` or
+    ``all-balanced`` must work on every node) or a ``device-filter``, or says
+    ``mig-enabled: false``; listed by index alone with ``mig-enabled: true`` it is refused. An index the node lacks is ignored and reported in ``missing``.
 
     :class:`InvalidRequest` for an unknown label, a GPU two entries match, and that refusal.
     """
@@ -543,13 +543,15 @@ def selection(config: MigConfigFile, label: str, gpus: Sequence[GpuIdentity]) ->
             desired[index] = entry.desired()
         elif entry.devices == "all":
             skipped[index] = "no MIG; skipped under devices: all"
+        elif entry.device_filter is not None:
+            skipped[index] = "no MIG; skipped under a device-filter"
         elif not entry.mig_enabled:
             skipped[index] = "no MIG; skipped as mig-enabled is false"
         else:
             errors.append({"field": f"mig-configs.{label}[{n}].devices", "gpu": index,
                            "reason": f"GPU {index} has no MIG: {NOT_MIG_CAPABLE} (a GPU "
-                                     "without MIG is skipped only under devices: all or "
-                                     "mig-enabled: false)"})
+                                     "without MIG is skipped only under devices: all, a "
+                                     "device-filter or mig-enabled: false)"})
     if errors:
         listed = "; ".join(f"{e['field']}: {e['reason']}" for e in errors)
         raise InvalidRequest(f"MIG config {label!r} cannot be applied here: {listed}",

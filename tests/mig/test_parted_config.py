@@ -559,6 +559,7 @@ EIGHT = range(8)
     ("l40s", "all-balanced", {}, [], ()),  # no filter matches: nothing selected at all
     ("l40s", "first-two-off", {}, [0, 1], ()),
     ("l40s", "zero-and-eight-off", {}, [0], (8,)),
+    ("l40s", "l40s-by-filter-and-index", {}, [1], ()),  # selected through a device-filter
     ("dgx-a100", "all-disabled", dict.fromkeys(EIGHT, OFF), [], ()),
     ("dgx-a100", "all-balanced", dict.fromkeys(EIGHT, A100_BAL), [], ()),
     ("dgx-a100", "zero-and-eight-off", {0: OFF}, [], (8,)),
@@ -572,8 +573,9 @@ EIGHT = range(8)
 ])
 def test_gpus_without_mig_are_skipped(node: str, label: str, desired: dict[int, Desired],
                                       skipped: list[int], missing: tuple[int, ...]) -> None:
-    """mig-parted's rule: a GPU without MIG that a label selects through ``devices: all``, or
-    with ``mig-enabled: false``, is skipped (listed with the reason), not refused."""
+    """mig-parted's rule: a GPU without MIG that a label selects through ``devices: all`` or
+    a ``device-filter``, or with ``mig-enabled: false``, is skipped (listed with the reason),
+    not refused."""
     chosen = selection(parse_config(NODE_CONFIG), label, NODES[node])
     assert chosen.desired == desired
     assert list(chosen.skipped) == skipped
@@ -583,14 +585,12 @@ def test_gpus_without_mig_are_skipped(node: str, label: str, desired: dict[int, 
 
 @pytest.mark.parametrize(("node", "label", "refused"), [
     ("l40s", "first-two-3g", [0, 1]),
-    ("l40s", "l40s-by-filter-and-index", [1]),
     ("h100+l40s", "two-and-three-on", [2, 3]),
 ])
 def test_mig_on_by_index_on_a_gpu_without_mig_is_refused(node: str, label: str,
                                                          refused: list[int]) -> None:
     """An index listed explicitly with ``mig-enabled: true`` on a GPU without MIG is an
-    InvalidRequest in mig-parted's words, naming the entry's devices and each GPU (a device
-    filter does not change that: mig-parted skips only under ``devices: all``)."""
+    InvalidRequest in mig-parted's words, naming the entry's devices and each GPU."""
     with pytest.raises(InvalidRequest) as caught:
         selection(parse_config(NODE_CONFIG), label, NODES[node])
     errors = caught.value.errors
