@@ -290,7 +290,9 @@ COMMANDS: dict[str, Command] = {"node": _node, "gpus": _gpus, "sim": _sim, "mig"
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        return _main(argv)
+        code = _main(argv)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's final flush
+        return code
     except BrokenPipeError:
         # The reader went away (``gpu-agent gpus | head``): not an error worth a traceback.
         # stdout is pointed at /dev/null so the interpreter's final flush cannot fail again.

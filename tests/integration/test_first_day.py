@@ -38,6 +38,13 @@ def _cli(agent: AgentProcess, *args: str, url: str | None = None,
                           capture_output=True, text=True, timeout=60, check=False, **kwargs)
 
 
+def _sim(agent: AgentProcess, *args: str) -> subprocess.CompletedProcess[str]:
+    """``gpu-agent sim`` takes its connection options before the verb."""
+    return subprocess.run([sys.executable, "-m", "agent", "sim", "--url", agent.url,
+                           "--token-file", str(agent.state_dir / "tokens"), *args],
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
 def _json_lines(agent: AgentProcess) -> list[dict[str, Any]]:
     lines = []
     for line in agent.log().splitlines():
@@ -217,15 +224,15 @@ def test_sim_controls_take_gpu_indices(agent: AgentProcess) -> None:
     """``sim xid``, ``sim reset``, ``sim process add`` and ``sim fault add --gpu`` take an index
     like the rest of the API, and a simulated reset clears the XID mark it repairs."""
     uuid = agent.request("GET", "/v1/gpus/4").body["uuid"]
-    assert _cli(agent, "sim", "xid", "4", "48").returncode == 0
+    assert _sim(agent, "xid", "4", "48").returncode == 0
     _poll(lambda: not _healthy(agent, 4))
-    reset = _cli(agent, "sim", "reset", "4")
+    reset = _sim(agent, "reset", "4")
     assert reset.returncode == 0, reset.stderr
     assert _healthy(agent, 4)
-    process = _cli(agent, "sim", "process", "add", "4")
+    process = _sim(agent, "process", "add", "4")
     assert process.returncode == 0, process.stderr
     assert json.loads(process.stdout)["device"] == uuid
-    assert _cli(agent, "sim", "process", "rm", str(json.loads(process.stdout)["pid"])) \
+    assert _sim(agent, "process", "rm", str(json.loads(process.stdout)["pid"])) \
         .returncode == 0
     fault = agent.request("POST", "/v1/sim/faults", {
         "function": "nvmlDeviceGetPowerUsage", "error": "NVML_ERROR_UNKNOWN", "gpu": "4",
