@@ -31,11 +31,11 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
     process.stop(signal.SIGKILL)
 
 
-def _cli(agent: AgentProcess, *args: str, url: str | None = None,
-         **kwargs: Any) -> subprocess.CompletedProcess[str]:
+def _cli(agent: AgentProcess, *args: str,
+         url: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "agent", *args, "--url", url or agent.url,
                            "--token-file", str(agent.state_dir / "tokens")],
-                          capture_output=True, text=True, timeout=60, check=False, **kwargs)
+                          capture_output=True, text=True, timeout=60, check=False)
 
 
 def _sim(agent: AgentProcess, *args: str) -> subprocess.CompletedProcess[str]:
@@ -194,10 +194,12 @@ def test_cli_output_into_a_closed_pipe_is_no_traceback(agent: AgentProcess) -> N
     read, write = os.pipe()
     os.close(read)
     try:
-        done = _cli(agent, "gpus", "--json", stdout=write)
+        done = subprocess.run([sys.executable, "-m", "agent", "gpus", "--json", "--url",
+                               agent.url], stdout=write, stderr=subprocess.PIPE, text=True,
+                              timeout=60, check=False)
     finally:
         os.close(write)
-    assert done.returncode == 141
+    assert done.returncode == 141, done.stderr
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr
 
 
