@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -84,7 +85,13 @@ async def _start_sites(runner: web.AppRunner, listeners: tuple[Listener, ...], *
             _unlink_stale_socket(listener.path)
         site = GuardedSite(runner, listener, cap=cap, limits=limits,
                            ssl_context=tls if listener.path is None else None)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as err:  # one line for the operator, not a traceback
+            held = " (another process holds it: another agent?)" \
+                if err.errno == errno.EADDRINUSE else ""
+            raise AgentError(f"cannot listen on {listener}: {err.strerror or err}{held}; "
+                             "choose another --listen or --metrics-listen") from err
         if listener.path is not None:
             set_socket_owner(listener.path, socket_group)
         bound += site.addresses()  # the bound port is only known here when port 0 was asked
@@ -184,7 +191,9 @@ async def _serve(node: Node) -> int:
                          if metrics_runner is not None and settings.metrics_listen else [])
         await _write_listeners(settings.state_dir / "listeners.json",
                                {"pid": os.getpid(), "listeners": bound, "metrics": metrics_bound})
-        log.info("listening", extra={"listeners": ",".join(bound), "backend": node.backend.name,
+        log.info("listening", extra={"listeners": ",".join(bound),
+                                     "metrics": ",".join(metrics_bound) or "-",
+                                     "backend": node.backend.name,
                                      "state_dir": str(settings.state_dir),
                                      "version": agent.__version__})
         startup = asyncio.create_task(_become_ready(node))
@@ -221,5 +230,6 @@ async def _serve(node: Node) -> int:
         if metrics_runner is not None:
             await metrics_runner.cleanup()
         node.events.append("agent.stopped", "agent stopped", severity=Severity.INFO)
+        await asyncio.to_thread(node.events.close)  # the history's last write
         with contextlib.suppress(FileNotFoundError):
             (settings.state_dir / "listeners.json").unlink()

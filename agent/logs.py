@@ -1,4 +1,10 @@
-"""Structured logging: one line per event, ``key=value`` (text) or JSON, never secrets."""
+"""Structured logging: one line per event, ``key=value`` (text) or JSON, never secrets.
+
+Times are one form everywhere (text logs, JSON logs, ``/v1/events``): ISO 8601 in UTC with
+milliseconds, ``2026-12-01T10:15:00.123Z``. Chosen over epoch seconds because people read
+these lines during an incident, the form says its time zone, sorts as text, and every log
+pipeline (journald exports, Loki, Elasticsearch, ``jq``'s ``fromdate``) parses it as is.
+"""
 
 from __future__ import annotations
 
@@ -22,13 +28,19 @@ def _quote(value: Any) -> str:
     return text
 
 
+def iso_time(seconds: float) -> str:
+    """Unix time as ISO 8601 UTC with milliseconds (``2026-12-01T10:15:00.123Z``)."""
+    whole = int(seconds)
+    millis = min(int((seconds - whole) * 1000), 999)
+    return f"{time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime(whole))}.{millis:03d}Z"
+
+
 class TextFormatter(logging.Formatter):
     """``ts=... level=... logger=... msg="..." key=value ...`` on one line."""
 
     def format(self, record: logging.LogRecord) -> str:
         parts = [
-            f"ts={time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime(record.created))}"
-            f".{int(record.msecs):03d}Z",
+            f"ts={iso_time(record.created)}",
             f"level={record.levelname.lower()}",
             f"logger={record.name}",
             f"msg={_quote(record.getMessage())}",
@@ -44,7 +56,7 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         doc: dict[str, Any] = {
-            "ts": record.created,
+            "ts": iso_time(record.created),
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),

@@ -159,7 +159,7 @@ def build_node(settings: Settings, backend: Backend) -> Node:
     metrics.set_build(version=agent.__version__, backend=backend.name)
     session = NvmlSession(backend.nvml, on_error=metrics.count_nvml_error)
     inventory = GpuInventory(session)
-    events = EventLog()
+    events = EventLog(history=settings.state_dir / "events.json")
     health = GpuHealth(events=events, metrics=metrics, lost_reason=session.lost_reason)
     state = settings.state_dir
     ledger = NodeLedger(quarantine_path=state / "mig" / "quarantine.json", events=events,

@@ -13,7 +13,7 @@ from agent.api.mig_models import TransitionModel
 from agent.api.node import require_ready
 from agent.api.routing import Route, json_response
 from agent.claims.service import ClaimService
-from agent.errors import InvalidRequest
+from agent.errors import Conflict, InvalidRequest
 from agent.events import Severity
 from agent.gpu.types import Gpu
 from agent.mig.service import MigService
@@ -29,17 +29,27 @@ class QuarantineCleared(BaseModel):
     was: str = Field(description="Why it had been quarantined")
 
 
+class HealthCleared(BaseModel):
+    gpu: str = Field(description="GPU UUID")
+    index: int
+    cleared: list[str] = Field(description="The marks lifted: XIDs, and the GPU-lost mark")
+
+
 class CheckpointRequest(_Strict):
     action: Literal["restore", "accept-empty"] = Field(
         description="restore: put a kept-aside file back (it must pass its check); "
                     "accept-empty: start from an empty checkpoint (prepared claims are lost)")
-    file: str | None = Field(default=None, description="Name of the kept-aside file "
-                                                       "(claims.checkpoint.corrupt-...)")
+    file: str | None = Field(default=None, description="Name of a file of the checkpoint "
+                                                       "beside it: kept aside "
+                                                       "(claims.checkpoint.corrupt-...) or "
+                                                       "an operator's copy "
+                                                       "(claims.checkpoint.backup)")
 
 
 class CheckpointStatus(BaseModel):
     corrupt: str | None = Field(description="Why claims are frozen, or null")
-    kept: list[str] = Field(description="Kept-aside checkpoint files next to the checkpoint")
+    kept: list[str] = Field(description="Files of the checkpoint next to it (kept aside, or "
+                                        "an operator's copies): what restore accepts")
     claims: int = Field(description="Claims in the checkpoint in use")
     ready: bool
 
@@ -68,6 +78,24 @@ async def clear_quarantine(request: web.Request) -> web.Response:
     return json_response(QuarantineCleared(gpu=gpu.uuid, index=gpu.index, was=was))
 
 
+async def clear_health(request: web.Request) -> web.Response:
+    """An operator's word that a GPU was reset behind the agent's back (``nvidia-smi -r`` by
+    hand): its XID marks and lost mark are lifted. A GPU still lost is marked again at its
+    next NVML answer, so this can hide nothing for long."""
+    ctx = request.app[AGENT]
+    require_ready(ctx)
+    gpu = ctx.node.inventory.find(request.match_info["gpu"])
+    lost = ctx.node.session.lost_reason(gpu.uuid)
+    if not ctx.node.health.xid_reasons(gpu.uuid) and lost is None:
+        raise Conflict(f"GPU {gpu.index} has no XID or lost mark to clear", gpu=gpu.uuid)
+    ctx.node.session.clear_lost(gpu.uuid)
+    cleared = ctx.node.health.clear(gpu.uuid, why=f"cleared by {_who(request)}")
+    if lost is not None:
+        cleared.insert(0, f"GPU is lost: {lost}")
+        ctx.node.health.check()
+    return json_response(HealthCleared(gpu=gpu.uuid, index=gpu.index, cleared=cleared))
+
+
 async def resolve_transition(request: web.Request) -> web.Response:
     body = await parse_body(request, ResolveRequest)
     _, service, gpu = await _gpu(request)
@@ -82,7 +110,8 @@ def _claims(ctx: AgentContext) -> ClaimService:
 def _status(ctx: AgentContext) -> CheckpointStatus:
     claims = _claims(ctx)
     path = claims.checkpoint.path
-    kept = sorted(p.name for p in path.parent.glob(f"{path.name}.corrupt-*"))
+    kept = sorted(p.name for p in path.parent.glob(f"{path.name}.*")
+                  if ".tmp." not in p.name and p.is_file())
     return CheckpointStatus(corrupt=str(claims.corrupt) if claims.corrupt else None, kept=kept,
                             claims=len(claims.records()), ready=ctx.node.readiness.ready)
 
@@ -114,6 +143,9 @@ ROUTES = [
     Route("POST", "/v1/admin/gpus/{gpu}/clear-quarantine", clear_quarantine,
           "Remediation: lift a GPU's quarantine once its layout was restored by hand",
           QuarantineCleared, scope="admin", tag="admin", errors=(404, 409, 503)),
+    Route("POST", "/v1/admin/gpus/{gpu}/clear-health", clear_health,
+          "Remediation: lift a GPU's XID and lost marks after a reset the agent did not see",
+          HealthCleared, scope="admin", tag="admin", errors=(404, 409, 503)),
     Route("POST", "/v1/admin/transitions/{gpu}/resolve", resolve_transition,
           "Remediation: resolve a GPU's open journal entry by hand (roll-back or finish)",
           TransitionModel, body=ResolveRequest, scope="admin", tag="admin",

@@ -105,9 +105,14 @@ CORE_ROUTES = [
           tag="claims", errors=(422, 503), reconciled=True),
     Route("GET", "/v1/cdi", claims.list_cdi, "The CDI specs the agent maintains",
           claims.CdiList, tag="claims", errors=(503,), reconciled=True),
-    Route("GET", "/v1/events", node.list_events, "Recent events (bounded ring)", EventList,
+    Route("GET", "/v1/events", node.list_events,
+          "Recent events (bounded, kept across restarts); the epoch changes on every start",
+          EventList,
           query=(QueryParam("since", {"type": "integer", "minimum": 0},
-                            "Only events with a larger sequence number"),), errors=(422,)),
+                            "Only events after this sequence number (of ?epoch=)"),
+                 QueryParam("epoch", {"type": "string", "pattern": "^[0-9a-f]{16}$"},
+                            "The epoch the since cursor came from (default: the current "
+                            "one)")), errors=(422,)),
 ]
 
 SIM_ROUTES = [

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, RootModel
 from agent.events import Event
 from agent.gpu.types import DriverInfo, Gpu, MigDevice
 from agent.ledger.ledger import Availability, Hold, NodeLedger
+from agent.logs import iso_time
 
 
 class Strict(BaseModel):
@@ -178,7 +179,8 @@ class NodeModel(BaseModel):
 
 class EventModel(BaseModel):
     seq: int
-    time: float = Field(description="Unix time in seconds")
+    epoch: str = Field(description="The agent start that recorded it")
+    time: str = Field(description="UTC, ISO 8601 with milliseconds (as in the logs)")
     kind: str
     severity: Literal["info", "warning", "error"]
     gpu: str | None
@@ -187,21 +189,29 @@ class EventModel(BaseModel):
 
     @classmethod
     def of(cls, event: Event) -> EventModel:
-        return cls(seq=event.seq, time=event.time, kind=event.kind,
-                   severity=event.severity.value, gpu=event.gpu, message=event.message,
-                   details=dict(event.details))
+        return cls(seq=event.seq, epoch=event.epoch, time=iso_time(event.time),
+                   kind=event.kind, severity=event.severity.value, gpu=event.gpu,
+                   message=event.message, details=dict(event.details))
 
 
 class EventList(BaseModel):
+    epoch: str = Field(description="This start of the agent; it changes on every restart. "
+                                   "Pass it back as ?epoch= with ?since=")
+    last_seq: int = Field(description="Pass as ?since= (with ?epoch=) to get only newer "
+                                      "events")
+    reset: bool = Field(description="The cursor given did not belong to this history (a "
+                                    "since beyond the newest event, or an epoch no longer "
+                                    "kept): events is everything retained, and the client "
+                                    "may have missed some")
     events: list[EventModel]
-    last_seq: int = Field(description="Pass as ?since= to get only newer events")
 
 
 # -- simulation controls (only with --simulate) --------------------------------------------
 
 
 class SimProcessRequest(Strict):
-    device: str = Field(description="GPU or MIG device UUID", min_length=1, max_length=96)
+    device: str = Field(description="GPU or MIG device: UUID, GPU index or <gpu>:<mig>",
+                        min_length=1, max_length=96)
     pid: int | None = Field(default=None, ge=1, le=4_194_304)
     used_memory_mib: int | None = Field(default=None, ge=0, le=1 << 24)
 
@@ -231,7 +241,8 @@ class SimFault(BaseModel):
 
 
 class SimXidRequest(Strict):
-    gpu: str = Field(min_length=1, max_length=96)
+    gpu: str = Field(min_length=1, max_length=96,
+                     description="GPU or MIG device: UUID, GPU index or <gpu>:<mig>")
     xid: int = Field(ge=1, le=1_000_000)
 
 
@@ -250,4 +261,4 @@ class SimLatencyRequest(RootModel[dict[str, Annotated[float, Field(ge=0, le=30)]
 
 
 class SimGpuRequest(Strict):
-    gpu: str = Field(min_length=1, max_length=96, description="GPU UUID")
+    gpu: str = Field(min_length=1, max_length=96, description="GPU UUID or index")

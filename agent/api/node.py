@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from aiohttp import web
 
 import agent
@@ -46,15 +48,30 @@ async def get_node(request: web.Request) -> web.Response:
         agent_version=agent.__version__, gpu_count=len(ctx.node.inventory.gpus)))
 
 
+_EPOCH = re.compile(r"^[0-9a-f]{16}\Z")
+
+
 async def list_events(request: web.Request) -> web.Response:
+    """Events after the cursor ``(?epoch=, ?since=)``; a cursor from before a restart reads
+    on from where it stopped while the history still holds it, and is answered
+    ``reset: true`` (everything retained) when it does not."""
     raw = request.query.get("since", "0")
     since = ascii_integer(raw)
     if since is None:
         raise InvalidRequest(f"since: {raw[:40]!r} is not a non-negative integer",
                              [{"field": "since", "reason": "not a non-negative integer"}])
-    events = request.app[AGENT].node.events.since(since)
-    last = events[-1].seq if events else since
-    return json_response(EventList(events=[EventModel.of(e) for e in events], last_seq=last))
+    epoch = request.query.get("epoch")
+    if epoch is not None and not _EPOCH.match(epoch):
+        raise InvalidRequest(f"epoch: {epoch[:40]!r} is not an epoch (16 hex digits, as "
+                             "/v1/events answers it)",
+                             [{"field": "epoch", "reason": "not 16 lower-case hex digits"}])
+    log = request.app[AGENT].node.events
+    page = log.after(since, epoch)
+    # last_seq is always the history's own: a cursor the agent never handed out (since=99999)
+    # must not come back looking valid.
+    last = page.events[-1].seq if page.events else log.last_seq
+    return json_response(EventList(epoch=log.epoch, last_seq=last, reset=page.reset,
+                                   events=[EventModel.of(e) for e in page.events]))
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -105,7 +105,8 @@ def _spec_of(request: web.Request) -> Route | None:
 @web.middleware
 async def request_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Request id in and out, and one log line per request: ``agent.audit`` for a mutation
-    (who, what, result, time), ``agent.access`` for anything else."""
+    (who, what, result, time) at info, ``agent.access`` for anything else (at debug, at info
+    when it failed)."""
     offered = request.headers.get("X-Request-Id", "")
     request[REQUEST_ID] = (offered if _REQUEST_ID.match(offered)
                            else f"{_ID_PREFIX}{next(_ID_COUNTER) & 0xFFFFFFFFFFFF:012x}")
@@ -124,14 +125,17 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
         # Any token is a method to aiohttp; the label set stays closed.
         method = request.method if request.method in _METHODS else "other"
         request.app[AGENT].node.metrics.http_requests.labels(method, route, str(status)).inc()
-        peer = _peer(request)
         if spec.mutating if spec else request.method not in ("GET", "HEAD", "OPTIONS"):
-            await _audit(request, status, peer, elapsed_ms)
+            await _audit(request, status, _peer(request), elapsed_ms)
         else:
-            access_log.info("request", extra={
-                "method": request.method, "path": request.path, "status": status,
-                "duration_ms": round(elapsed_ms, 2), "request_id": request[REQUEST_ID],
-                "peer": peer, "principal": request[PRINCIPAL]})
+            # Reads at debug (a --wait poll reads five times a second); a failed read stays
+            # at info, like every mutation's audit line.
+            level = logging.INFO if status >= 400 else logging.DEBUG
+            if access_log.isEnabledFor(level):
+                access_log.log(level, "request", extra={
+                    "method": request.method, "path": request.path, "status": status,
+                    "duration_ms": round(elapsed_ms, 2), "request_id": request[REQUEST_ID],
+                    "peer": _peer(request), "principal": request[PRINCIPAL]})
 
 
 def _peer(request: web.Request) -> str:

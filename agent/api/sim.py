@@ -22,6 +22,7 @@ from agent.api.routing import json_response
 from agent.device_names import ascii_integer
 from agent.errors import InvalidRequest, NotFound
 from agent.gpu.sim.node import SimulatedNode
+from agent.ledger.keys import resolve
 
 
 def _sim(request: web.Request) -> SimulatedNode:
@@ -29,6 +30,20 @@ def _sim(request: web.Request) -> SimulatedNode:
     if sim is None:  # the routes exist only with --simulate
         raise NotFound("this agent is not simulated")
     return sim
+
+
+def _uuid(request: web.Request, ref: str, field: str) -> str:
+    """A device as the simulator names it (its UUID), however the caller named it: like the
+    rest of the API, a GPU index, ``<gpu>:<mig>`` or a ResourceSlice device name work too."""
+    if ref.startswith(("GPU-", "MIG-")):
+        return ref  # the simulator answers an unknown UUID itself
+    try:
+        gpu, device = resolve(ref, request.app[AGENT].node.inventory.gpus)
+    except InvalidRequest:
+        raise NotFound(f"{field}: no GPU or MIG device {ref[:96]!r} on this node (a UUID, a "
+                       "GPU index, <gpu>:<mig> or a ResourceSlice device name)",
+                       gpu=ref[:96]) from None
+    return device.uuid if device is not None else gpu.uuid
 
 
 def _sim_state(request: web.Request) -> SimState:
@@ -42,7 +57,8 @@ async def sim_state(request: web.Request) -> web.Response:
 async def add_process(request: web.Request) -> web.Response:
     body = await parse_body(request, SimProcessRequest)
     sim = _sim(request)
-    record = await asyncio.to_thread(sim.add_process, body.device, body.pid,
+    device = _uuid(request, body.device, "device")
+    record = await asyncio.to_thread(sim.add_process, device, body.pid,
                                      body.used_memory_mib)
     return json_response(SimProcess.model_validate(record), status=201)
 
@@ -59,8 +75,9 @@ async def remove_process(request: web.Request) -> web.Response:
 
 async def add_fault(request: web.Request) -> web.Response:
     body = await parse_body(request, SimFaultRequest)
+    gpu = None if body.gpu is None else _uuid(request, body.gpu, "gpu")
     record = await asyncio.to_thread(_sim(request).add_fault, body.function, body.error,
-                                     body.gpu, body.skip, body.times)
+                                     gpu, body.skip, body.times)
     return json_response(SimFault.model_validate(record), status=201)
 
 
@@ -77,15 +94,20 @@ async def set_latency(request: web.Request) -> web.Response:
 
 async def inject_xid(request: web.Request) -> web.Response:
     body = await parse_body(request, SimXidRequest)
-    await asyncio.to_thread(_sim(request).inject_xid, body.gpu, body.xid)
+    await asyncio.to_thread(_sim(request).inject_xid, _uuid(request, body.gpu, "gpu"),
+                            body.xid)
     return web.Response(status=202)
 
 
 async def reset_gpu(request: web.Request) -> web.Response:
+    """A reset brings a lost GPU back and makes an XID-marked one trustworthy again: both
+    marks are cleared (``gpu.health_cleared``)."""
     body = await parse_body(request, SimGpuRequest)
     ctx = request.app[AGENT]
-    await asyncio.to_thread(_sim(request).reset_gpu, body.gpu)
-    ctx.node.session.clear_lost(body.gpu)
+    uuid = _uuid(request, body.gpu, "gpu")
+    await asyncio.to_thread(_sim(request).reset_gpu, uuid)
+    ctx.node.session.clear_lost(uuid)
+    ctx.node.health.clear(uuid, why="GPU reset")
     return web.Response(status=204)
 
 
@@ -94,4 +116,5 @@ async def reload_driver(request: web.Request) -> web.Response:
     await asyncio.to_thread(_sim(request).reload_driver)
     for gpu in ctx.node.inventory.gpus:
         ctx.node.session.clear_lost(gpu.uuid)
+        ctx.node.health.clear(gpu.uuid, why="driver reloaded")
     return web.Response(status=204)

@@ -235,7 +235,7 @@ class ClaimService:
             raise
         self._ledger.settle(uid)
         self._events.append("claim.prepared", f"claim {uid} prepared: " + ", ".join(
-            d.device_name for d in record.devices), details={"claim": uid})
+            d.device_name for d in record.devices), details=_claim_details(record))
         return record
 
     def _targets(self, requests: Sequence[DeviceRequest], gpus: Sequence[Gpu], *,
@@ -518,7 +518,7 @@ class ClaimService:
             else:
                 await self._forget(record)
         self._events.append("claim.unprepared", f"claim {uid} unprepared",
-                            details={"claim": uid})
+                            details=_claim_details(record))
 
     async def _forget(self, record: ClaimRecord) -> None:
         """Unprepare a claim without slices in one commit: drop it durably, then release its
@@ -628,18 +628,18 @@ class ClaimService:
                 record.lost_reason = f"the node rebooted (boot id {self._previous_boot} " \
                                      "gone): its devices were released"
                 self._events.append("claim.lost", f"claim {record.uid}: {record.lost_reason}",
-                                    severity=Severity.WARNING, details={"claim": record.uid})
+                                    severity=Severity.WARNING, details=_claim_details(record))
             elif record.state in ("prepare_started", "unprepare_started"):
                 self._events.append("claim.recovered", f"claim {record.uid} was "
                                     f"{record.state.replace('_', ' ')} when the agent stopped; "
-                                    "rolled back", details={"claim": record.uid})
+                                    "rolled back", details=_claim_details(record))
                 try:
                     await self._undo(record)
                 except AgentError as err:
                     record.lost_reason = f"could not be cleaned up: {err.detail}"
                     self._events.append("claim.cleanup_failed", f"claim {record.uid}: "
                                         f"{record.lost_reason}", severity=Severity.ERROR,
-                                        details={"claim": record.uid})
+                                        details=_claim_details(record))
         owned: set[str] = set()
         for record in self.checkpoint.data.claims.values():
             if record.state != "prepare_completed":
@@ -654,7 +654,7 @@ class ClaimService:
                 record.lost_reason = (f"its GPU is lost: {', '.join(lost)}" if lost
                                       else f"devices vanished: {', '.join(missing)}")
                 self._events.append("claim.lost", f"claim {record.uid}: {record.lost_reason}",
-                                    severity=Severity.WARNING, details={"claim": record.uid})
+                                    severity=Severity.WARNING, details=_claim_details(record))
                 if not lost:  # a lost GPU's devices stay held: nobody else may get them
                     self._ledger.release(record.uid)
                 continue
@@ -694,9 +694,12 @@ class ClaimService:
             raw = encode(CheckpointData(boot_id=self.checkpoint.data.boot_id))
         else:
             kept = path.parent / restore
-            if "/" in restore or not restore.startswith(f"{path.name}.corrupt-") \
-                    or not kept.is_file():
-                raise NotFound(f"no kept-aside checkpoint {restore!r} next to {path}")
+            # Any file of this checkpoint beside it: one it kept aside, or an operator's
+            # repaired copy or backup (claims.checkpoint.backup); never a temp file.
+            if "/" in restore or not restore.startswith(f"{path.name}.") \
+                    or ".tmp." in restore or not kept.is_file():
+                raise NotFound(f"no kept-aside checkpoint {restore!r} next to {path} (a file "
+                               f"named {path.name}.* there)")
             raw = await asyncio.to_thread(kept.read_bytes)
             try:
                 decode(raw)
@@ -747,3 +750,7 @@ def _present(device: PreparedDevice, gpus: Mapping[str, Gpu]) -> bool:
     return any(d.uuid == device.uuid for d in gpu.mig_devices)
 
 
+def _claim_details(record: ClaimRecord) -> dict[str, object]:
+    """An event's details for a claim: its uid and the GPUs (UUIDs) it holds, so the event's
+    log line names them."""
+    return {"claim": record.uid, "gpus": sorted({d.gpu for d in record.devices})}

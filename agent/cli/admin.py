@@ -28,6 +28,10 @@ def add_parsers(sub: Any, client_opts: argparse.ArgumentParser) -> None:
     clear = verbs.add_parser("clear-quarantine", parents=[client_opts],
                              help="lift a GPU's quarantine once its layout was fixed by hand")
     clear.add_argument("gpu", help="GPU index or UUID")
+    health = verbs.add_parser("clear-xid", aliases=["clear-health"], parents=[client_opts],
+                              help="lift a GPU's XID (and lost) marks after resetting it by "
+                                   "hand")
+    health.add_argument("gpu", help="GPU index or UUID")
     resolve = verbs.add_parser("resolve", parents=[client_opts],
                                help="resolve a GPU's open MIG journal entry by hand")
     resolve.add_argument("gpu", help="GPU index or UUID")
@@ -60,6 +64,8 @@ def _admin(args: argparse.Namespace, client: AgentClient) -> int:
     verb = args.admin_verb
     if verb == "clear-quarantine":
         body = client.request("POST", f"/v1/admin/gpus/{args.gpu}/clear-quarantine").body
+    elif verb in ("clear-xid", "clear-health"):
+        body = client.request("POST", f"/v1/admin/gpus/{args.gpu}/clear-health").body
     elif verb == "resolve":
         body = client.request("POST", f"/v1/admin/transitions/{args.gpu}/resolve",
                               {"action": args.action}).body

@@ -50,6 +50,29 @@ def read_token_file(path: Path) -> str:
     raise ClientError(f"no token in {path}")
 
 
+def normalise_url(url: str) -> str:
+    """``unix:PATH``, ``http(s)://HOST:PORT``, or ``HOST:PORT`` (taken as ``http://``, as curl
+    does); anything else is a :class:`ClientError` saying the URL is malformed."""
+    if url.startswith("unix:"):
+        if not url[5:]:
+            raise ClientError("malformed URL 'unix:': give the socket path, e.g. "
+                              "unix:/run/gpu-agent/agent.sock")
+        return url
+    if url.startswith("/"):
+        return f"unix:{url}"
+    full = url if "://" in url else f"http://{url}"
+    parts = urlsplit(full)
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1 \
+            or parts.path not in ("", "/") or parts.query:
+        raise ClientError(f"malformed URL {url[:200]!r}: expected http(s)://HOST:PORT, "
+                          "HOST:PORT or unix:PATH")
+    return full.rstrip("/")
+
+
 def discover(url: str | None, token_file: str | None) -> tuple[str, str | None]:
     """Where to connect and with which token: flags, then ``GPU_AGENT_URL`` /
     ``GPU_AGENT_TOKEN[_FILE]``, then a simulated agent started from this directory, then the
@@ -67,7 +90,7 @@ def discover(url: str | None, token_file: str | None) -> tuple[str, str | None]:
             token = read_token_file(Path(token_path))
         except OSError as err:
             raise ClientError(f"cannot read token file {token_path}: {err.strerror}") from err
-    return url or DEFAULT_SOCKET, token
+    return normalise_url(url or DEFAULT_SOCKET), token
 
 
 def tls_context(cacert: str | None, cert: str | None, key: str | None) -> ssl.SSLContext | None:

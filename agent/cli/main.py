@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -121,31 +122,49 @@ def _add_serve(sub: Any) -> None:
     serve = sub.add_parser("serve", help="run the agent",
                            description="Run the agent. Every flag may also be given as "
                                        "GPU_AGENT_<FLAG> in the environment or in --config.")
+    # The README's flag table is generated from these (serve_flag_table): say each default.
     serve.add_argument("--simulate", metavar="PRESET",
-                       help="run on a simulated node (dgx-h100, dgx-a100, hgx-h200, "
-                            "a100-pcie-bridged, l40s)")
-    serve.add_argument("--state-dir", help="state directory (default /var/lib/gpu-agent; "
-                                           "./.gpu-agent-sim with --simulate)")
-    serve.add_argument("--cdi-dir", help="where CDI specs are written (default /var/run/cdi)")
+                       help="run on a simulated node: dgx-h100, dgx-a100, hgx-h200, "
+                            "a100-pcie-bridged, l40s (default: the real NVML)")
+    serve.add_argument("--state-dir", metavar="DIR",
+                       help="state directory, one agent each (a lock) (default "
+                            "/var/lib/gpu-agent; ./.gpu-agent-sim with --simulate)")
+    serve.add_argument("--cdi-dir", metavar="DIR",
+                       help="where CDI specs are written (default /var/run/cdi; "
+                            "<state-dir>/cdi with --simulate)")
     serve.add_argument("--listen", action="append", metavar="ADDR",
-                       help="HOST:PORT (port 0 picks one) or unix:PATH; repeatable")
-    serve.add_argument("--token-file", help="bearer tokens, one 'name:token[:scope,...]' a line")
-    serve.add_argument("--auth-read", action="store_true", help="require a token for reads too")
-    serve.add_argument("--log-format", choices=("text", "json"))
-    serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
-    serve.add_argument("--proc-root", help="where /proc is (the simulator writes its own)")
-    serve.add_argument("--node-name", help="node name (default $NODE_NAME or the hostname)")
+                       help="HOST:PORT (port 0 picks one) or unix:PATH; repeatable; bound "
+                            "addresses go to <state-dir>/listeners.json (default "
+                            "unix:/run/gpu-agent/agent.sock and 127.0.0.1:9401; with "
+                            "--simulate the socket is <state-dir>/agent.sock)")
+    serve.add_argument("--token-file", metavar="FILE",
+                       help="bearer tokens, one 'name:token[:scope,...]' a line; scopes read, "
+                            "claims, geometry, admin (none listed: all) (default: none; a "
+                            "simulated agent writes <state-dir>/tokens)")
+    serve.add_argument("--auth-read", action="store_true",
+                       help="/v1/* reads need a token too (default: off)")
+    serve.add_argument("--log-format", choices=("text", "json"),
+                       help="text (key=value) or json, one line per event (default text)")
+    serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                       help="debug adds a line per read request (default info)")
+    serve.add_argument("--proc-root", metavar="DIR",
+                       help="where /proc is (default /proc; the simulator writes its own)")
+    serve.add_argument("--node-name", metavar="NAME",
+                       help="node name (default $NODE_NAME or the hostname)")
     serve.add_argument("--gpu-reset-command", metavar="CMD",
                        help="command that resets one idle GPU, run only when a request allows "
-                            "it, e.g. 'nvidia-smi -r -i {pci_bus_id}' ({uuid}, {index} too)")
+                            "it, e.g. 'nvidia-smi -r -i {pci_bus_id}' ({uuid}, {index} too) "
+                            "(default: none, the agent never resets a GPU)")
     serve.add_argument("--no-reapply-mig", action="store_true",
                        help="do not re-apply the last MIG geometry after a reboot or driver "
                             "reload (default: re-apply)")
-    serve.add_argument("--driver-root", help="where the host's NVIDIA driver files are (the "
-                                             "claims' CDI specs then bind-mount its libraries)")
-    serve.add_argument("--run-dir", help="per-boot files outside the state "
-                       "directory (default /run/gpu-agent; simulated: .<state-dir>.run beside "
-                       "it)")
+    serve.add_argument("--driver-root", metavar="DIR",
+                       help="where the host's NVIDIA driver files are: the claims' CDI specs "
+                            "then bind-mount its libraries (default: none)")
+    serve.add_argument("--run-dir", metavar="DIR",
+                       help="per-boot marker outside the state directory: a deleted "
+                            "checkpoint with claims on this boot freezes claims (default "
+                            "/run/gpu-agent; .<state-dir>.run beside it with --simulate)")
     serve.add_argument("--claim-tombstone-s", type=float, metavar="SECONDS",
                        help="refuse a prepare this long after the same claim was unprepared "
                             "(default 600)")
@@ -153,23 +172,52 @@ def _add_serve(sub: Any) -> None:
                        help="seconds between metrics collections, fractions allowed (default 5)")
     serve.add_argument("--metrics-listen", metavar="ADDR",
                        help="also serve /metrics, /healthz and /readyz here, without tokens "
-                            "(HOST:PORT, e.g. 0.0.0.0:9400, or unix:PATH)")
+                            "(HOST:PORT, deployments 0.0.0.0:9400, or unix:PATH) (default: "
+                            "none)")
     serve.add_argument("--metrics-hostname-label", choices=("Hostname", "hostname"),
-                       help="spelling of the host label on DCGM series (default Hostname, as "
+                       help="spelling of the host label on DCGM series: hostname for "
+                            "dcgm-exporter 4.8.3+ dashboards (default Hostname, as "
                             "dcgm-exporter up to 4.8.2)")
     serve.add_argument("--driver-name", metavar="NAME",
                        help="DRA driver name of the ResourceSlices (default gpu.nodeagent.dev)")
     serve.add_argument("--dynamic-mig", action="store_true",
                        help="publish MIG as partitionable devices: every profile and "
-                            "placement, with shared counters per GPU")
+                            "placement, with shared counters per GPU (default: off)")
     serve.add_argument("--tls-cert", metavar="PEM",
-                       help="serve the API's TCP listeners over TLS with this certificate chain")
+                       help="serve the API's TCP listeners over TLS with this certificate "
+                            "chain (default: none, plain HTTP)")
     serve.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
     serve.add_argument("--tls-client-ca", metavar="PEM",
-                       help="require client certificates signed by this CA on the TCP listeners")
+                       help="require client certificates signed by this CA on the TCP "
+                            "listeners, with --tls-cert (default: none)")
     serve.add_argument("--socket-group", metavar="GROUP",
-                       help="group owning the API's Unix socket (mode 0660), name or number")
-    serve.add_argument("--config", help="TOML file with any of these settings")
+                       help="group owning the API's Unix socket (mode 0660), name or number "
+                            "(default: the agent's own)")
+    serve.add_argument("--config", metavar="FILE",
+                       help="TOML file with any of these settings, keys as the flag names "
+                            "(default: none)")
+
+
+def serve_flag_table() -> str:
+    """The README's table of ``gpu-agent serve`` flags, generated from the parser so that the
+    two cannot drift (``tests/cli/test_readme_flags.py`` compares them)."""
+    sub = argparse.ArgumentParser().add_subparsers()
+    _add_serve(sub)
+    serve = sub.choices["serve"]
+    rows = ["| flag | what (default) |", "|---|---|"]
+    for action in serve._actions:  # argparse keeps its options only here
+        if not action.option_strings or action.help == argparse.SUPPRESS \
+                or isinstance(action, argparse._HelpAction):
+            continue
+        flag = action.option_strings[-1]
+        if action.nargs != 0:
+            value = ("{" + ",".join(action.choices) + "}" if action.choices
+                     else action.metavar or action.dest.upper())
+            flag = f"{flag} {value}"
+        text = (action.help or "").replace("|", "\\|").replace("*", "\\*")
+        text = text.replace("<", "&lt;").replace(">", "&gt;")  # not HTML tags to a renderer
+        rows.append(f"| `{flag}` | {text} |")
+    return "\n".join(rows)
 
 
 def _add_sim(sub: Any) -> None:
@@ -179,7 +227,7 @@ def _add_sim(sub: Any) -> None:
     process = verbs.add_parser("process", help="attach or end a fake GPU process")
     actions = process.add_subparsers(dest="action", required=True)
     add = actions.add_parser("add")
-    add.add_argument("device", help="GPU or MIG device UUID")
+    add.add_argument("device", help="GPU or MIG device: UUID, GPU index or <gpu>:<mig>")
     add.add_argument("--pid", type=int)
     add.add_argument("--memory-mib", type=int)
     remove = actions.add_parser("rm")
@@ -190,17 +238,17 @@ def _add_sim(sub: Any) -> None:
     add.add_argument("function",
                      help="NVML function, e.g. nvmlDeviceCreateGpuInstanceWithPlacement")
     add.add_argument("error", help="NVML_ERROR_* name, or CRASH")
-    add.add_argument("--gpu", help="only calls on this GPU UUID")
+    add.add_argument("--gpu", help="only calls on this GPU (index or UUID)")
     add.add_argument("--skip", type=int, default=0, help="let this many matching calls pass")
     add.add_argument("--times", type=int, default=1, help="fail this many calls")
     actions.add_parser("clear")
     latency = verbs.add_parser("latency", help="seconds added to NVML calls")
     latency.add_argument("latencies", nargs="*", metavar="FUNCTION=SECONDS")
     xid = verbs.add_parser("xid", help="raise an XID event")
-    xid.add_argument("gpu", help="GPU UUID")
+    xid.add_argument("gpu", help="GPU or MIG device: UUID, GPU index or <gpu>:<mig>")
     xid.add_argument("xid", type=int)
     reset = verbs.add_parser("reset", help="reset a GPU as nvidia-smi -r does")
-    reset.add_argument("gpu", help="GPU UUID")
+    reset.add_argument("gpu", help="GPU index or UUID")
     verbs.add_parser("reload-driver", help="reload the simulated driver")
 
 
@@ -208,8 +256,8 @@ def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="gpu-agent", description=__doc__)
     top.add_argument("--version", action="version", version=f"gpu-agent {agent.__version__}")
     client_opts = argparse.ArgumentParser(add_help=False)
-    client_opts.add_argument("--url", help="agent address: http(s)://HOST:PORT or unix:PATH "
-                                           "(default: the local socket)")
+    client_opts.add_argument("--url", help="agent address: http(s)://HOST:PORT, HOST:PORT "
+                                           "or unix:PATH (default: the local socket)")
     client_opts.add_argument("--token-file", help="token file (or GPU_AGENT_TOKEN[_FILE])")
     client_opts.add_argument("--cacert", metavar="PEM",
                              help="CA to trust for an https:// agent (or GPU_AGENT_CACERT; "
@@ -241,6 +289,20 @@ COMMANDS: dict[str, Command] = {"node": _node, "gpus": _gpus, "sim": _sim, "mig"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's final flush
+        return code
+    except BrokenPipeError:
+        # The reader went away (``gpu-agent gpus | head``): not an error worth a traceback.
+        # stdout is pointed at /dev/null so the interpreter's final flush cannot fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141  # 128 + SIGPIPE, as a shell reports a command killed by it
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)

@@ -1,11 +1,12 @@
 """GPU health the agent adds to what NVML answers: critical XIDs, and GPUs that stopped
 answering (``GPU_IS_LOST``), shown in ``/v1/gpus``, ``/v1/events`` and ``gpu_agent_gpu_healthy``.
 
-Recovery rule: a mark is never cleared while the agent runs. A GPU that needed a reset or fell
-off the bus is recovered by resetting it (or rebooting) and then restarting the agent, which
-reads the hardware afresh; a GPU still lost at that point is marked again from NVML's answer.
-The marks do not survive the restart on purpose: the reset that fixes the GPU is exactly what
-the agent cannot observe through NVML.
+Recovery rule: an XID mark stays until the GPU is reset, because only a reset makes such a
+GPU trustworthy again, and NVML does not report a reset. It is cleared by an operator's
+``gpu-agent admin clear-xid N`` (``POST /v1/admin/gpus/{gpu}/clear-health``) after resetting
+the GPU, and by the simulator's own reset and driver reload, which the agent sees. The marks
+are not kept across a restart of the agent: the next start reads the hardware afresh, and a
+GPU still lost is marked again from NVML's answer.
 """
 
 from __future__ import annotations
@@ -118,6 +119,22 @@ class GpuHealth:
 
     # -- writing ---------------------------------------------------------------------------
 
+    def clear(self, gpu_uuid: str, *, why: str) -> list[str]:
+        """Forget the GPU's XID marks (after a reset, or an operator's word that it was
+        reset): the reasons cleared, and a ``gpu.health_cleared`` event when there were
+        any. The last XID stays on record; the next critical XID marks the GPU again."""
+        with self._lock:
+            cleared = self._marks.pop(gpu_uuid, [])
+            self._seen = {k: v for k, v in self._seen.items() if k[0] != gpu_uuid}
+            index = self._index.get(gpu_uuid)
+        if cleared:
+            self._events.append("gpu.health_cleared",
+                                f"GPU {index} ({gpu_uuid}): {'; '.join(cleared)} cleared "
+                                f"({why})", gpu=gpu_uuid,
+                                details={"cleared": cleared, "why": why})
+        self.check()
+        return cleared
+
     def record_xid(self, event: XidEvent) -> None:
         """Count an XID, remember it as the GPU's last, and mark the GPU if it is critical."""
         uuid, xid = event.gpu_uuid, event.xid
@@ -154,6 +171,8 @@ class GpuHealth:
                 turned = not healthy and uuid not in self._unhealthy
                 if turned:
                     self._unhealthy.add(uuid)
+                elif healthy:
+                    self._unhealthy.discard(uuid)  # a later mark is reported again
             if turned:
                 reasons = list(self.xid_reasons(uuid))
                 lost = self._lost_reason(uuid)
