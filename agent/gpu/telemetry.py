@@ -143,6 +143,7 @@ class GpuTelemetry:
         self._nvlink_supported = True
         self._gpm: dict[int, Any] = {}
         self._gpm_support: bool | None = None
+        self._gpm_request: Any = None
         self._memory_v1 = False
         self._gpm_ids = [(name, int(getattr(self._nvml, const)), scale)
                          for name, const, scale in GPM_METRICS if hasattr(self._nvml, const)]
@@ -390,16 +391,22 @@ class GpuTelemetry:
 
     def _gpm_metrics(self, first: Any, second: Any) -> Values:
         nvml = self._nvml
-        request = nvml.c_nvmlGpmMetricsGet_t()
-        request.version = nvml.NVML_GPM_METRICS_GET_VERSION
-        request.numMetrics = len(self._gpm_ids)
+        request = self._gpm_request
+        if request is None:
+            # Built once: the struct holds room for every GPM metric NVML has (~23 KB), and
+            # only the two samples change between calls (NVML overwrites the results).
+            request = self._gpm_request = nvml.c_nvmlGpmMetricsGet_t()
+            request.version = nvml.NVML_GPM_METRICS_GET_VERSION
+            request.numMetrics = len(self._gpm_ids)
+            entries = request.metrics
+            for i, (_, metric, _) in enumerate(self._gpm_ids):
+                entries[i].metricId = metric
         request.sample1, request.sample2 = first, second
-        for i, (_, metric, _) in enumerate(self._gpm_ids):
-            request.metrics[i].metricId = metric
         result = self._call("nvmlGpmMetricsGet", request)
         values: Values = {}
+        entries = result.metrics
         for i, (name, _, scale) in enumerate(self._gpm_ids):
-            metric = result.metrics[i]
+            metric = entries[i]
             if int(metric.nvmlReturn) == nvml.NVML_SUCCESS:
                 values[name] = float(metric.value) * scale
         return values

@@ -18,13 +18,15 @@ from agent.api.auth import TokenStore
 from agent.api.context import AgentContext
 from agent.claims.attribution import claim_attribution
 from agent.claims.checkpoint import ClaimRecord, PreparedDevice
+from agent.gpu import mig
 from agent.gpu.backend import Backend
 from agent.gpu.sim.hardware import XID_FALLEN_OFF_THE_BUS
+from agent.gpu.types import Placement
 from agent.gpu.xid import XidEvent
 from agent.metrics.collector import Collector
 from agent.settings import resolve
 from agent.wiring import build_node
-from tests.metrics.conftest import Sim
+from tests.metrics.conftest import ONE_G_10GB, Sim
 from tests.metrics.textformat import Exposition, parse
 
 GPU_LABELS = ("gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname",
@@ -96,6 +98,26 @@ async def test_a_mig_gpu_without_instances_stays_a_whole_gpu(sim: Sim) -> None:
     power = [s for s in out.named("DCGM_FI_DEV_POWER_USAGE") if s.labels["gpu"] == "5"]
     assert len(power) == 1 and power[0].label_order == GPU_LABELS
     assert not [s for s in out.samples if "GPU_I_ID" in s.labels]
+
+
+async def test_a_gpu_instance_without_compute_instance_has_no_framebuffer(sim: Sim) -> None:
+    """A GPU instance with no compute instance still has its series (the parent's power,
+    its own GPM) but no framebuffer, which is read through a MIG device, as dcgm-exporter."""
+    uuid = sim.node.gpu_uuids()[6]
+
+    def bare_instance() -> None:
+        handle = sim.session.call("nvmlDeviceGetHandleByUUID", uuid)
+        mig.set_mig_mode(sim.session, handle, uuid, True)
+        mig.create_gpu_instance(sim.session, handle, uuid, ONE_G_10GB, Placement(0, 1))
+
+    await sim.session.read(bare_instance)
+    await sim.inventory.refresh()
+    collector = sim.collector()
+    collector.collect()
+    out = exposition(collector)
+    power = [s for s in out.named("DCGM_FI_DEV_POWER_USAGE") if s.labels["gpu"] == "6"]
+    assert [s.labels.get("GPU_I_PROFILE") for s in power] == ["1g.10gb"]
+    assert not [s for s in out.named("DCGM_FI_DEV_FB_USED") if s.labels["gpu"] == "6"]
 
 
 async def test_one_gpu_failing_stops_neither_its_other_fields_nor_other_gpus(sim: Sim) -> None:

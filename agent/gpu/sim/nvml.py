@@ -916,8 +916,9 @@ class SimulatedNvml:
                 or first.gi is not second.gi or second.at <= first.at):
             fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         elapsed = second.at - first.at
+        entries = request.metrics
         for i in range(count):
-            metric = request.metrics[i]
+            metric = entries[i]
             name = _GPM_ACTIVITY.get(int(metric.metricId))
             if name is None:
                 metric.nvmlReturn, metric.value = pynvml.NVML_ERROR_NOT_SUPPORTED, 0.0
