@@ -98,10 +98,13 @@ class _NotSupported(Exception):
 
 @dataclass(frozen=True)
 class MigReading:
-    """One MIG GPU instance: ``device`` is its first MIG device (compute instance)."""
+    """One MIG GPU instance: ``device`` is its first MIG device (compute instance), None for
+    a GPU instance without one (no framebuffer reading then, as in dcgm-exporter)."""
 
-    device: MigDevice
+    gi_id: int
+    profile: str
     values: Mapping[str, Value]
+    device: MigDevice | None = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,7 @@ class GpuReading:
 
     values: Mapping[str, Value] = field(default_factory=dict)
     mig: tuple[MigReading, ...] = ()
+    """The GPU instances of a MIG-enabled GPU (empty while it has none)."""
     mig_mode: bool = False
     error: str | None = None
     lost: bool = False
@@ -139,6 +143,7 @@ class GpuTelemetry:
         self._nvlink_supported = True
         self._gpm: dict[int, Any] = {}
         self._gpm_support: bool | None = None
+        self._gpm_request: Any = None
         self._memory_v1 = False
         self._gpm_ids = [(name, int(getattr(self._nvml, const)), scale)
                          for name, const, scale in GPM_METRICS if hasattr(self._nvml, const)]
@@ -163,6 +168,10 @@ class GpuTelemetry:
             return GpuReading(error=err.detail, lost=True)
         except NvmlError as err:
             return GpuReading(error=err.detail)
+        if migs is None:
+            # Not "no instances": serving the whole GPU for a round would swap its series.
+            return GpuReading(error="its MIG GPU instances could not be listed this round",
+                              mig_mode=True)
         return GpuReading(values=values, mig=migs, mig_mode=mig_mode)
 
     def close(self) -> None:
@@ -288,9 +297,11 @@ class GpuTelemetry:
                 "DCGM_FI_DEV_FB_USED": int(memory.used) // _MIB}
 
     def _vgpu_license(self, handle: Any) -> Values:
+        """The first licensable feature's state; 0 where the board offers no vGPU licensing
+        (bare metal), which is what DCGM reports there."""
         features = self._call("nvmlDeviceGetGridLicensableFeatures", handle)
         if not int(features.isGridLicenseSupported) or not int(features.licensableFeaturesCount):
-            raise _NotSupported
+            return {"DCGM_FI_DEV_VGPU_LICENSE_STATUS": 0}
         return {"DCGM_FI_DEV_VGPU_LICENSE_STATUS":
                 int(features.gridLicensableFeatures[0].featureState)}
 
@@ -380,16 +391,22 @@ class GpuTelemetry:
 
     def _gpm_metrics(self, first: Any, second: Any) -> Values:
         nvml = self._nvml
-        request = nvml.c_nvmlGpmMetricsGet_t()
-        request.version = nvml.NVML_GPM_METRICS_GET_VERSION
-        request.numMetrics = len(self._gpm_ids)
+        request = self._gpm_request
+        if request is None:
+            # Built once: the struct holds room for every GPM metric NVML has (~23 KB), and
+            # only the two samples change between calls (NVML overwrites the results).
+            request = self._gpm_request = nvml.c_nvmlGpmMetricsGet_t()
+            request.version = nvml.NVML_GPM_METRICS_GET_VERSION
+            request.numMetrics = len(self._gpm_ids)
+            entries = request.metrics
+            for i, (_, metric, _) in enumerate(self._gpm_ids):
+                entries[i].metricId = metric
         request.sample1, request.sample2 = first, second
-        for i, (_, metric, _) in enumerate(self._gpm_ids):
-            request.metrics[i].metricId = metric
         result = self._call("nvmlGpmMetricsGet", request)
         values: Values = {}
+        entries = result.metrics
         for i, (name, _, scale) in enumerate(self._gpm_ids):
-            metric = result.metrics[i]
+            metric = entries[i]
             if int(metric.nvmlReturn) == nvml.NVML_SUCCESS:
                 values[name] = float(metric.value) * scale
         return values
@@ -419,36 +436,48 @@ class GpuTelemetry:
                 found.append((int(self._call("nvmlGpuInstanceGetInfo", gi).id), profile.id))
         return tuple(sorted(found))
 
-    def _read_migs(self, handle: Any) -> tuple[MigReading, ...]:
+    def _read_migs(self, handle: Any) -> tuple[MigReading, ...] | None:
+        """Each GPU instance's readings; None when they could not be listed."""
         try:
             key = self._gpu_instances(handle)
-            if key != self._gi_key:
+            # Walked again when the instances change, and while one has no compute instance
+            # yet (it may get one without the instances changing).
+            if key != self._gi_key or any(gi not in self._gi_devices for gi, _ in key):
                 devices = read_mig_devices(self._session, handle, self._uuid, self._profiles)
                 self._gi_devices = {}
                 for device in devices:
                     self._gi_devices.setdefault(device.gi_id, device)
-                for gone in set(self._gpm) - set(self._gi_devices) - {_WHOLE_GPU}:
+            if key != self._gi_key:
+                # A GPU instance re-created under the same id has new counters: after any
+                # change no instance compares a sample with one from before it.
+                for gone in set(self._gpm) - {_WHOLE_GPU}:
                     self._free_gpm(gone)
                 self._gi_key = key
         except GpuLost:
             raise
         except NvmlError:
-            self._gi_key = None  # walk again next round; this round has no MIG series
-            return ()
+            self._gi_key = None  # walk again next round
+            return None
+        names = {p.id: p.name for p in self._profiles}
         readings = []
-        for gi_id, device in sorted(self._gi_devices.items()):
+        for gi_id, profile_id in key:
             values: Values = {}
-            try:
-                mig = self._call("nvmlDeviceGetHandleByUUID", device.uuid)
-            except GpuLost:
-                raise
-            except NvmlError:
-                self._gi_key = None  # changed under us: walk again next round
-                continue
-            self._try("mig_memory", partial(self._memory, mig), values)
+            first = self._gi_devices.get(gi_id)
+            if first is not None:
+                try:
+                    mig = self._call("nvmlDeviceGetHandleByUUID", first.uuid)
+                except GpuLost:
+                    raise
+                except NvmlError:
+                    self._gi_key = None  # changed under us: walk again next round
+                    continue
+                # Framebuffer through the MIG device handle (the GPU instance's memory).
+                self._try("mig_memory", partial(self._memory, mig), values)
             if self._gpm_supported(handle):
                 self._try("mig_gpm", partial(self._gpm_mig, handle, gi_id), values)
-            readings.append(MigReading(device=device, values=values))
+            readings.append(MigReading(
+                gi_id=gi_id, profile=names.get(profile_id, f"profile-{profile_id}"),
+                values=values, device=first))
         return tuple(readings)
 
 

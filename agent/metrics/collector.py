@@ -32,7 +32,7 @@ from agent.metrics.exposition import (
     labels_text,
     render,
 )
-from agent.metrics.fields import DRIVER_VERSION_LABEL, PARENT_FIELDS
+from agent.metrics.fields import DRIVER_VERSION_LABEL, MIG_FIELDS
 from agent.metrics.health import GpuHealth
 
 log = logging.getLogger("agent.metrics.collector")
@@ -250,20 +250,27 @@ class Collector:
         xids: list[XidSeries] = []
         for gpu in gpus:
             head = _device_labels(gpu.static)
-            attrs = sorted(attribution.get((gpu.uuid, None), {}).items())
-            gpu_labels = labels_text([*head, *tail, *attrs])
             last = self._health.last_xid(gpu.uuid)
-            xids.append(XidSeries(gpu_labels, last.xid if last else 0,
-                                  last.message if last else "No Error"))
+            xid = (last.xid, last.message) if last else (0, "No Error")
             reading = readings.get(gpu.uuid)
-            if reading is None or reading.error is not None:
+            migs = reading.mig if reading is not None and reading.error is None else ()
+            if not migs:
+                attrs = sorted(attribution.get((gpu.uuid, None), {}).items())
+                gpu_labels = labels_text([*head, *tail, *attrs])
+                xids.append(XidSeries(gpu_labels, *xid))
+                if reading is not None and reading.error is None:
+                    devices.append(DeviceSeries(gpu_labels, reading.values))
                 continue
-            devices.append(DeviceSeries(gpu_labels, reading.values))
-            shared = {k: reading.values[k] for k in PARENT_FIELDS if k in reading.values}
-            for mig in reading.mig:
-                mig_attrs = sorted(attribution.get((gpu.uuid, mig.device.gi_id), {}).items())
-                labels = labels_text([*head, ("GPU_I_PROFILE", mig.device.profile),
-                                      ("GPU_I_ID", str(mig.device.gi_id)), *tail, *mig_attrs])
+            # dcgm-exporter's default ("flex") mode: a GPU with GPU instances is served as
+            # its instances only, each repeating the whole-GPU readings DCGM takes from the
+            # parent (power, temperatures, clocks, energy, errors) next to its own.
+            assert reading is not None
+            shared = {k: v for k, v in reading.values.items() if k not in MIG_FIELDS}
+            for mig in migs:
+                mig_attrs = sorted(attribution.get((gpu.uuid, mig.gi_id), {}).items())
+                labels = labels_text([*head, ("GPU_I_PROFILE", mig.profile),
+                                      ("GPU_I_ID", str(mig.gi_id)), *tail, *mig_attrs])
+                xids.append(XidSeries(labels, *xid))
                 devices.append(DeviceSeries(labels, {**shared, **mig.values}))
         return devices, xids
 

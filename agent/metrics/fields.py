@@ -22,14 +22,16 @@ class Kind(StrEnum):
 
 
 class Scope(StrEnum):
-    """Where a field has series: whole GPUs only, or MIG GPU instances too."""
+    """Where a field is read: on the whole GPU, or per MIG GPU instance.
 
+    A GPU with GPU instances is served as its instances only (dcgm-exporter's default
+    mode); each instance series repeats the whole-GPU readings (DCGM takes them from the
+    parent GPU) next to its own MIG-scoped ones."""
+
+    #: Read on the whole GPU; repeated on each GPU instance of a MIG GPU.
     GPU = "gpu"
-    #: Read per GPU instance (memory, GPM profiling).
+    #: Read per GPU instance (memory, GPM profiling); the whole GPU's never repeats.
     MIG = "mig"
-    #: A whole-GPU reading repeated on each of its GPU instances, as dcgm-exporter does for
-    #: clocks, temperatures and power.
-    PARENT = "parent"
 
 
 @dataclass(frozen=True)
@@ -47,15 +49,15 @@ G, C = Kind.GAUGE, Kind.COUNTER
 
 FIELDS: tuple[Field, ...] = (
     # Clocks
-    Field("DCGM_FI_DEV_SM_CLOCK", G, "SM clock frequency (in MHz).", Scope.PARENT),
-    Field("DCGM_FI_DEV_MEM_CLOCK", G, "Memory clock frequency (in MHz).", Scope.PARENT),
+    Field("DCGM_FI_DEV_SM_CLOCK", G, "SM clock frequency (in MHz)."),
+    Field("DCGM_FI_DEV_MEM_CLOCK", G, "Memory clock frequency (in MHz)."),
     Field("DCGM_FI_DEV_CLOCKS_EVENT_REASONS", G,
           "Current clock event reasons (bitmask of DCGM_CLOCKS_EVENT_REASON_*).", default=False),
     # Temperature
-    Field("DCGM_FI_DEV_MEMORY_TEMP", G, "Memory temperature (in C).", Scope.PARENT),
-    Field("DCGM_FI_DEV_GPU_TEMP", G, "GPU temperature (in C).", Scope.PARENT),
+    Field("DCGM_FI_DEV_MEMORY_TEMP", G, "Memory temperature (in C)."),
+    Field("DCGM_FI_DEV_GPU_TEMP", G, "GPU temperature (in C)."),
     # Power
-    Field("DCGM_FI_DEV_POWER_USAGE", G, "Power draw (in W).", Scope.PARENT),
+    Field("DCGM_FI_DEV_POWER_USAGE", G, "Power draw (in W)."),
     Field("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", C,
           "Total energy consumption since boot (in mJ)."),
     # PCIe
@@ -157,5 +159,5 @@ BY_NAME: dict[str, Field] = {f.name: f for f in FIELDS}
 DRIVER_VERSION_LABEL = "DCGM_FI_DRIVER_VERSION"
 XID_FIELD = "DCGM_FI_DEV_XID_ERRORS"
 
-#: Fields repeated from the parent GPU on each of its MIG GPU instances.
-PARENT_FIELDS: tuple[str, ...] = tuple(f.name for f in FIELDS if f.scope is Scope.PARENT)
+#: Fields read per MIG GPU instance: on an instance series, never the whole GPU's value.
+MIG_FIELDS: frozenset[str] = frozenset(f.name for f in FIELDS if f.scope is Scope.MIG)

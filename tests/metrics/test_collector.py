@@ -18,13 +18,15 @@ from agent.api.auth import TokenStore
 from agent.api.context import AgentContext
 from agent.claims.attribution import claim_attribution
 from agent.claims.checkpoint import ClaimRecord, PreparedDevice
+from agent.gpu import mig
 from agent.gpu.backend import Backend
 from agent.gpu.sim.hardware import XID_FALLEN_OFF_THE_BUS
+from agent.gpu.types import Placement
 from agent.gpu.xid import XidEvent
 from agent.metrics.collector import Collector
 from agent.settings import resolve
 from agent.wiring import build_node
-from tests.metrics.conftest import Sim
+from tests.metrics.conftest import ONE_G_10GB, Sim
 from tests.metrics.textformat import Exposition, parse
 
 GPU_LABELS = ("gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname",
@@ -61,24 +63,61 @@ async def test_newer_releases_spell_the_host_label_in_lower_case(sim: Sim) -> No
 
 
 async def test_mig_series_carry_gpu_instance_labels_and_the_parent_uuid(sim: Sim) -> None:
-    """7x 1g.10gb on GPU 0: per-GI framebuffer with GPU_I_PROFILE/GPU_I_ID and the parent's
-    UUID; clocks/temperature/power repeated; no utilisation under MIG."""
+    """7x 1g.10gb on GPU 0: served as its instances only (dcgm-exporter's default mode), with
+    GPU_I_PROFILE/GPU_I_ID and the parent's UUID, per-GI framebuffer, the parent's
+    temperature, power and XID repeated on each; no utilisation under MIG."""
     await sim.split(0)
     collector = sim.collector()
     collector.collect()
     out = exposition(collector)
     parent = sim.inventory.gpus[0]
-    mig = [s for s in out.named("DCGM_FI_DEV_FB_USED") if "GPU_I_ID" in s.labels]
-    assert len(mig) == 7
+    assert not [s for s in out.samples if s.labels.get("gpu") == "0"
+                and "GPU_I_ID" not in s.labels]
+    mig = out.named("DCGM_FI_DEV_FB_USED")[:7]
+    assert [s.labels["gpu"] for s in mig] == ["0"] * 7
     assert {s.labels["GPU_I_PROFILE"] for s in mig} == {"1g.10gb"}
     assert sorted(s.labels["GPU_I_ID"] for s in mig) == sorted(
         str(d.gi_id) for d in parent.mig_devices)
     assert all(s.label_order == MIG_LABELS and s.labels["UUID"] == parent.uuid for s in mig)
     assert all(s.value == 13 for s in mig)
-    temps = [s for s in out.named("DCGM_FI_DEV_GPU_TEMP") if s.labels["gpu"] == "0"]
-    assert len(temps) == 8 and len({s.value for s in temps}) == 1
+    for field in ("DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_XID_ERRORS",
+                  "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"):
+        repeated = [s for s in out.named(field) if s.labels["gpu"] == "0"]
+        assert len(repeated) == 7 and len({s.value for s in repeated}) == 1, field
     util = {s.labels["gpu"] for s in out.named("DCGM_FI_DEV_GPU_UTIL")}
     assert util == {str(i) for i in range(1, 8)}
+
+
+async def test_a_mig_gpu_without_instances_stays_a_whole_gpu(sim: Sim) -> None:
+    """MIG mode on, no GPU instance yet: the GPU keeps its whole-GPU series, as
+    dcgm-exporter monitors a GPU without instances as a GPU."""
+    await sim.split(5, ())
+    collector = sim.collector()
+    collector.collect()
+    out = exposition(collector)
+    power = [s for s in out.named("DCGM_FI_DEV_POWER_USAGE") if s.labels["gpu"] == "5"]
+    assert len(power) == 1 and power[0].label_order == GPU_LABELS
+    assert not [s for s in out.samples if "GPU_I_ID" in s.labels]
+
+
+async def test_a_gpu_instance_without_compute_instance_has_no_framebuffer(sim: Sim) -> None:
+    """A GPU instance with no compute instance still has its series (the parent's power,
+    its own GPM) but no framebuffer, which is read through a MIG device, as dcgm-exporter."""
+    uuid = sim.node.gpu_uuids()[6]
+
+    def bare_instance() -> None:
+        handle = sim.session.call("nvmlDeviceGetHandleByUUID", uuid)
+        mig.set_mig_mode(sim.session, handle, uuid, True)
+        mig.create_gpu_instance(sim.session, handle, uuid, ONE_G_10GB, Placement(0, 1))
+
+    await sim.session.read(bare_instance)
+    await sim.inventory.refresh()
+    collector = sim.collector()
+    collector.collect()
+    out = exposition(collector)
+    power = [s for s in out.named("DCGM_FI_DEV_POWER_USAGE") if s.labels["gpu"] == "6"]
+    assert [s.labels.get("GPU_I_PROFILE") for s in power] == ["1g.10gb"]
+    assert not [s for s in out.named("DCGM_FI_DEV_FB_USED") if s.labels["gpu"] == "6"]
 
 
 async def test_one_gpu_failing_stops_neither_its_other_fields_nor_other_gpus(sim: Sim) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 import agent.gpu.telemetry
 from agent.metrics.exposition import DeviceSeries, render
-from agent.metrics.fields import BY_NAME, FIELDS, Kind, Scope
+from agent.metrics.fields import BY_NAME, FIELDS, MIG_FIELDS, Kind, Scope
 
 # dcgm-exporter's enabled rows (etc/default-counters.csv), as the reference lists them.
 DEFAULT_ROWS = [
@@ -89,11 +89,18 @@ def test_every_field_the_nvml_layer_reads_has_a_family() -> None:
 
 
 def test_mig_scoped_fields_are_memory_and_profiling() -> None:
-    """Per GPU instance: framebuffer and GPM ratios; clocks/temperature/power repeat the
-    parent's (dcgm-exporter's behaviour); utilisation never appears on MIG series."""
+    """Per GPU instance: framebuffer and GPM ratios, read on the instance; every other field
+    is the whole GPU's, repeated on its instances (what dcgm-exporter shows there)."""
     mig = {f.name for f in FIELDS if f.scope is Scope.MIG}
     assert {"DCGM_FI_DEV_FB_USED", "DCGM_FI_PROF_GR_ENGINE_ACTIVE"} <= mig
     assert all(n.startswith(("DCGM_FI_DEV_FB_", "DCGM_FI_PROF_")) for n in mig)
-    parent = {f.name for f in FIELDS if f.scope is Scope.PARENT}
-    assert parent == {"DCGM_FI_DEV_SM_CLOCK", "DCGM_FI_DEV_MEM_CLOCK", "DCGM_FI_DEV_MEMORY_TEMP",
-                      "DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_POWER_USAGE"}
+    assert mig == MIG_FIELDS
+    assert {f.scope for f in FIELDS if f.name not in mig} == {Scope.GPU}
+
+
+def test_the_counter_list_in_tests_data_is_the_field_tables_defaults() -> None:
+    """tests/data/metrics/default-counters.csv (the scrape test's list) and this table agree."""
+    path = Path(__file__).resolve().parents[1] / "data" / "metrics" / "default-counters.csv"
+    rows = [line.split(",")[0] for line in path.read_text().splitlines()
+            if line and not line.startswith(("#", "field,"))]
+    assert {r for r in rows if r != "DCGM_FI_DRIVER_VERSION"} == {r[0] for r in DEFAULT_ROWS}

@@ -80,3 +80,77 @@ def test_promtool_accepts_the_rules_and_each_alert_fires() -> None:
              if case.get("exp_alerts")}
     rules = yaml.safe_load(ALERTS.read_text())
     assert fired == {rule["alert"] for group in rules["groups"] for rule in group["rules"]}
+
+
+RULES = MONITORING / "gpu-node-agent-rules.yaml"
+RULE_TESTS = MONITORING / "gpu-node-agent-rules.test.yaml"
+
+
+def test_promtool_accepts_the_recording_rules_and_their_tests() -> None:
+    """The per-GPU recording rules count a MIG-split GPU once (gpu-node-agent-rules.test)."""
+    promtool = require_tool("promtool", "apt-get install prometheus")
+    check = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True,
+                           text=True, timeout=60, check=False)
+    assert check.returncode == 0, check.stdout + check.stderr
+    tested = subprocess.run([promtool, "test", "rules", RULE_TESTS.name], cwd=MONITORING,
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+    doc = yaml.safe_load(RULE_TESTS.read_text())
+    checked = {case["expr"] for test in doc["tests"] for case in test["promql_expr_test"]}
+    rules = yaml.safe_load(RULES.read_text())
+    recorded = {rule["record"] for group in rules["groups"] for rule in group["rules"]}
+    assert recorded <= checked  # every rule has a test
+    assert referenced_names(rules) - exported_names() == set()
+
+
+def referenced_names(rules: dict[str, object]) -> set[str]:
+    """Exported metric names the recording rules read (not the ones they record)."""
+    groups = rules["groups"]
+    assert isinstance(groups, list)
+    exprs = [rule["expr"] for group in groups for rule in group["rules"]]
+    return {name for q in exprs for name in _METRIC.findall(q.replace(":", " "))
+            if name.startswith(("DCGM_", "gpu_agent_"))}
+
+
+# One node: GPU 0 split into three MIG instances, each repeating its 300 W and 61 C (as the
+# agent and dcgm-exporter serve them), and GPU 1 whole at 200 W and 45 C.
+_PANEL_SERIES = [
+    *(f'{{name}}{{{{Hostname="node-a",gpu="0",UUID="GPU-0",GPU_I_PROFILE="{p}",GPU_I_ID="{i}"}}}}'
+      for p, i in (("3g.40gb", 1), ("2g.20gb", 5), ("1g.10gb", 13))),
+    '{name}{{Hostname="node-a",gpu="1",UUID="GPU-1"}}',
+]
+PANELS = [  # (panel title, metric, values of GPU 0 and GPU 1, series expected, their sum)
+    ("GPU power total", "DCGM_FI_DEV_POWER_USAGE", (300, 200), 1, 500),
+    ("GPU avg. temperature", "DCGM_FI_DEV_GPU_TEMP", (61, 45), 1, 53),
+    ("Power draw", "DCGM_FI_DEV_POWER_USAGE", (300, 200), 2, 500),
+    ("GPU temperature", "DCGM_FI_DEV_GPU_TEMP", (61, 45), 2, 106),
+    ("SM clock", "DCGM_FI_DEV_SM_CLOCK", (1980, 345), 2, 2325),
+    ("Last XID per GPU", "DCGM_FI_DEV_XID_ERRORS", (79, 0), 2, 79),
+]
+
+
+@pytest.mark.parametrize("case", PANELS, ids=[p[0] for p in PANELS])
+def test_dashboard_panels_count_a_split_gpu_once(
+        tmp_path: Path, case: tuple[str, str, tuple[int, int], int, int]) -> None:
+    """The panel's own query, evaluated by promtool on a split and a whole GPU, gives one
+    series per physical GPU (or one total), never one per MIG instance."""
+    title, metric, values, count, total = case
+    promtool = require_tool("promtool", "apt-get install prometheus")
+    doc = json.loads(DASHBOARD.read_text())
+    panel = next(p for p in doc["panels"] if p["title"] == title)
+    expr = panel["targets"][0]["expr"].replace("$Hostname", ".*").replace("$gpu", ".*")
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(
+        {"groups": [{"name": "panel", "rules": [{"record": "panel", "expr": expr}]}]}))
+    series = [{"series": s.format(name=metric), "values": f"{values[0 if i < 3 else 1]}x5"}
+              for i, s in enumerate(_PANEL_SERIES)]
+    test = {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m", "input_series": series,
+        "promql_expr_test": [
+            {"expr": "count(panel)", "eval_time": "2m",
+             "exp_samples": [{"labels": "{}", "value": count}]},
+            {"expr": "sum(panel)", "eval_time": "2m",
+             "exp_samples": [{"labels": "{}", "value": total}]}]}]}
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump(test))
+    run = subprocess.run([promtool, "test", "rules", "test.yaml"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert run.returncode == 0, run.stdout + run.stderr

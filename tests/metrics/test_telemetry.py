@@ -1,10 +1,11 @@
-"""The NVML layer of the collector: what it reads from the simulator, and, through a fake
-that adds what the simulator lacks (field values, encoder/decoder, GPM), the DCGM mapping,
+"""The NVML layer of the collector: what it reads from the simulator on each model, and,
+through a fake with fixed answers (field values, encoder/decoder, GPM), the DCGM mapping,
 rates, unsupported-field caching and GPM sample lifetimes."""
 
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -12,7 +13,9 @@ import pynvml
 import pytest
 
 from agent.gpu import telemetry
+from agent.gpu.inventory import GpuInventory
 from agent.gpu.session import NvmlSession
+from agent.gpu.sim.node import SimulatedNode
 from agent.gpu.telemetry import GpuTelemetry
 from agent.metrics.fields import BY_NAME
 from tests.metrics.conftest import Sim
@@ -24,7 +27,8 @@ NVLINK_STEP_KIB = 250_000
 
 
 class RichNvml:
-    """The simulated NVML plus the calls a real H100 answers and the simulator does not."""
+    """The simulated NVML with fixed answers for field values, encoder/decoder and GPM, so
+    the DCGM mapping, units and sample lifetimes can be checked exactly."""
 
     def __init__(self, sim: Any) -> None:
         self._sim = sim
@@ -114,24 +118,73 @@ def reader(sim: Sim, index: int = 0, nvml: Any = None) -> GpuTelemetry:
 
 
 async def test_simulator_fields_follow_its_telemetry(sim: Sim) -> None:
-    """What the simulator models is read with DCGM's units; what it lacks has no value."""
+    """What the simulator models is read with DCGM's units; GPM needs two samples, so the
+    profiling fields come from the second round on, never as a made-up first value."""
     uuid = sim.node.gpu_uuids()[2]
     sim.node.add_process(uuid, pid=4242, used_memory_mib=4096)
-    values = dict(reader(sim, 2).read().values)
+    gpu = reader(sim, 2)
+    values = dict(gpu.read().values)
     assert 0 < values["DCGM_FI_DEV_GPU_UTIL"] <= 100
     assert values["DCGM_FI_DEV_FB_USED"] == 4096 + 5  # the process and the driver's contexts
     assert values["DCGM_FI_DEV_FB_FREE"] + values["DCGM_FI_DEV_FB_USED"] + \
         values["DCGM_FI_DEV_FB_RESERVED"] == sim.inventory.gpus[2].static.memory_total_mib
     assert isinstance(values["DCGM_FI_DEV_POWER_USAGE"], float)  # mW / 1000
     assert values["DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"] > 0
+    assert values["DCGM_FI_DEV_MEMORY_TEMP"] > values["DCGM_FI_DEV_GPU_TEMP"]
     assert set(values) <= set(BY_NAME)
-    for absent in ("DCGM_FI_DEV_MEMORY_TEMP", "DCGM_FI_DEV_ENC_UTIL",
-                   "DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "DCGM_FI_PROF_GR_ENGINE_ACTIVE"):
-        assert absent not in values  # never a sentinel value
+    assert not any(name.startswith("DCGM_FI_PROF_") for name in values)
+    assert "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL" not in values  # a rate: two readings
+    second = dict(gpu.read().values)
+    assert 0 < second["DCGM_FI_PROF_GR_ENGINE_ACTIVE"] <= 1
+    assert second["DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL"] > 0
+    gpu.close()
+
+
+# preset -> (fields every whole GPU has from the second round, fields it never has)
+MODELS = {
+    "hgx-h200": ({"DCGM_FI_DEV_MEMORY_TEMP", "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE",
+                  "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "DCGM_FI_DEV_ENC_UTIL"},
+                 {"DCGM_FI_DEV_RETIRED_DBE"}),
+    "dgx-a100": ({"DCGM_FI_DEV_MEMORY_TEMP", "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL",
+                  "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS"},
+                 {"DCGM_FI_PROF_GR_ENGINE_ACTIVE", "DCGM_FI_DEV_RETIRED_DBE"}),
+    "l40s": ({"DCGM_FI_DEV_ENC_UTIL", "DCGM_FI_DEV_DEC_UTIL", "DCGM_FI_DEV_ROW_REMAP_FAILURE",
+              "DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "DCGM_FI_DEV_VGPU_LICENSE_STATUS"},
+             {"DCGM_FI_DEV_MEMORY_TEMP", "DCGM_FI_PROF_GR_ENGINE_ACTIVE",
+              "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL",
+              "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL"}),
+}
+
+
+@pytest.mark.parametrize(("preset", "present", "absent"),
+                         [(k, *v) for k, v in MODELS.items()], ids=list(MODELS))
+async def test_each_model_serves_what_its_hardware_reports(
+        tmp_path: Path, preset: str, present: set[str], absent: set[str]) -> None:
+    """What a model lacks answers NOT_SUPPORTED in the simulator and has no value here (GPM
+    before Hopper, memory temperature off HBM, NVLink without links, page retirement on
+    boards that remap rows); the rest is there."""
+    node = SimulatedNode(preset, tmp_path / "state", tmp_path / "proc")
+    session = NvmlSession(node.nvml)
+    try:
+        await session.initialise()
+        inventory = GpuInventory(session)
+        await inventory.load()
+        gpu = inventory.gpus[0]
+        telemetry_ = GpuTelemetry(session, gpu.static, gpu.profiles)
+        telemetry_.read()
+        values = dict(telemetry_.read().values)
+        assert present <= set(values)
+        assert not absent & set(values)
+        telemetry_.close()
+    finally:
+        session.close()
+        node.close()
 
 
 async def test_unsupported_fields_are_asked_once(sim: Sim) -> None:
-    """FUNCTION_NOT_FOUND / NOT_SUPPORTED is remembered: one call, one counted error."""
+    """NOT_SUPPORTED is remembered: one call, one counted error; other fields go on."""
+    sim.node.add_fault("nvmlDeviceGetPcieReplayCounter", "NVML_ERROR_NOT_SUPPORTED",
+                       times=100)
     gpu = reader(sim, 1)
     before = sim.calls()
     for _ in range(3):
@@ -141,7 +194,7 @@ async def test_unsupported_fields_are_asked_once(sim: Sim) -> None:
         "nvmlDeviceGetPcieReplayCounter", 0) == 1
     assert after["nvmlDeviceGetPowerUsage"] - before.get("nvmlDeviceGetPowerUsage", 0) == 3
     errors = sim.metrics.nvml_errors.labels("nvmlDeviceGetPcieReplayCounter",
-                                            "NVML_ERROR_FUNCTION_NOT_FOUND")
+                                            "NVML_ERROR_NOT_SUPPORTED")
     assert errors._value.get() == 1
 
 
@@ -198,11 +251,12 @@ async def test_mig_instances_are_read_per_gpu_instance(sim: Sim) -> None:
     assert reading.mig_mode
     assert "DCGM_FI_DEV_GPU_UTIL" not in reading.values
     assert "DCGM_FI_DEV_POWER_USAGE" in reading.values
-    assert [m.device.profile for m in reading.mig] == ["1g.10gb"] * 3
-    gi_ids = [m.device.gi_id for m in reading.mig]
+    assert [m.profile for m in reading.mig] == ["1g.10gb"] * 3
+    gi_ids = [m.gi_id for m in reading.mig]
     assert len(set(gi_ids)) == 3
     for mig in reading.mig:
         assert mig.values["DCGM_FI_DEV_FB_USED"] == 13
+        assert mig.device is not None
         assert mig.values["DCGM_FI_DEV_FB_FREE"] + 13 == mig.device.memory_mib
         assert "DCGM_FI_PROF_DRAM_ACTIVE" in mig.values
     assert sorted(set(nvml.mig_samples)) == sorted(gi_ids)

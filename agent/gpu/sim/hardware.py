@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 import pynvml
 
-from agent.gpu.sim import telemetry
+from agent.gpu.sim import links, telemetry
 from agent.gpu.sim.faults import FaultTable
 from agent.gpu.sim.naming import mig_uuid
 from agent.gpu.sim.presets import CiProfile, GiProfile, GpuModel, Preset
@@ -27,6 +27,8 @@ from agent.gpu.sim.state import CiState, GiState, GpuState, HardwareState, Proce
 NO_INSTANCE = 0xFFFFFFFF
 MIG_DEVICES_PER_GPU = 7
 XID_FALLEN_OFF_THE_BUS = 79
+XID_ROW_REMAP_EVENT = 63
+XID_ROW_REMAP_FAILURE = 64
 
 
 def fail(code: int) -> NoReturn:
@@ -56,6 +58,16 @@ class EventSet:
     freed: bool = False
 
 
+@dataclass(eq=False)
+class Activity:
+    """Activity counters of a GPU or GPU instance (``telemetry.activity_rates`` integrated
+    over time since ``at``), runtime only: the driver's counters start with the process."""
+
+    owner: object
+    at: float
+    totals: dict[str, float]
+
+
 @dataclass(frozen=True)
 class Placed:
     """Where a process runs: its GPU, and the GI/CI when that GPU is in MIG mode."""
@@ -82,6 +94,9 @@ class SimulatedHardware:
         self.latencies: dict[str, float] = {}
         self.calls: Counter[str] = Counter()
         self.event_sets: list[EventSet] = []
+        # (GPU index, GI id or -1) -> counters; a GI re-created under the same id starts over.
+        self._activity: dict[tuple[int, int], Activity] = {}
+        self.nvlink = links.link_count(preset) > 0
 
     def commit(self) -> None:
         """Make the current state durable (before the mutating call returns)."""
@@ -142,6 +157,13 @@ class SimulatedHardware:
         return telemetry.RESERVED_MIG_MIB + sum(p.process.used_memory_mib for p in placed
                                                 if p.gi is gi)
 
+    def gi_utilization(self, gpu: GpuState, gi: GiState) -> int:
+        """Utilisation of one GPU instance: its processes over the instance's SMs."""
+        sms = self.gi_profile(gi).multiprocessors
+        return telemetry.gpu_utilization(
+            (p.process.pid, self.ci_profile(gi, p.ci).multiprocessors / sms)
+            for p in self.placed_processes(gpu) if p.gi is gi and p.ci is not None)
+
     def utilization(self, gpu: GpuState) -> int:
         shares: list[tuple[int, float]] = []
         for placed in self.placed_processes(gpu):
@@ -160,10 +182,51 @@ class SimulatedHardware:
                                    time.time() if now is None else now)
 
     def settle_energy(self, gpu: GpuState) -> None:
-        """Fold the energy used so far into the counter; call before the load changes."""
+        """Fold the energy and activity so far into the counters; call before the load
+        changes (both are piecewise constant between load changes)."""
         now = time.time()
         gpu.energy_mj = self.energy_mj(gpu, now)
         gpu.energy_at = now
+        self._fold(gpu, None)
+        for gi in gpu.gpu_instances:
+            self._fold(gpu, gi)
+
+    # -- activity (GPM, NVLink and PCIe traffic) -------------------------------------------
+
+    def rates(self, gpu: GpuState, gi: GiState | None = None) -> dict[str, float]:
+        """What the GPU (or one of its GPU instances) does per second at its current load."""
+        if gi is None:
+            return telemetry.activity_rates(self.utilization(gpu), 1.0, self.nvlink)
+        share = self.gi_profile(gi).multiprocessors / self.model.multiprocessors
+        return telemetry.activity_rates(self.gi_utilization(gpu, gi), share, self.nvlink)
+
+    def activity(self, gpu: GpuState, gi: GiState | None = None) -> tuple[float, dict[str, float]]:
+        """(monotonic time, activity counters) of the GPU or a GPU instance, as of now."""
+        now = time.monotonic()
+        counters = self._counters(gpu, gi, now)
+        elapsed = now - counters.at
+        return now, {name: counters.totals.get(name, 0.0) + rate * elapsed
+                     for name, rate in self.rates(gpu, gi).items()}
+
+    def _counters(self, gpu: GpuState, gi: GiState | None, now: float) -> Activity:
+        key = (gpu.index, -1 if gi is None else gi.id)
+        owner: object = gpu if gi is None else gi
+        counters = self._activity.get(key)
+        if counters is None or counters.owner is not owner:
+            counters = self._activity[key] = Activity(owner=owner, at=now, totals={})
+        return counters
+
+    def _fold(self, gpu: GpuState, gi: GiState | None) -> None:
+        counters = self._counters(gpu, gi, time.monotonic())
+        counters.at, counters.totals = self.activity(gpu, gi)
+
+    def remap_rows(self, gpu: GpuState, *, correctable: int = 0, uncorrectable: int = 0,
+                   failed: bool = False) -> None:
+        """Record remapped rows (what an ECC error makes the row remapper do)."""
+        gpu.remapped_correctable += correctable
+        gpu.remapped_uncorrectable += uncorrectable
+        gpu.remap_failed = gpu.remap_failed or failed
+        self.commit()
 
     # -- MIG mode --------------------------------------------------------------------------
 
@@ -291,6 +354,9 @@ class SimulatedHardware:
         gpu.gpu_instances = []
         gpu.mig_current = gpu.mig_pending
         gpu.lost = False
+        gpu.pcie_replays = 0
+        for key in [k for k in self._activity if k[0] == gpu.index]:
+            del self._activity[key]
 
     def reload_driver(self) -> None:
         """Unload and load the kernel driver: every GPU reset; Hopper forgets MIG mode."""

@@ -18,6 +18,8 @@ from agent.gpu.sim.faults import check_function
 from agent.gpu.sim.hardware import (
     NO_INSTANCE,
     XID_FALLEN_OFF_THE_BUS,
+    XID_ROW_REMAP_EVENT,
+    XID_ROW_REMAP_FAILURE,
     SimulatedHardware,
 )
 from agent.gpu.sim.nvml import SimulatedNvml
@@ -192,7 +194,9 @@ class SimulatedNode:
 
     def inject_xid(self, gpu_uuid: str, xid: int) -> dict[str, Any]:
         """Raise an XID on a GPU (or MIG device): an event for every event set registered for
-        it; XID 79 (fallen off the bus) also makes the GPU lost until it is reset."""
+        it; XID 79 (fallen off the bus) also makes the GPU lost until it is reset, XID 63
+        (a row remapping recorded) adds an uncorrectable remapped row, XID 64 (the remapper
+        failed) sets the remapping failure, as the driver reports them."""
         hw = self.hardware
         xid = _positive_int(xid, "xid", minimum=0)
         with hw.lock:
@@ -206,12 +210,25 @@ class SimulatedNode:
             if xid == XID_FALLEN_OFF_THE_BUS and not gpu.lost:
                 gpu.lost = True
                 hw.commit()
+            elif xid == XID_ROW_REMAP_EVENT:
+                hw.remap_rows(gpu, uncorrectable=1)
+            elif xid == XID_ROW_REMAP_FAILURE:
+                hw.remap_rows(gpu, failed=True)
             hw.post_event(gpu, pynvml.nvmlEventTypeXidCriticalError, xid, gi_id=gi_id,
                           ci_id=ci_id)
             return {"gpu_uuid": gpu.uuid, "device": gpu_uuid, "xid": xid,
                     "gpu_instance_id": gi.id if gi is not None else None,
                     "compute_instance_id": ci.id if ci is not None else None,
                     "lost": gpu.lost}
+
+    def add_pcie_replays(self, gpu_uuid: str, count: int) -> None:
+        """Count PCIe replays on a GPU (a marginal link retrying transfers)."""
+        hw = self.hardware
+        count = _positive_int(count, "count", minimum=1)
+        with hw.lock:
+            gpu = self._whole_gpu(gpu_uuid)
+            gpu.pcie_replays += count
+            hw.commit()
 
     def _whole_gpu(self, gpu_uuid: str) -> GpuState:
         gpu = self.hardware.gpu_by_uuid(gpu_uuid)

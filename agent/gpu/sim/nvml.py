@@ -32,11 +32,17 @@ from agent.gpu.sim.hardware import (
 )
 from agent.gpu.sim.presets import CiProfile, GiProfile
 from agent.gpu.sim.state import CiState, GiState, GpuState
-from agent.gpu.sim.telemetry import memory_utilization, sm_clock_mhz, temperature_c
+from agent.gpu.sim.telemetry import (
+    memory_temperature_c,
+    memory_utilization,
+    sm_clock_mhz,
+    temperature_c,
+    video_utilization,
+)
 
 P = ParamSpec("P")
 R = TypeVar("R")
-Kind = Literal["gpu", "mig", "gi", "ci", "event_set"]
+Kind = Literal["gpu", "mig", "gi", "ci", "event_set", "gpm_sample"]
 
 DRIVER_VERSION = "570.133.20"
 NVML_VERSION = "12.570.133.20"
@@ -50,8 +56,42 @@ _ARCHITECTURES = {"ampere": pynvml.NVML_DEVICE_ARCH_AMPERE,
                   "hopper": pynvml.NVML_DEVICE_ARCH_HOPPER, "ada": pynvml.NVML_DEVICE_ARCH_ADA}
 _HANDLE_TYPES = {"gpu": pynvml.c_nvmlDevice_t, "mig": pynvml.c_nvmlDevice_t,
                  "gi": pynvml.c_nvmlGpuInstance_t, "ci": pynvml.c_nvmlComputeInstance_t,
-                 "event_set": pynvml.c_nvmlEventSet_t}
+                 "event_set": pynvml.c_nvmlEventSet_t, "gpm_sample": pynvml.c_nvmlGpmSample_t}
 _WITHOUT_INIT = frozenset({"nvmlInit", "nvmlInitWithFlags", "nvmlErrorString"})
+# NVML's encoder/decoder sampling period (µs), as a real H100 reports it.
+_VIDEO_PERIOD_US = 167_000
+# scopeId meaning every link, for the NVLink field values.
+_ALL_LINKS = 0xFFFFFFFF
+_REMAP_FIELDS = frozenset({pynvml.NVML_FI_DEV_REMAPPED_COR, pynvml.NVML_FI_DEV_REMAPPED_UNC,
+                           pynvml.NVML_FI_DEV_REMAPPED_PENDING,
+                           pynvml.NVML_FI_DEV_REMAPPED_FAILURE})
+_NVLINK_THROUGHPUT = {pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX: "nvlink_tx",
+                      pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX: "nvlink_rx"}
+_NVLINK_ERRORS = frozenset({pynvml.NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL,
+                            pynvml.NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL,
+                            pynvml.NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL,
+                            pynvml.NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL})
+# Healthy boards: no ECC errors, no throttling (the violation counters, in ns).
+_ZERO_COUNTERS = frozenset({
+    pynvml.NVML_FI_DEV_ECC_SBE_VOL_TOTAL, pynvml.NVML_FI_DEV_ECC_DBE_VOL_TOTAL,
+    pynvml.NVML_FI_DEV_ECC_SBE_AGG_TOTAL, pynvml.NVML_FI_DEV_ECC_DBE_AGG_TOTAL,
+    pynvml.NVML_FI_DEV_PERF_POLICY_POWER, pynvml.NVML_FI_DEV_PERF_POLICY_THERMAL,
+    pynvml.NVML_FI_DEV_PERF_POLICY_SYNC_BOOST, pynvml.NVML_FI_DEV_PERF_POLICY_BOARD_LIMIT,
+    pynvml.NVML_FI_DEV_PERF_POLICY_LOW_UTILIZATION, pynvml.NVML_FI_DEV_PERF_POLICY_RELIABILITY})
+#: GPM metric id -> the activity counter (agent/gpu/sim/telemetry.py) it is the rate of.
+_GPM_ACTIVITY = {
+    pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL: "graphics", pynvml.NVML_GPM_METRIC_SM_UTIL: "sm",
+    pynvml.NVML_GPM_METRIC_SM_OCCUPANCY: "occupancy",
+    pynvml.NVML_GPM_METRIC_INTEGER_UTIL: "integer",
+    pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL: "tensor",
+    pynvml.NVML_GPM_METRIC_HMMA_TENSOR_UTIL: "tensor",
+    pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL: "dram", pynvml.NVML_GPM_METRIC_FP64_UTIL: "fp64",
+    pynvml.NVML_GPM_METRIC_FP32_UTIL: "fp32", pynvml.NVML_GPM_METRIC_FP16_UTIL: "fp16",
+    pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC: "pcie_tx",
+    pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC: "pcie_rx",
+    pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC: "nvlink_tx",
+    pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC: "nvlink_rx",
+}
 _LOOKUP_CALLS = frozenset({"nvmlDeviceGetHandleByIndex", "nvmlDeviceGetHandleByUUID",
                            "nvmlDeviceGetHandleByPciBusId"})
 
@@ -68,6 +108,18 @@ class _Ref:
     gi: GiState | None = None
     ci: CiState | None = None
     event_set: EventSet | None = None
+    sample: GpmSample | None = None
+
+
+@dataclass(eq=False)
+class GpmSample:
+    """An ``nvmlGpmSample_t``: empty until a sample call fills it with a device's activity
+    counters (``gi`` set for ``nvmlGpmMigSampleGet``)."""
+
+    gpu: GpuState | None = None
+    gi: GiState | None = None
+    at: float = 0.0
+    counters: dict[str, float] | None = None
 
 
 def _alive(ref: _Ref) -> bool:
@@ -673,6 +725,207 @@ class SimulatedNvml:
     @_nvml
     def nvmlDeviceGetTotalEnergyConsumption(self, handle: Any) -> int:
         return self._hw.energy_mj(self._telemetry_gpu(handle))
+
+    @_nvml
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: Any) -> int:
+        gpu = self._telemetry_gpu(handle)
+        # Nothing running: clocks held low because the GPU is idle; otherwise none.
+        return 0 if self._hw.utilization(gpu) else int(pynvml.nvmlClocksEventReasonGpuIdle)
+
+    @_nvml
+    def nvmlDeviceGetEncoderUtilization(self, handle: Any) -> list[int]:
+        return [self._video(handle, encoder=True), _VIDEO_PERIOD_US]
+
+    @_nvml
+    def nvmlDeviceGetDecoderUtilization(self, handle: Any) -> list[int]:
+        return [self._video(handle, encoder=False), _VIDEO_PERIOD_US]
+
+    def _video(self, handle: Any, *, encoder: bool) -> int:
+        gpu = self._telemetry_gpu(handle)
+        if gpu.mig_current:
+            fail(pynvml.NVML_ERROR_NOT_SUPPORTED)  # per-engine only, like utilisation
+        model = self._hw.model
+        pids = [p.process.pid for p in self._hw.placed_processes(gpu)]
+        return video_utilization(pids, model.encoders if encoder else model.decoders,
+                                 encoder=encoder)
+
+    @_nvml
+    def nvmlDeviceGetPcieReplayCounter(self, handle: Any) -> int:
+        return self._telemetry_gpu(handle).pcie_replays
+
+    @_nvml
+    def nvmlDeviceGetPcieThroughput(self, device: Any, counter: int) -> int:
+        gpu = self._telemetry_gpu(device)
+        names = {pynvml.NVML_PCIE_UTIL_TX_BYTES: "pcie_tx", pynvml.NVML_PCIE_UTIL_RX_BYTES:
+                 "pcie_rx"}
+        if counter not in names:
+            fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return int(self._hw.rates(gpu)[names[counter]] * 1024)  # MiB/s -> KB/s
+
+    @_nvml
+    def nvmlDeviceGetRemappedRows(self, device: Any) -> tuple[int, int, int, int]:
+        gpu = self._telemetry_gpu(device)
+        return (gpu.remapped_correctable, gpu.remapped_uncorrectable, 0,
+                int(gpu.remap_failed))
+
+    @_nvml
+    def nvmlDeviceGetGridLicensableFeatures(self, handle: Any) -> Any:
+        self._telemetry_gpu(handle)
+        # Bare metal: the call answers, and no vGPU licensing is offered.
+        features = pynvml.c_nvmlGridLicensableFeatures_v4_t()
+        features.isGridLicenseSupported = 0
+        features.licensableFeaturesCount = 0
+        return features
+
+    nvmlDeviceGetGridLicensableFeatures_v4 = _alias("nvmlDeviceGetGridLicensableFeatures_v4",
+                                                    "nvmlDeviceGetGridLicensableFeatures")
+
+    @_nvml
+    def nvmlDeviceGetFieldValues(self, handle: Any, fieldIds: Sequence[Any]) -> Any:
+        """Each requested field with its own status, as NVML fills ``nvmlFieldValue_t``:
+        the call succeeds and an absent feature is NOT_SUPPORTED in that field only."""
+        gpu, gi, _ = self._device(handle)
+        values = (pynvml.c_nvmlFieldValue_t * len(fieldIds))()
+        stamp = int(time.time() * 1_000_000)
+        for i, requested in enumerate(fieldIds):
+            field_id, scope = (requested if isinstance(requested, tuple)
+                               else (requested, 0))
+            value = values[i]
+            value.fieldId, value.scopeId, value.timestamp = int(field_id), int(scope), stamp
+            found = None if gi is not None else self._field(gpu, int(field_id), int(scope))
+            if found is None:
+                value.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+                continue
+            kind, number = found
+            value.nvmlReturn = pynvml.NVML_SUCCESS
+            value.valueType = kind
+            if kind == pynvml.NVML_VALUE_TYPE_UNSIGNED_INT:
+                value.value.uiVal = int(number)
+            else:
+                value.value.ullVal = int(number)
+        return values
+
+    def _field(self, gpu: GpuState, field_id: int, scope: int) -> tuple[int, int] | None:
+        """(value type, value) of one field of a whole GPU; None where NVML says
+        NOT_SUPPORTED on this model (memory temperature off HBM, NVLink without links,
+        page retirement on Ampere and later, which remap rows instead)."""
+        hw, uint, ull = self._hw, pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, \
+            pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+        if field_id == pynvml.NVML_FI_DEV_MEMORY_TEMP:
+            if not hw.model.hbm:
+                return None
+            return uint, memory_temperature_c(hw.model, hw.utilization(gpu))
+        if field_id in _REMAP_FIELDS:
+            return uint, {
+                pynvml.NVML_FI_DEV_REMAPPED_COR: gpu.remapped_correctable,
+                pynvml.NVML_FI_DEV_REMAPPED_UNC: gpu.remapped_uncorrectable,
+                pynvml.NVML_FI_DEV_REMAPPED_PENDING: 0,
+                pynvml.NVML_FI_DEV_REMAPPED_FAILURE: int(gpu.remap_failed)}[field_id]
+        if field_id in _NVLINK_THROUGHPUT:
+            wired = links.link_count(hw.preset)
+            if not wired or not (scope == _ALL_LINKS or 0 <= scope < wired):
+                return None
+            _, counters = hw.activity(gpu)
+            mib = counters[_NVLINK_THROUGHPUT[field_id]]
+            return ull, int(mib * 1024 / (1 if scope == _ALL_LINKS else wired))  # KiB
+        if field_id in _NVLINK_ERRORS:
+            return (ull, 0) if links.link_count(hw.preset) else None
+        if field_id in _ZERO_COUNTERS:
+            return ull, 0
+        if field_id == pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION:
+            return ull, hw.energy_mj(gpu)
+        if field_id == pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER:
+            return uint, gpu.pcie_replays
+        return None
+
+    # -- GPM (Hopper and later) ------------------------------------------------------------
+
+    @_nvml
+    def nvmlGpmQueryDeviceSupport(self, device: Any) -> Any:
+        self._whole_gpu(device, mig_handle_error=pynvml.NVML_ERROR_NOT_SUPPORTED)
+        support = pynvml.c_nvmlGpmSupport_t()
+        support.version = pynvml.NVML_GPM_SUPPORT_VERSION
+        # nvml.h: answers on every GPU; only the flag says whether GPM is there.
+        support.isSupportedDevice = int(self._hw.model.gpm)
+        return support
+
+    @_nvml
+    def nvmlGpmSampleAlloc(self) -> Any:
+        sample = GpmSample()
+        return self._handle("gpm_sample", sample, sample=sample)
+
+    @_nvml
+    def nvmlGpmSampleFree(self, gpmSample: Any) -> None:
+        address = _address(gpmSample) or 0
+        ref = self._refs.get(address)
+        if ref is None or ref.sample is None:
+            fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        # Freed memory: the address is never handed out again, so a use after free fails.
+        del self._refs[address]
+        del self._addresses[("gpm_sample", ref.sample)]
+
+    def _sample(self, handle: Any) -> GpmSample:
+        ref = self._refs.get(_address(handle) or 0)
+        if ref is None or ref.sample is None:
+            fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return ref.sample
+
+    def _gpm_gpu(self, device: Any) -> GpuState:
+        gpu = self._whole_gpu(device, mig_handle_error=pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if not self._hw.model.gpm:
+            fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return gpu
+
+    @_nvml
+    def nvmlGpmSampleGet(self, device: Any, gpmSample: Any) -> Any:
+        gpu = self._gpm_gpu(device)
+        if gpu.mig_current:
+            # In MIG mode the counters are per GPU instance (nvmlGpmMigSampleGet).
+            fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        self._take(self._sample(gpmSample), gpu, None)
+        return gpmSample
+
+    @_nvml
+    def nvmlGpmMigSampleGet(self, device: Any, gpuInstanceId: int, gpmSample: Any) -> Any:
+        gpu = self._gpm_gpu(device)
+        if not gpu.mig_current:
+            fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        gi = next((g for g in gpu.gpu_instances if g.id == int(gpuInstanceId)), None)
+        if gi is None:
+            fail(pynvml.NVML_ERROR_NOT_FOUND)
+        self._take(self._sample(gpmSample), gpu, gi)
+        return gpmSample
+
+    def _take(self, sample: GpmSample, gpu: GpuState, gi: GiState | None) -> None:
+        sample.gpu, sample.gi = gpu, gi
+        sample.at, sample.counters = self._hw.activity(gpu, gi)
+
+    @_nvml
+    def nvmlGpmMetricsGet(self, metricsGet: Any) -> Any:
+        """Each metric the mean rate between the two samples; a metric the simulator does not
+        model is NOT_SUPPORTED in its own entry, as NVML reports per metric."""
+        request = metricsGet._obj if hasattr(metricsGet, "_obj") else metricsGet
+        if not isinstance(request, pynvml.c_nvmlGpmMetricsGet_t):
+            fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if int(request.version) != pynvml.NVML_GPM_METRICS_GET_VERSION:
+            fail(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+        count = int(request.numMetrics)
+        first, second = self._sample(request.sample1), self._sample(request.sample2)
+        if (not 0 < count <= pynvml.NVML_GPM_METRIC_MAX or first.counters is None
+                or second.counters is None or first.gpu is not second.gpu
+                or first.gi is not second.gi or second.at <= first.at):
+            fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        elapsed = second.at - first.at
+        entries = request.metrics
+        for i in range(count):
+            metric = entries[i]
+            name = _GPM_ACTIVITY.get(int(metric.metricId))
+            if name is None:
+                metric.nvmlReturn, metric.value = pynvml.NVML_ERROR_NOT_SUPPORTED, 0.0
+                continue
+            metric.nvmlReturn = pynvml.NVML_SUCCESS
+            metric.value = (second.counters[name] - first.counters[name]) / elapsed
+        return metricsGet
 
     # -- MIG mode --------------------------------------------------------------------------
 

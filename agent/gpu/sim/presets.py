@@ -105,6 +105,18 @@ class GpuModel:
     """``nvmlNvlinkVersion_t`` the links report (4 = NVLink 3.0 on A100, 6 = 4.0 on Hopper)."""
     pcie_generation: int = 4
     pcie_width: int = 16
+    hbm: bool = True
+    """HBM memory, which has a temperature sensor NVML reports (GDDR boards answer
+    NOT_SUPPORTED for ``NVML_FI_DEV_MEMORY_TEMP``)."""
+    encoders: int = 0
+    """NVENC engines (none on A100/H100/H200, whose encoder utilisation reads 0 %)."""
+    decoders: int = 0
+    """NVDEC engines."""
+
+    @property
+    def gpm(self) -> bool:
+        """GPU performance monitoring (``nvmlGpm*``): Hopper and later only."""
+        return self.architecture == "hopper"
 
     @property
     def mig_capable(self) -> bool:
@@ -296,7 +308,7 @@ A100_SXM4_40GB = GpuModel(
     memory_mib=40960, multiprocessors=108, pci_device_id=0x20B010DE,
     pci_subsystem_id=0x145F10DE, idle_power_w=55, tdp_w=400, sm_clock_idle_mhz=210,
     sm_clock_max_mhz=1410, mem_clock_mhz=1215, idle_temp_c=30, load_temp_c=68,
-    sm_per_slice=14, nvlinks=12, nvlink_version=4,
+    sm_per_slice=14, nvlinks=12, nvlink_version=4, decoders=5,
     gi_profiles=_ampere_profiles(4864, 9856, 19968, 40192),
 )
 
@@ -305,7 +317,7 @@ A100_80GB_PCIE = GpuModel(
     memory_mib=81920, multiprocessors=108, pci_device_id=0x20B510DE,
     pci_subsystem_id=0x153310DE, idle_power_w=45, tdp_w=300, sm_clock_idle_mhz=210,
     sm_clock_max_mhz=1410, mem_clock_mhz=1512, idle_temp_c=34, load_temp_c=74,
-    sm_per_slice=14, nvlinks=12, nvlink_version=4,
+    sm_per_slice=14, nvlinks=12, nvlink_version=4, decoders=5,
     gi_profiles=_ampere_profiles(_gib(9.75), _gib(19.62), _gib(39.25), _gib(79.12)),
 )
 
@@ -315,7 +327,7 @@ H100_80GB_HBM3 = GpuModel(
     pci_subsystem_id=0x16C110DE, idle_power_w=70, tdp_w=700, sm_clock_idle_mhz=345,
     sm_clock_max_mhz=1980, mem_clock_mhz=2619, idle_temp_c=32, load_temp_c=71,
     sm_per_slice=16, rev1_ci_multiprocessors=26, nvlinks=18, nvlink_version=6,
-    pcie_generation=5,
+    pcie_generation=5, decoders=7,
     # 3g/4g.40gb: the MIG guide's 40448 MiB (39.50 GiB).
     gi_profiles=_hopper_profiles(_gib(9.75), _gib(19.62), 40448, _gib(79.25)),
 )
@@ -326,7 +338,7 @@ H200 = GpuModel(
     pci_subsystem_id=0x18A410DE, idle_power_w=75, tdp_w=700, sm_clock_idle_mhz=345,
     sm_clock_max_mhz=1980, mem_clock_mhz=3201, idle_temp_c=31, load_temp_c=70,
     sm_per_slice=16, rev1_ci_multiprocessors=26, nvlinks=18, nvlink_version=6,
-    pcie_generation=5,
+    pcie_generation=5, decoders=7,
     # Driver 580.159.04 on a real H200 (tests/data/hardware/): 256 MiB more from 2 slices up
     # than mig-parted #120's older capture (32.25, 69.50, 139.75 GiB); the names are the same.
     gi_profiles=_hopper_profiles(_gib(16.00), _gib(32.50), _gib(69.75), _gib(140.00)),
@@ -337,6 +349,7 @@ L40S = GpuModel(
     memory_mib=46068, multiprocessors=142, pci_device_id=0x26B910DE,
     pci_subsystem_id=0x185110DE, idle_power_w=35, tdp_w=350, sm_clock_idle_mhz=210,
     sm_clock_max_mhz=2520, mem_clock_mhz=9001, idle_temp_c=29, load_temp_c=76,
+    hbm=False, encoders=3, decoders=3,
 )
 
 _DGX_NUMA = (0, 0, 0, 0, 1, 1, 1, 1)

@@ -83,6 +83,12 @@ class GpuState:
     """Energy counter value at ``energy_at`` (wall-clock seconds); power is constant between
     two load changes, so the counter is this plus power times elapsed time."""
     energy_at: float = 0.0
+    pcie_replays: int = 0
+    """PCIe replays since the driver loaded (a GPU reset or driver reload clears them)."""
+    remapped_correctable: int = 0
+    remapped_uncorrectable: int = 0
+    remap_failed: bool = False
+    """Row-remapping state, kept in the InfoROM on real boards: it survives everything."""
 
 
 @dataclass(eq=False)
@@ -126,6 +132,10 @@ class HardwareState:
                 "lost": g.lost,
                 "energy_mj": g.energy_mj,
                 "energy_at": g.energy_at,
+                "pcie_replays": g.pcie_replays,
+                "remapped_rows": {"correctable": g.remapped_correctable,
+                                  "uncorrectable": g.remapped_uncorrectable,
+                                  "failed": g.remap_failed},
                 "gpu_instances": [{
                     "id": gi.id, "profile_id": gi.profile_id, "start": gi.start,
                     "size": gi.size,
@@ -148,6 +158,10 @@ class HardwareState:
             mig_current=int(g["mig_current"]), mig_pending=int(g["mig_pending"]),
             lost=bool(g["lost"]), energy_mj=int(g.get("energy_mj", 0)),
             energy_at=float(g.get("energy_at", time.time())),
+            pcie_replays=int(g.get("pcie_replays", 0)),
+            remapped_correctable=int(g.get("remapped_rows", {}).get("correctable", 0)),
+            remapped_uncorrectable=int(g.get("remapped_rows", {}).get("uncorrectable", 0)),
+            remap_failed=bool(g.get("remapped_rows", {}).get("failed", False)),
             gpu_instances=[GiState(
                 id=int(gi["id"]), profile_id=int(gi["profile_id"]), start=int(gi["start"]),
                 size=int(gi["size"]),
