@@ -504,7 +504,8 @@ def selection(config: MigConfigFile, label: str, gpus: Sequence[GpuIdentity]) ->
     ``device-filter``. A GPU without MIG is skipped when its entry selects it through
     ``devices: all`` (a cluster-wide label such as the GPU Operator's ``all-disabled`` or
     ``all-balanced`` must work on every node) or a ``device-filter``, or says
-    ``mig-enabled: false``; listed by index alone with ``mig-enabled: true`` it is refused. An index the node lacks is ignored and reported in ``missing``.
+    ``mig-enabled: false``; listed by index alone with ``mig-enabled: true`` it is refused.
+    An index the node lacks is ignored and reported in ``missing``.
 
     :class:`InvalidRequest` for an unknown label, a GPU two entries match, and that refusal.
     """
