@@ -153,6 +153,12 @@ class Node:
             await self.stop()
 
 
+def _after_reset(session: NvmlSession, health: GpuHealth, uuid: str) -> None:
+    """A GPU reset by --gpu-reset-command answers afresh: its lost and XID marks go."""
+    session.clear_lost(uuid)
+    health.clear(uuid, why="reset by --gpu-reset-command")
+
+
 def build_node(settings: Settings, backend: Backend) -> Node:
     """The agent's services for ``settings`` over ``backend``, wired once."""
     metrics = AgentMetrics()
@@ -168,7 +174,8 @@ def build_node(settings: Settings, backend: Backend) -> Node:
     mig = MigService(session=session, inventory=inventory, events=events, metrics=metrics,
                      ledger=ledger, journal=journal, state_dir=state,
                      proc_root=settings.proc_root, reset_command=settings.gpu_reset_command,
-                     reapply=settings.reapply_mig)
+                     reapply=settings.reapply_mig,
+                     on_reset=lambda uuid: _after_reset(session, health, uuid))
     claims = ClaimService(
         session=session, inventory=inventory, ledger=ledger, journal=journal, events=events,
         checkpoint=ClaimCheckpoint(state / "claims.checkpoint", boot_id(settings.proc_root),

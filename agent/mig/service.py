@@ -96,8 +96,11 @@ class MigService:
     def __init__(self, *, session: NvmlSession, inventory: GpuInventory, events: EventLog,
                  metrics: AgentMetrics, ledger: NodeLedger, journal: TransitionJournal,
                  state_dir: Path, proc_root: Path, reset_command: str | None = None,
-                 reapply: bool = True) -> None:
+                 reapply: bool = True,
+                 on_reset: Callable[[str], None] = lambda _gpu: None) -> None:
         self._session = session
+        #: Told a GPU's UUID after --gpu-reset-command reset it (its XID marks are stale).
+        self._on_reset = on_reset
         self._inventory = inventory
         self._events = events
         self._metrics = metrics
@@ -450,6 +453,8 @@ class MigService:
         record.result = f"exit {proc.returncode}: {out.decode(errors='replace')[-300:]}"
         self._events.append("mig.gpu_reset", f"GPU {gpu.index} reset: {record.result}",
                             gpu=gpu.uuid)
+        if proc.returncode == 0:
+            self._on_reset(gpu.uuid)
 
     async def _roll_back(self, t: Transition, gpu: Gpu, mutator: GpuMutator,
                          entry: JournalEntry, err: Exception) -> TransitionState:
