@@ -57,12 +57,13 @@ def _pct(values: list[float], q: float) -> float:
 
 
 class Agent:
-    """The agent under test, with a JSON access log to read server-side durations from."""
+    """The agent under test, with a JSON access log to read server-side durations from (reads
+    log at debug since the access lines of successful GETs went there)."""
 
     def __init__(self, state: Path) -> None:
         self.process = start_agent(state, extra=[
             "--metrics-listen", "127.0.0.1:0", "--collect-interval", str(INTERVAL_S),
-            "--log-format", "json"])
+            "--log-format", "json", "--log-level", "debug"])
         self.log = self.process.log_path
         self.metrics = self.process.listener("metrics").removeprefix("http://")
         self.usage = psutil.Process(self.process.proc.pid)
