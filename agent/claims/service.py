@@ -48,9 +48,9 @@ from agent.errors import (
     DeviceUnavailable,
     InvalidRequest,
     NotFound,
-    NvmlError,
 )
 from agent.events import EventLog, Severity
+from agent.gpu import mig
 from agent.gpu.inventory import GpuInventory
 from agent.gpu.session import NvmlSession
 from agent.gpu.types import Gpu, MigDevice, Placement
@@ -295,21 +295,10 @@ class ClaimService:
         a MIG device still answers, a GPU still has the snapshot's MIG mode and is not lost
         (NVML worker thread)."""
         try:
-            for request in requests:
-                gpu, device = resolve(request.device or "", gpus)
-                if device is not None:
-                    self._session.call("nvmlDeviceGetHandleByUUID", device.uuid, gpu=gpu.uuid)
-                    continue
-                handle = self._session.gpu_handle(gpu.uuid)
-                if not gpu.static.mig_capable:
-                    self._session.call("nvmlDeviceGetMinorNumber", handle, gpu=gpu.uuid)
-                    continue
-                current, _ = self._session.call("nvmlDeviceGetMigMode", handle, gpu=gpu.uuid)
-                if gpu.mig_mode is None or bool(current) != gpu.mig_mode.current:
-                    return False
-        except (InvalidRequest, NvmlError):
+            targets = [resolve(request.device or "", gpus) for request in requests]
+        except InvalidRequest:
             return False
-        return True
+        return all(mig.still_there(self._session, gpu, device) for gpu, device in targets)
 
     def _reserve_existing(self, uid: str, record: ClaimRecord, request: DeviceRequest,
                           gpu: Gpu, device: MigDevice | None) -> None:

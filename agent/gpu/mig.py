@@ -17,8 +17,10 @@ from agent.gpu.session import NvmlSession
 from agent.gpu.types import (
     ComputeInstanceState,
     GiProfile,
+    Gpu,
     GpuInstanceState,
     GpuProcess,
+    MigDevice,
     MigMode,
     Placement,
 )
@@ -133,6 +135,36 @@ def destroy_gpu_instance(session: NvmlSession, handle: Any, uuid: str, gi_id: in
     """Destroy GI ``gi_id``; its CIs must be gone first (NVML answers ``IN_USE`` otherwise)."""
     gi = session.call("nvmlDeviceGetGpuInstanceById", handle, gi_id, gpu=uuid)
     session.call("nvmlGpuInstanceDestroy", gi, gpu=uuid)
+
+
+def mig_enabled(session: NvmlSession, handle: Any, uuid: str) -> bool:
+    """Whether MIG is on now (the current mode, not the pending one)."""
+    current, _ = session.call("nvmlDeviceGetMigMode", handle, gpu=uuid)
+    return bool(current)
+
+
+def still_there(session: NvmlSession, gpu: Gpu, device: MigDevice | None) -> bool:
+    """Whether the hardware still shows what a snapshot says of the device: a MIG device still
+    answers by its UUID, a GPU without MIG still answers, a MIG-capable GPU still has the
+    snapshot's MIG mode. An NVML error (a lost GPU) is a no."""
+    try:
+        if device is not None:
+            session.call("nvmlDeviceGetHandleByUUID", device.uuid, gpu=gpu.uuid)
+            return True
+        handle = session.gpu_handle(gpu.uuid)
+        if not gpu.static.mig_capable:
+            session.call("nvmlDeviceGetMinorNumber", handle, gpu=gpu.uuid)
+            return True
+        return gpu.mig_mode is not None and \
+            mig_enabled(session, handle, gpu.uuid) == gpu.mig_mode.current
+    except NvmlError:
+        return False
+
+
+def gi_not_found(uuid: str) -> NvmlError:
+    """What NVML answers for a GPU instance that is not there."""
+    return NvmlError(function="nvmlDeviceGetGpuInstanceById", code=6,
+                     name="NVML_ERROR_NOT_FOUND", gpu=uuid)
 
 
 def set_mig_mode(session: NvmlSession, handle: Any, uuid: str, enabled: bool) -> tuple[MigMode,

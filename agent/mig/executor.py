@@ -95,14 +95,12 @@ class GpuMutator:
     def instances(self) -> tuple[GpuInstanceState, ...]:
         """GPU instances with their CIs, from a fresh per-profile walk."""
         handle = self._handle()
-        current, _ = self.session.call("nvmlDeviceGetMigMode", handle, gpu=self.gpu)
-        if not current:
+        if not mig.mig_enabled(self.session, handle, self.gpu):
             return ()
         return mig.read_instances(self.session, handle, self.gpu, self.profiles)
 
     def mig_enabled(self) -> bool:
-        current, _ = self.session.call("nvmlDeviceGetMigMode", self._handle(), gpu=self.gpu)
-        return bool(current)
+        return mig.mig_enabled(self.session, self._handle(), self.gpu)
 
     def geometry(self, held_gi_ids: Sequence[int] = ()) -> Geometry:
         return geometry_of(catalog_of(self.profiles), mig_enabled=self.mig_enabled(),
@@ -164,8 +162,7 @@ class GpuMutator:
                                             step.instance.placement)
             return f"gi {gi_id}"
         if gi is None:
-            raise NvmlError(function="nvmlDeviceGetGpuInstanceById", code=6,
-                            name="NVML_ERROR_NOT_FOUND", gpu=self.gpu)
+            raise mig.gi_not_found(self.gpu)
         if gi.compute_instances:
             return f"ci {gi.compute_instances[0].id} exists"
         # A rollback re-creates the CIs the GI had; a new GI gets the one with the most SMs.
