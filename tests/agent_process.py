@@ -39,6 +39,22 @@ class _Unix(http.client.HTTPConnection):
         self.sock.connect(str(self._path))
 
 
+def exchange(conn: http.client.HTTPConnection, method: str, path: str, data: bytes | None,
+             headers: dict[str, str]) -> Reply:
+    """Send one request on ``conn`` (then closed) and read the reply, JSON bodies parsed."""
+    try:
+        conn.request(method, path, body=data, headers=headers)
+        response = conn.getresponse()
+        payload = response.read()
+    finally:
+        conn.close()
+    out = {k.lower(): v for k, v in response.getheaders()}
+    parsed: Any = payload.decode(errors="replace")
+    if payload and out.get("content-type", "").split(";")[0].endswith("json"):
+        parsed = json.loads(payload)
+    return Reply(response.status, out, parsed)
+
+
 @dataclass
 class AgentProcess:
     proc: subprocess.Popen[bytes]
@@ -80,17 +96,7 @@ class AgentProcess:
             conn: http.client.HTTPConnection = _Unix(self.socket_path)
         else:
             conn = http.client.HTTPConnection(*self.address, timeout=30)
-        try:
-            conn.request(method, path, body=data, headers=sent)
-            response = conn.getresponse()
-            payload = response.read()
-        finally:
-            conn.close()
-        headers_out = {k.lower(): v for k, v in response.getheaders()}
-        parsed: Any = payload.decode(errors="replace")
-        if payload and headers_out.get("content-type", "").split(";")[0].endswith("json"):
-            parsed = json.loads(payload)
-        return Reply(response.status, headers_out, parsed)
+        return exchange(conn, method, path, data, sent)
 
     def poll(self, path: str, until: Callable[[Any], bool], interval: float = 0.002) -> Any:
         """GET ``path`` until ``until(body)`` holds; that body."""

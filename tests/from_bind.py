@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.agent_process import Reply
+from tests.agent_process import Reply, exchange
 
 NOT_READY = "https://gpu.nodeagent.dev/problems/not-ready"
 #: Paths whose answers the gate must hold back before ready even for GET (reconciled state).
@@ -104,18 +104,7 @@ def unix_request(sock: Path, method: str, path: str, body: Any = None, *,
     if body is not None:
         data = json.dumps(body).encode()
         headers["Content-Type"] = "application/json"
-    conn = _Unix(sock, timeout)
-    try:
-        conn.request(method, path, body=data, headers=headers)
-        response = conn.getresponse()
-        payload = response.read()
-    finally:
-        conn.close()
-    out = {k.lower(): v for k, v in response.getheaders()}
-    parsed: Any = payload.decode(errors="replace")
-    if payload and out.get("content-type", "").split(";")[0].endswith("json"):
-        parsed = json.loads(payload)
-    return Reply(response.status, out, parsed)
+    return exchange(_Unix(sock, timeout), method, path, data, headers)
 
 
 def send_from_bind(sock: Path, token: str | None, calls: Sequence[Call] | Callable[[int], Call],
