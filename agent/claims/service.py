@@ -857,7 +857,12 @@ class ClaimService:
                 if self.checkpoint.data.claims.get(record.uid) is not record or \
                         record.state != "prepare_completed":
                     continue  # unprepared meanwhile
+                # Confirmed on a fresh read: the claim may have been prepared on a device
+                # made after the snapshot this started from.
+                gpus = {g.uuid: g for g in await self._inventory.refresh()}
                 gone = [d.device_name for d in record.devices if not _present(d, gpus)]
+                if not any(d.admin_access and not _present(d, gpus) for d in record.devices):
+                    continue
                 record.state = "lost"
                 record.lost_reason = ("a MIG geometry change destroyed its admin-access "
                                       f"device(s): {', '.join(gone)}")
