@@ -348,7 +348,7 @@ async def test_a_whole_gpu_admin_claim_blocks_no_mode_change(api: Api) -> None:
     GPU's node) still exists, so the claim stays prepared."""
     assert (await api.prepare("watch", "5", admin=True))[0] == 200
     await api.node.mig_to(5, ["7g.80gb"])
-    await asyncio.sleep(0.1)  # the claims service's check after the change has run
+    await asyncio.sleep(0.3)  # the claims service's check after the change has run
     _, claim, _ = await api.call("GET", "/v1/claims/watch")
     assert claim["state"] == "prepare_completed"
     assert [h["kind"] for h in await api.holds("5")] == ["admin"]
