@@ -168,6 +168,20 @@ class NotReady(AgentError):
         self.retry_after_s = retry_after_s
 
 
+class DeviceNodesMissing(NotReady):
+    """A claim's devices have no device nodes yet (``/dev/nvidia*`` appear late on a freshly
+    booted node): nothing was prepared; ask again in ``retry_after_s`` seconds."""
+
+    def __init__(self, detail: str, *, claim: str, missing: Sequence[str],
+                 retry_after_s: int = 2) -> None:
+        super().__init__(detail, retry_after_s=retry_after_s)
+        self.claim = claim
+        self.missing = list(missing)
+
+    def _fields(self) -> dict[str, Any]:
+        return {"claim": self.claim, "missing": self.missing}
+
+
 class StateLocked(AgentError):
     """Another agent process holds the state directory."""
 

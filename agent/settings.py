@@ -65,6 +65,11 @@ class Settings:
     run_dir: Path | None = None
     driver_root: Path | None = None
     claim_tombstone_s: float = 600.0
+    #: Where device nodes are looked for before a prepare is answered (``<dev_root>/dev/...``);
+    #: None: the driver root when it has ``dev/nvidiactl``, else ``/`` (the simulator's own).
+    dev_root: Path | None = None
+    #: How long a prepare waits for its devices' nodes to appear before answering 503.
+    device_node_wait_s: float = 5.0
     reapply_mig: bool = True
     drift_check_interval_s: float = 30.0
     max_body_bytes: int = 1 << 20
@@ -94,7 +99,8 @@ _FLAG_TYPES: dict[str, str] = {
     "reapply_mig": "bool", "driver_root": "path", "claim_tombstone_s": "float",
     "collect_interval": "float", "metrics_listen": "str", "metrics_hostname_label": "str",
     "driver_name": "str", "dynamic_mig": "bool", "tls_cert": "path", "tls_key": "path",
-    "tls_client_ca": "path", "socket_group": "str", "run_dir": "path",
+    "tls_client_ca": "path", "socket_group": "str", "run_dir": "path", "dev_root": "path",
+    "device_node_wait_s": "float",
 }
 
 
@@ -201,6 +207,8 @@ def resolve(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> S
         reapply_mig=bool(merged.get("reapply_mig", True)),
         driver_root=merged.get("driver_root"),
         claim_tombstone_s=float(merged.get("claim_tombstone_s", 600.0)),
+        dev_root=merged.get("dev_root"),
+        device_node_wait_s=float(merged.get("device_node_wait_s", 5.0)),
         driver_name=_driver_name(str(merged.get("driver_name", "gpu.nodeagent.dev"))),
         dynamic_mig=bool(merged.get("dynamic_mig", False)),
         socket_group=merged.get("socket_group"),

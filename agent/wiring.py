@@ -181,8 +181,11 @@ def build_node(settings: Settings, backend: Backend) -> Node:
         checkpoint=ClaimCheckpoint(state / "claims.checkpoint", boot_id(settings.proc_root),
                                    on_write=metrics.claims_checkpoint_writes.inc),
         cdi=CdiWriter(settings.cdi_dir, settings.proc_root, settings.driver_root,
-                      owner=agent_id(settings.state_dir)),
-        tombstone_s=settings.claim_tombstone_s, run_dir=settings.run_dir)
+                      owner=agent_id(settings.state_dir),
+                      dev_root=settings.dev_root or backend.dev_root
+                      or getattr(backend.sim, "dev_root", None)),
+        tombstone_s=settings.claim_tombstone_s, run_dir=settings.run_dir,
+        device_node_wait_s=settings.device_node_wait_s)
     topology = TopologyService(session=session, inventory=inventory, sys_root=backend.sys_root,
                                ledger=ledger)
     slices = SliceService(inventory=inventory, topology=topology, ledger=ledger,

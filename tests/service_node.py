@@ -4,8 +4,10 @@ soak tests and the claims benchmark use it."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from agent.claims.service import ClaimService
 from agent.events import EventLog
@@ -89,17 +91,19 @@ class ServiceNode:
 
 
 async def open_services(directory: Path, *, spec_dir: Path | None = None,
-                        tombstone_s: float = 600.0, preset: str = "dgx-h100") -> ServiceNode:
+                        tombstone_s: float = 600.0, preset: str = "dgx-h100",
+                        settings: Mapping[str, Any] | None = None) -> ServiceNode:
     """A simulated node (DGX H100 unless ``preset`` says otherwise) under ``directory``
-    (state, proc, cdi), started (recovered and reconciled) through the agent's wiring."""
+    (state, proc, cdi), started (recovered and reconciled) through the agent's wiring;
+    ``settings`` adds to (or overrides) the agent's settings."""
     state, proc = directory / "state", directory / "proc"
     cdi_dir = spec_dir or directory / "cdi"
-    settings = resolve({"simulate": preset, "state_dir": state, "proc_root": proc,
+    resolved = resolve({"simulate": preset, "state_dir": state, "proc_root": proc,
                         "cdi_dir": cdi_dir, "claim_tombstone_s": tombstone_s,
-                        "run_dir": directory / "run", "collect_interval": 3600.0},
-                       env={})
-    backend = gpu_backend.open_backend(simulate=settings.simulate, state_dir=state,
+                        "run_dir": directory / "run", "collect_interval": 3600.0,
+                        **(settings or {})}, env={})
+    backend = gpu_backend.open_backend(simulate=resolved.simulate, state_dir=state,
                                        proc_root=proc)
-    node = build_node(settings, backend)
+    node = build_node(resolved, backend)
     await node.start()
     return ServiceNode(node, state, cdi_dir)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from typing import Literal
 
 from aiohttp import web
@@ -16,6 +17,7 @@ from agent.api.node import require_ready
 from agent.api.routing import json_response
 from agent.claims.checkpoint import ClaimRecord
 from agent.claims.service import ClaimService, DeviceRequest
+from agent.device_names import ascii_integer
 from agent.errors import InvalidRequest
 
 _UID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
@@ -29,7 +31,10 @@ class DeviceRequestIn(Strict):
     """``{"request": "gpu", "device": ...}`` for an existing GPU or MIG device;
     ``{"request": "slice", "profile": ..., "gpu"?, "placement"?}`` or
     ``{"request": "slice", "device": <dynamic device name>}`` for a slice made on demand.
-    ``name`` is the DRA request name the result echoes (defaults to ``request``)."""
+    ``name`` is the DRA request name the result echoes (defaults to ``request``).
+    ``admin_access`` (DRA adminAccess, for monitoring tools; existing devices only): the
+    device is held without taking it from its holder, and blocks no other claim and no
+    geometry change."""
 
     request: Literal["gpu", "slice"]
     name: str | None = Field(default=None, max_length=63)
@@ -37,9 +42,13 @@ class DeviceRequestIn(Strict):
     profile: str | None = Field(default=None, max_length=32)
     gpu: str | None = Field(default=None, max_length=96)
     placement: PlacementStart | None = None
+    admin_access: bool = False
 
     @model_validator(mode="after")
     def _shape(self) -> DeviceRequestIn:
+        if self.admin_access and self.request != "gpu":
+            raise ValueError("admin_access is for existing devices ('gpu' requests), not "
+                             "slices made on demand")
         if self.request == "gpu":
             if self.device is None or self.profile or self.gpu or self.placement:
                 raise ValueError("a 'gpu' request names one existing device and nothing else")
@@ -54,7 +63,8 @@ class DeviceRequestIn(Strict):
             request=self.name or self.request,
             kind="gpu" if self.request == "gpu" else "slice", device=self.device,
             profile=self.profile, gpu=self.gpu,
-            start=self.placement.start if self.placement else None)
+            start=self.placement.start if self.placement else None,
+            admin_access=self.admin_access)
 
 
 class ClaimMetadata(Strict):
@@ -62,11 +72,20 @@ class ClaimMetadata(Strict):
     name: str | None = Field(default=None, max_length=253)
     pod: str | None = Field(default=None, max_length=253)
     container: str | None = Field(default=None, max_length=253)
+    resource_version: str | None = Field(
+        default=None, max_length=64, description="The ResourceClaim's metadata.resourceVersion "
+        "the caller prepared from (kept and shown; it does not order requests)")
+
+
+#: ``issued_at_ns``: a caller's ordering stamp (see docs/claims.md).
+STAMP_DESCRIPTION = ("CLOCK_BOOTTIME nanoseconds of this node's boot at which the caller "
+                     "received the request: orders prepares and unprepares of one claim UID")
 
 
 class ClaimRequest(Strict):
     devices: list[DeviceRequestIn] = Field(min_length=1, max_length=16)
     metadata: ClaimMetadata | None = None
+    issued_at_ns: int | None = Field(default=None, ge=0, description=STAMP_DESCRIPTION)
 
 
 class PreparedDeviceModel(BaseModel):
@@ -78,6 +97,7 @@ class PreparedDeviceModel(BaseModel):
     device_name: str
     on_demand: bool = Field(description="A MIG slice made for this claim (destroyed at "
                                         "unprepare)")
+    admin_access: bool = Field(description="Held for monitoring, non-exclusively")
     cdi_devices: list[str]
 
 
@@ -90,6 +110,8 @@ class ClaimModel(BaseModel):
     created_at: float
     updated_at: float
     lost_reason: str | None
+    issued_at_ns: int | None = Field(description="The newest stamp of a prepare this claim "
+                                     "answered (" + STAMP_DESCRIPTION + ")")
 
     @classmethod
     def of(cls, record: ClaimRecord, pool: str) -> ClaimModel:
@@ -97,11 +119,13 @@ class ClaimModel(BaseModel):
             uid=record.uid, state=record.state, cdi_spec=record.cdi_spec,
             metadata=record.metadata, created_at=record.created_at,
             updated_at=record.updated_at, lost_reason=record.lost_reason,
+            issued_at_ns=record.issued_at_ns,
             devices=[PreparedDeviceModel(
                 request=d.request, kind=d.kind, uuid=d.uuid,
                 parent_uuid=d.gpu if d.kind == "mig" else None, pool=pool,
                 device_name=d.device_name, on_demand=d.slice is not None,
-                cdi_devices=[d.cdi_device]) for d in record.devices])
+                admin_access=d.admin_access, cdi_devices=[d.cdi_device])
+                for d in record.devices])
 
 
 class ClaimList(BaseModel):
@@ -136,18 +160,40 @@ def _uid(request: web.Request) -> str:
     return uid
 
 
+def _stamp(value: int | None, field: str) -> int | None:
+    """A stamp from this boot's clock; one ahead of it cannot have been taken on this node in
+    this boot (another host's or boot's clock) and would order nothing, so it is refused."""
+    if value is not None and value > time.clock_gettime_ns(time.CLOCK_BOOTTIME):
+        raise InvalidRequest(
+            f"{field}: {value} is ahead of this node's CLOCK_BOOTTIME; stamp requests with "
+            "time.clock_gettime_ns(time.CLOCK_BOOTTIME) on this node, in this boot",
+            [{"field": field, "reason": "ahead of this node's boot clock"}])
+    return value
+
+
 async def prepare_claim(request: web.Request) -> web.Response:
     uid = _uid(request)
     body = await parse_body(request, ClaimRequest)
+    stamp = _stamp(body.issued_at_ns, "issued_at_ns")
     service = _service(request)
     metadata = {k: v for k, v in (body.metadata.model_dump() if body.metadata else {}).items()
                 if v is not None}
-    record = await service.prepare(uid, [d.value() for d in body.devices], metadata)
+    record = await service.prepare(uid, [d.value() for d in body.devices], metadata,
+                                   issued_at_ns=stamp)
     return json_response(ClaimModel.of(record, request.app[AGENT].node.settings.node_name))
 
 
 async def unprepare_claim(request: web.Request) -> web.Response:
-    await _service(request).unprepare(_uid(request))
+    uid = _uid(request)
+    raw = request.query.get("issued_at_ns")
+    stamp = None
+    if raw is not None:
+        stamp = ascii_integer(raw, digits=19)
+        if stamp is None:
+            raise InvalidRequest(f"issued_at_ns: {raw[:40]!r} is not a non-negative integer",
+                                 [{"field": "issued_at_ns",
+                                   "reason": "not a non-negative integer"}])
+    await _service(request).unprepare(uid, issued_at_ns=_stamp(stamp, "issued_at_ns"))
     return web.Response(status=204)
 
 

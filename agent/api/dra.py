@@ -58,7 +58,7 @@ ROUTES = [
     Route("GET", "/v1/resourceslices", list_slices,
           "This node's devices as resource.k8s.io/v1 ResourceSlices (full GPUs, MIG devices; "
           "with --dynamic-mig partitionable MIG with shared counters)", ResourceSliceList,
-          tag="dra", errors=(422, 503), reconciled=True,
+          tag="dra", errors=(422, 503), reconciled=True, read_by=("claims",),
           query=(QueryParam("kubernetes", {"type": "string", "enum": ["1.34", "1.35"]},
                             "API server version: 1.35 and newer want counters and devices "
                             "in separate slices (default 1.35)"),)),

@@ -78,12 +78,16 @@ class HoldModel(BaseModel):
     device: str = Field(description="'whole GPU' or the MIG memory slices start:size")
     profile: str | None
     on_demand: bool = Field(description="A slice made for the claim")
+    kind: Literal["exclusive", "share", "admin"] = Field(
+        description="exclusive; share: a counted part of its capacity; admin: a monitoring "
+                    "tool's non-exclusive hold (DRA adminAccess), which takes the device from "
+                    "nobody and blocks no geometry change")
 
     @classmethod
     def of(cls, hold: Hold) -> HoldModel:
         placement = hold.key.placement
         return cls(claim=hold.holder, state=hold.state, profile=hold.profile,
-                   on_demand=hold.on_demand,
+                   on_demand=hold.on_demand, kind=hold.kind,
                    device="whole GPU" if placement is None
                    else f"slices {placement.start}:{placement.size}")
 

@@ -60,6 +60,9 @@ class Route:
     content_type: str = "application/json"
     changes_nothing: bool = False
     reconciled: bool = False
+    #: Scopes that, besides ``read``, suffice for this read under --auth-read (the kubelet
+    #: plugin holds a ``claims`` token only and reads its claims and the slices).
+    read_by: tuple[str, ...] = ()
 
     @property
     def mutating(self) -> bool:
@@ -202,7 +205,10 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
                     "with --token-file FILE (or GPU_AGENT_TOKEN_FILE)")
             principal = ctx.tokens.authenticate(request.headers.get("Authorization"))
             request[PRINCIPAL] = principal.name
-            principal.require(spec.scope or "read")
+            scope = spec.scope or "read"
+            if not spec.mutating:
+                scope = next((s for s in spec.read_by if s in principal.scopes), scope)
+            principal.require(scope)
     readiness = ctx.node.readiness
     if spec is not None and spec.needs_recovery and not readiness.reconciled:
         if readiness.storage_blocked is not None and spec.mutating:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import secrets
 from collections.abc import Sequence
 from pathlib import Path
@@ -102,14 +103,25 @@ class CdiDirectoryLock:
         self._lock.release()
 
 
+def default_dev_root(driver_root: Path | None) -> Path:
+    """Where the driver's device nodes are when nobody says: under the driver root when it
+    has them (a driver container's root with its own ``dev/nvidiactl``), else the host's
+    ``/`` (as NVIDIA's tools decide)."""
+    if driver_root is not None and (driver_root / "dev" / "nvidiactl").exists():
+        return driver_root
+    return Path("/")
+
+
 class CdiWriter:
     def __init__(self, spec_dir: Path, proc_root: Path, driver_root: Path | None = None, *,
-                 owner: str | None = None) -> None:
+                 owner: str | None = None, dev_root: Path | None = None) -> None:
         """``owner`` marks every spec written and limits removal to specs with that mark (or
-        none); without it the writer treats every spec of its kinds as its own."""
+        none); without it the writer treats every spec of its kinds as its own. ``dev_root``
+        is where the nodes a spec names are looked for (``<dev_root>/dev/nvidia0``)."""
         self.store = SpecStore(spec_dir, (NODE_KIND, CLAIM_KIND), owner=owner)
         self._proc_root = proc_root
         self._driver_root = driver_root
+        self.dev_root = dev_root if dev_root is not None else default_dev_root(driver_root)
         self._host: HostDevices | None = None
 
     @property
@@ -127,6 +139,16 @@ class CdiWriter:
             return gpu_edits(parent_minor)
         assert device.gi_id is not None and device.ci_id is not None
         return mig_edits(self.host, parent_minor, device.gi_id, device.ci_id)
+
+    def device_nodes(self, devices: Sequence[tuple[PreparedDevice, int]]) -> list[str]:
+        """Every device node path a claim's spec names (its devices' and the common ones)."""
+        edits = [self.device_edits(d, minor) for d, minor in devices]
+        edits.append(common_edits(self.host))
+        return list(dict.fromkeys(n.path for e in edits for n in e.device_nodes or ()))
+
+    def missing_nodes(self, paths: Sequence[str]) -> list[str]:
+        """The paths among ``paths`` with no node under the device root yet."""
+        return [p for p in paths if not os.path.exists(self.dev_root / p.lstrip("/"))]
 
     def write_claim(self, uid: str, devices: Sequence[tuple[PreparedDevice, int]]) -> Path:
         """The claim's transient spec (``k8s.gpu.nodeagent.dev-claim_<uid>.json``)."""

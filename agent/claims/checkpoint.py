@@ -68,6 +68,8 @@ class PreparedDevice(_Record):
     slice: SliceRecord | None = None
     placement: tuple[int, int] | None = Field(
         default=None, description="Memory slices (start, size) of an existing MIG device")
+    admin_access: bool = Field(
+        default=False, description="Held for monitoring (DRA adminAccess): non-exclusive")
 
 
 class ClaimRecord(_Record):
@@ -80,6 +82,9 @@ class ClaimRecord(_Record):
     created_at: float
     updated_at: float
     lost_reason: str | None = None
+    issued_at_ns: int | None = Field(
+        default=None, description="The newest ordering stamp (CLOCK_BOOTTIME ns of this boot) "
+        "of a prepare this claim answered; None when no caller stamped one")
 
 
 class CheckpointData(_Record):
@@ -88,6 +93,11 @@ class CheckpointData(_Record):
     claims: dict[str, ClaimRecord] = {}
     tombstones: dict[str, float] = Field(
         default={}, description="Claim UIDs unprepared in this boot, with the time")
+    # Beside ``tombstones``, not inside it: an older agent reading this file ignores the new
+    # field instead of failing on a changed value type (a downgrade keeps its claims).
+    tombstone_stamps: dict[str, int] = Field(
+        default={}, description="The ordering stamp (CLOCK_BOOTTIME ns) of the unprepare that "
+        "left each stamped tombstone")
 
 
 class CheckpointCorrupt(Exception):
@@ -157,6 +167,9 @@ class ClaimCheckpoint:
         if previous is not None:
             data.boot_id = self.data.boot_id
             data.tombstones = {}  # they belong to one boot
+            data.tombstone_stamps = {}
+            for record in data.claims.values():
+                record.issued_at_ns = None  # a stamp orders requests of one boot only
         self.data = data
         return previous
 
@@ -209,10 +222,22 @@ class ClaimCheckpoint:
             self._on_write()
         self._durable = max(self._durable, version)
 
-    def tombstone(self, uid: str) -> None:
-        """Note that ``uid`` was unprepared now (oldest first: see :meth:`prune_tombstones`)."""
+    def tombstone(self, uid: str, issued_at_ns: int | None = None) -> None:
+        """Note that ``uid`` was unprepared now (oldest first: see :meth:`prune_tombstones`),
+        by an unprepare stamped ``issued_at_ns`` (the newest stamp is kept; an unstamped
+        unprepare leaves an unstamped tombstone, refused by time alone)."""
         self.data.tombstones.pop(uid, None)
         self.data.tombstones[uid] = time.time()
+        stamps = self.data.tombstone_stamps
+        if issued_at_ns is None:
+            stamps.pop(uid, None)
+        else:
+            stamps[uid] = max(issued_at_ns, stamps.get(uid, issued_at_ns))
+
+    def drop_tombstone(self, uid: str) -> None:
+        """Forget ``uid``'s tombstone (a prepare ordered after its unprepare)."""
+        self.data.tombstones.pop(uid, None)
+        self.data.tombstone_stamps.pop(uid, None)
 
     def prune_tombstones(self, window_s: float) -> None:
         """Drop tombstones older than the window. They are kept in the order they were written,
@@ -225,13 +250,16 @@ class ClaimCheckpoint:
             if at >= cutoff:
                 break
             del tombstones[uid]
+            self.data.tombstone_stamps.pop(uid, None)
 
     def cap_tombstones(self, limit: int) -> None:
         """Keep at most ``limit`` tombstones, dropping the oldest: unprepares cannot grow the
         checkpoint without bound."""
         tombstones = self.data.tombstones
         while len(tombstones) > limit:
-            del tombstones[next(iter(tombstones))]
+            uid = next(iter(tombstones))
+            del tombstones[uid]
+            self.data.tombstone_stamps.pop(uid, None)
 
     def snapshot(self) -> dict[str, Any]:
         return self.data.model_dump(mode="json")

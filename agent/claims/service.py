@@ -45,6 +45,7 @@ from agent.errors import (
     ClaimUnprepared,
     Conflict,
     DeviceBusy,
+    DeviceNodesMissing,
     DeviceUnavailable,
     InvalidRequest,
     NotFound,
@@ -82,6 +83,8 @@ class DeviceRequest:
     profile: str | None = None
     gpu: str | None = None
     start: int | None = None
+    #: DRA ``adminAccess``: held non-exclusively, for monitoring (existing devices only).
+    admin_access: bool = False
 
 
 class _Stale(Exception):
@@ -93,8 +96,11 @@ async def _true() -> bool:
 
 
 def _digest(requests: Sequence[DeviceRequest]) -> str:
-    return hashlib.sha256(json.dumps([r.__dict__ for r in requests], sort_keys=True)
-                          .encode()).hexdigest()[:32]
+    # ``admin_access`` only when set: requests recorded before it existed keep their digest,
+    # so their retries after an upgrade still answer the same claim.
+    return hashlib.sha256(json.dumps([{k: v for k, v in r.__dict__.items()
+                                       if k != "admin_access" or v} for r in requests],
+                                     sort_keys=True).encode()).hexdigest()[:32]
 
 
 def _key(device: PreparedDevice) -> DeviceKey:
@@ -110,14 +116,15 @@ def _key(device: PreparedDevice) -> DeviceKey:
 
 def _hold(uid: str, device: PreparedDevice, profile: str | None, *,
           state: Literal["reserved", "prepared"] = "reserved") -> Hold:
-    return Hold(uid, _key(device), state, profile=profile, on_demand=device.slice is not None)
+    return Hold(uid, _key(device), state, profile=profile, on_demand=device.slice is not None,
+                admin=device.admin_access)
 
 
 class ClaimService:
     def __init__(self, *, session: NvmlSession, inventory: GpuInventory, ledger: NodeLedger,
                  journal: TransitionJournal, checkpoint: ClaimCheckpoint, cdi: CdiWriter,
                  events: EventLog, tombstone_s: float = 600.0,
-                 run_dir: Path | None = None) -> None:
+                 run_dir: Path | None = None, device_node_wait_s: float = 5.0) -> None:
         self._session = session
         self._inventory = inventory
         self._ledger = ledger
@@ -126,12 +133,14 @@ class ClaimService:
         self.cdi = cdi
         self._events = events
         self._tombstone_s = tombstone_s
+        self._device_node_wait_s = device_node_wait_s
         self._marker = run_dir / MARKER if run_dir is not None else None
         self._marked = False
         self._previous_boot: str | None = None
         # Per-UID lock and how many calls hold or wait on it; dropped when that reaches 0.
         self._uid_locks: dict[str, tuple[asyncio.Lock, int]] = {}
         self._unknown_unprepared: OrderedDict[str, float] = OrderedDict()
+        self._unknown_stamps: dict[str, int] = {}
         #: Why claims are frozen (corrupt or missing checkpoint), or None.
         self.corrupt: str | None = None
         self._node_spec_task: asyncio.Task[None] | None = None
@@ -167,8 +176,15 @@ class ClaimService:
     # -- prepare ---------------------------------------------------------------------------
 
     async def prepare(self, uid: str, requests: Sequence[DeviceRequest],
-                      metadata: Mapping[str, str]) -> ClaimRecord:
-        """Prepare a claim; a repeat with the same devices returns the same answer."""
+                      metadata: Mapping[str, str], *,
+                      issued_at_ns: int | None = None) -> ClaimRecord:
+        """Prepare a claim; a repeat with the same devices returns the same answer.
+
+        ``issued_at_ns`` orders this prepare against the claim's unprepares (CLOCK_BOOTTIME
+        of this boot, stamped by the caller when the request reached it): one stamped after
+        the unprepare that left the claim's tombstone prepares it anew; one stamped at or
+        before it is a late retry, refused. Without a stamp a tombstone refuses every
+        prepare for the tombstone window."""
         self._usable()
         digest = _digest(requests)
         async with self._claim_lock(uid):
@@ -177,26 +193,53 @@ class ClaimService:
                 if record.request_digest != digest:
                     raise Conflict(f"claim {uid} is already prepared with other devices; "
                                    "unprepare it first", claim=uid)
+                if issued_at_ns is not None and (record.issued_at_ns is None
+                                                 or issued_at_ns > record.issued_at_ns):
+                    # The newest prepare this claim answered: an unprepare stamped before it
+                    # is older than the caller's latest wish, and is ignored.
+                    record.issued_at_ns = issued_at_ns
+                    await self.checkpoint.commit()
                 return record
-            self._refuse_late_retry(uid)
+            supersedes = self._refuse_late_retry(uid, issued_at_ns)
             if record is not None:  # half-done earlier attempt, or lost in a reboot
                 await self._undo(record)
-            return await self._prepare(uid, requests, metadata, digest)
+            return await self._prepare(uid, requests, metadata, digest,
+                                       issued_at_ns=issued_at_ns, supersedes=supersedes)
 
-    def _refuse_late_retry(self, uid: str) -> None:
+    def _refuse_late_retry(self, uid: str, issued_at_ns: int | None) -> bool:
+        """Raise :class:`ClaimUnprepared` for a late retry; True when the claim has tombstones
+        that this prepare, stamped after all of them, supersedes (dropped once it is
+        prepared)."""
         self.checkpoint.prune_tombstones(self._tombstone_s)
         cutoff = time.time() - self._tombstone_s
         while self._unknown_unprepared and next(iter(self._unknown_unprepared.values())) < cutoff:
-            self._unknown_unprepared.popitem(last=False)
-        unprepared_at = self.checkpoint.data.tombstones.get(uid) or \
-            self._unknown_unprepared.get(uid)
-        if unprepared_at is not None:
+            old, _ = self._unknown_unprepared.popitem(last=False)
+            self._unknown_stamps.pop(old, None)
+        # (unprepared at, its stamp) from the durable tombstone and the in-memory one.
+        found = [(at, stamps.get(uid)) for tombstones, stamps in (
+            (self.checkpoint.data.tombstones, self.checkpoint.data.tombstone_stamps),
+            (self._unknown_unprepared, self._unknown_stamps)) if (at := tombstones.get(uid))
+            is not None]
+        if not found:
+            return False
+        unprepared_at = max(at for at, _ in found)
+        stamps = [stamp for _, stamp in found]
+        if issued_at_ns is not None and None not in stamps:
+            newest = max(stamp for stamp in stamps if stamp is not None)
+            if issued_at_ns > newest:
+                return True
             raise ClaimUnprepared(
-                f"claim {uid} was unprepared {time.time() - unprepared_at:.0f} s ago; a late "
-                "prepare retry cannot bring it back", claim=uid)
+                f"claim {uid} was unprepared by a request stamped {newest} ns; this prepare, "
+                f"stamped {issued_at_ns} ns, was issued before that: a late retry cannot "
+                "bring it back", claim=uid)
+        raise ClaimUnprepared(
+            f"claim {uid} was unprepared {time.time() - unprepared_at:.0f} s ago; a late "
+            "prepare retry cannot bring it back (a prepare stamped with issued_at_ns after "
+            "a stamped unprepare can)", claim=uid)
 
     async def _prepare(self, uid: str, requests: Sequence[DeviceRequest],
-                       metadata: Mapping[str, str], digest: str) -> ClaimRecord:
+                       metadata: Mapping[str, str], digest: str, *, issued_at_ns: int | None,
+                       supersedes: bool) -> ClaimRecord:
         """Existing devices resolve against the last inventory snapshot, confirmed by one
         cheap NVML read per device while the checkpoint is written; when the snapshot is out
         of date (or for slices, which walk the GPUs anyway) against a fresh read."""
@@ -204,39 +247,89 @@ class ClaimService:
         if snapshot and not any(r.kind == "slice" for r in requests):
             try:
                 return await self._prepare_on(uid, requests, metadata, digest, snapshot,
-                                              confirm=True)
+                                              confirm=True, issued_at_ns=issued_at_ns,
+                                              supersedes=supersedes)
             except _Stale:
                 pass
         gpus = await self._inventory.refresh()
-        return await self._prepare_on(uid, requests, metadata, digest, gpus, confirm=False)
+        return await self._prepare_on(uid, requests, metadata, digest, gpus, confirm=False,
+                                      issued_at_ns=issued_at_ns, supersedes=supersedes)
 
     async def _prepare_on(self, uid: str, requests: Sequence[DeviceRequest],
                           metadata: Mapping[str, str], digest: str, gpus: Sequence[Gpu], *,
-                          confirm: bool) -> ClaimRecord:
+                          confirm: bool, issued_at_ns: int | None,
+                          supersedes: bool) -> ClaimRecord:
         targets = self._targets(requests, gpus, confirm=confirm)
         now = time.time()
         record = ClaimRecord(uid=uid, state="prepare_started", devices=[],
                              request_digest=digest, metadata=dict(metadata),
-                             created_at=now, updated_at=now)
+                             created_at=now, updated_at=now, issued_at_ns=issued_at_ns)
+        tombstone = self._tombstone_of(uid) if supersedes else None
         try:
             for request, gpu, device in targets:
                 self._reserve_existing(uid, record, request, gpu, device)
             for request in requests:
                 if request.kind == "slice":
                     await self._make_slice(uid, record, request, gpus)
+            await self._await_device_nodes(record, gpus)
             record.cdi_spec = str(self.cdi.claim_path(uid))
             record.state = "prepare_completed"
             record.updated_at = time.time()
             self.checkpoint.data.claims[uid] = record
+            if supersedes:  # dropped in the same commit that makes the claim durable
+                self.checkpoint.drop_tombstone(uid)
+                self._unknown_unprepared.pop(uid, None)
+                self._unknown_stamps.pop(uid, None)
             if not await self._record(record, requests, gpus, confirm=confirm):
                 raise _Stale  # recorded on a stale snapshot: undone just below
         except BaseException:
+            if tombstone is not None:
+                self._restore_tombstone(uid, tombstone)
             await self._undo(record)
             raise
         self._ledger.settle(uid)
         self._events.append("claim.prepared", f"claim {uid} prepared: " + ", ".join(
             d.device_name for d in record.devices), details=_claim_details(record))
         return record
+
+    def _tombstone_of(self, uid: str) -> tuple[tuple[float, int] | None, tuple[float, int] | None]:
+        """The claim's durable and in-memory tombstones (time, stamp), to put back when a
+        prepare that superseded them fails."""
+        data = self.checkpoint.data
+        durable = (data.tombstones[uid], data.tombstone_stamps[uid]) \
+            if uid in data.tombstones and uid in data.tombstone_stamps else None
+        memory = (self._unknown_unprepared[uid], self._unknown_stamps[uid]) \
+            if uid in self._unknown_unprepared and uid in self._unknown_stamps else None
+        return durable, memory
+
+    def _restore_tombstone(self, uid: str, tombstone: tuple[tuple[float, int] | None,
+                                                              tuple[float, int] | None]) -> None:
+        durable, memory = tombstone
+        data = self.checkpoint.data
+        if durable is not None and uid not in data.tombstones:
+            data.tombstones[uid], data.tombstone_stamps[uid] = durable
+        if memory is not None and uid not in self._unknown_unprepared:
+            self._unknown_unprepared[uid], self._unknown_stamps[uid] = memory
+
+    async def _await_device_nodes(self, record: ClaimRecord, gpus: Sequence[Gpu]) -> None:
+        """Return once every device node the claim's spec will name exists (the driver makes
+        ``/dev/nvidia*`` late on a freshly booted node); after the configured wait, raise
+        :class:`DeviceNodesMissing` (the caller then undoes everything reserved or made)."""
+        minors = {g.uuid: g.static.minor for g in gpus}
+        paths = self.cdi.device_nodes([(d, minors[d.gpu]) for d in record.devices])
+        missing = self.cdi.missing_nodes(paths)  # a few stats: on the loop, as the spec is
+        if not missing:
+            return
+        deadline = time.monotonic() + self._device_node_wait_s
+        while missing and time.monotonic() < deadline:
+            await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+            missing = self.cdi.missing_nodes(missing)
+        if missing:
+            raise DeviceNodesMissing(
+                f"claim {record.uid}: device node(s) {', '.join(missing)} do not exist under "
+                f"{self.cdi.dev_root} after {self._device_node_wait_s:g} s (is the NVIDIA "
+                "driver still loading?); nothing was prepared, retry later",
+                claim=record.uid, missing=missing)
 
     def _targets(self, requests: Sequence[DeviceRequest], gpus: Sequence[Gpu], *,
                  confirm: bool) -> list[tuple[DeviceRequest, Gpu, MigDevice | None]]:
@@ -309,13 +402,14 @@ class ClaimService:
                 raise DeviceBusy(f"GPU {gpu.index} has MIG enabled: claim one of its MIG devices "
                                  "or a slice, not the whole GPU", gpu=gpu.uuid)
             busy = self._ledger.busy(gpu.uuid)
-            if busy is not None:
+            if busy is not None and not request.admin_access:  # an admin hold blocks nothing
                 raise DeviceBusy(f"GPU {gpu.index} is busy with MIG transition {busy}",
                                  gpu=gpu.uuid, transition=busy)
             name = gpu_device_name(gpu.static.minor)
             prepared = PreparedDevice(request=request.request, kind="gpu", gpu=gpu.uuid,
                                       uuid=gpu.uuid, device_name=name,
-                                      cdi_device=self.cdi.qualified_name(uid, name))
+                                      cdi_device=self.cdi.qualified_name(uid, name),
+                                      admin_access=request.admin_access)
             profile = None
         else:
             spec = next(p for p in gpu.profiles if p.name == device.profile)
@@ -325,7 +419,7 @@ class ClaimService:
                 request=request.request, kind="mig", gpu=gpu.uuid, uuid=device.uuid,
                 gi_id=device.gi_id, ci_id=device.ci_id, device_name=name,
                 placement=(device.placement.start, device.placement.size),
-                cdi_device=self.cdi.qualified_name(uid, name))
+                cdi_device=self.cdi.qualified_name(uid, name), admin_access=request.admin_access)
             profile = device.profile
         self._ledger.take(_hold(uid, prepared, profile), name=name)
         record.devices.append(prepared)
@@ -333,6 +427,10 @@ class ClaimService:
     async def _make_slice(self, uid: str, record: ClaimRecord, request: DeviceRequest,
                           gpus: Sequence[Gpu]) -> None:
         profile, gpu_ref, start = request.profile, request.gpu, request.start
+        if request.admin_access:  # a slice made for a monitor would be a device nobody else has
+            raise InvalidRequest("devices: admin_access is for existing devices, not slices made "
+                                 "on demand", [{"field": "devices.admin_access",
+                                                "reason": "only with request 'gpu'"}])
         if request.device is not None:  # a dynamic ResourceSlice device name fixes all three
             parsed = parse_device_name(request.device)
             if parsed is None or parsed.profile_id is None:
@@ -423,7 +521,7 @@ class ClaimService:
             extra: list[Instance] = []
             for hold in self._ledger.holds(gpu.uuid):
                 placement = hold.key.placement
-                if hold.profile is None or placement is None:
+                if hold.profile is None or placement is None or hold.admin:
                     continue
                 if not any(i.placement.overlaps(placement)
                            for i in (*geometry.instances, *extra)):
@@ -483,8 +581,10 @@ class ClaimService:
 
     # -- unprepare -------------------------------------------------------------------------
 
-    async def unprepare(self, uid: str) -> None:
-        """Unprepare; an unknown claim is a success (unprepare may be repeated)."""
+    async def unprepare(self, uid: str, *, issued_at_ns: int | None = None) -> None:
+        """Unprepare; an unknown claim is a success (unprepare may be repeated). One stamped
+        (``issued_at_ns``) before the newest stamped prepare the claim answered is a late
+        one and changes nothing."""
         self._usable()
         async with self._claim_lock(uid):
             record = self.checkpoint.data.claims.get(uid)
@@ -493,10 +593,22 @@ class ClaimService:
                 # retry is still refused for the tombstone window.
                 self._unknown_unprepared.pop(uid, None)
                 self._unknown_unprepared[uid] = time.time()
+                if issued_at_ns is None:
+                    self._unknown_stamps.pop(uid, None)
+                else:
+                    self._unknown_stamps[uid] = max(issued_at_ns,
+                                                    self._unknown_stamps.get(uid, issued_at_ns))
                 while len(self._unknown_unprepared) > MAX_TOMBSTONES:
-                    self._unknown_unprepared.popitem(last=False)
+                    old, _ = self._unknown_unprepared.popitem(last=False)
+                    self._unknown_stamps.pop(old, None)
                 return
-            self.checkpoint.tombstone(uid)
+            if issued_at_ns is not None and record.issued_at_ns is not None \
+                    and issued_at_ns < record.issued_at_ns:
+                log.info("late unprepare ignored", extra={
+                    "claim": uid, "issued_at_ns": issued_at_ns,
+                    "prepared_at_ns": record.issued_at_ns})
+                return
+            self.checkpoint.tombstone(uid, issued_at_ns)
             self.checkpoint.cap_tombstones(MAX_TOMBSTONES)
             if any(device.slice is not None for device in record.devices):
                 # Marked durably before a slice is destroyed, so that start-up finishes the
@@ -724,10 +836,42 @@ class ClaimService:
             self._node_spec_again = False
             try:
                 await self.refresh_node_spec()
+                await self._lose_destroyed_admin_claims()
             except Exception as err:  # derived state: log, and the next change retries
                 log.warning("node CDI spec refresh failed", extra={"error": str(err)})
             if not self._node_spec_again:
                 return
+
+    async def _lose_destroyed_admin_claims(self) -> None:
+        """After a geometry change (on the inventory just refreshed): a claim whose admin-held
+        MIG device a transition destroyed (admin holds do not block one) is lost, its holds
+        released and its spec removed, so no container is started on a device that is gone."""
+        if self.corrupt is not None:
+            return
+        gpus = {g.uuid: g for g in self._inventory.gpus}
+        for record in list(self.checkpoint.data.claims.values()):
+            if record.state != "prepare_completed" or \
+                    not any(d.admin_access and not _present(d, gpus) for d in record.devices):
+                continue
+            async with self._claim_lock(record.uid):
+                if self.checkpoint.data.claims.get(record.uid) is not record or \
+                        record.state != "prepare_completed":
+                    continue  # unprepared meanwhile
+                # Confirmed on a fresh read: the claim may have been prepared on a device
+                # made after the snapshot this started from.
+                gpus = {g.uuid: g for g in await self._inventory.refresh()}
+                gone = [d.device_name for d in record.devices if not _present(d, gpus)]
+                if not any(d.admin_access and not _present(d, gpus) for d in record.devices):
+                    continue
+                record.state = "lost"
+                record.lost_reason = ("a MIG geometry change destroyed its admin-access "
+                                      f"device(s): {', '.join(gone)}")
+                record.updated_at = time.time()
+                self._ledger.release(record.uid)
+                self.cdi.store.remove(self.cdi.claim_path(record.uid))
+                await self.checkpoint.commit()
+            self._events.append("claim.lost", f"claim {record.uid}: {record.lost_reason}",
+                                severity=Severity.WARNING, details=_claim_details(record))
 
 
 def _present(device: PreparedDevice, gpus: Mapping[str, Gpu]) -> bool:

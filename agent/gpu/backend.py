@@ -18,6 +18,8 @@ class Backend:
     name: str
     sim: Any = None
     sys_root: Path = Path("/sys")
+    #: The root under which device nodes are looked for (None: the host's, see CdiWriter).
+    dev_root: Path | None = None
 
 
 def open_backend(*, simulate: str | None, state_dir: Path, proc_root: Path) -> Backend:
@@ -31,7 +33,7 @@ def open_backend(*, simulate: str | None, state_dir: Path, proc_root: Path) -> B
         for fault in json.loads(os.environ.get("GPU_AGENT_SIM_FAULTS", "[]")):
             node.add_fault(**fault)
         return Backend(nvml=node.nvml, name=f"simulated:{simulate}", sim=node,
-                       sys_root=node.sys_root)
+                       sys_root=node.sys_root, dev_root=node.dev_root)
     import pynvml  # noqa: PLC0415 - the real library is only loaded on real nodes
 
     return Backend(nvml=pynvml, name="nvml")

@@ -25,7 +25,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -53,7 +53,12 @@ class Share:
 class Hold:
     """A claim's hold on one device. ``profile`` is a MIG device's profile (what a rollback
     re-creates); ``on_demand`` marks a slice made for the claim, which is not part of the
-    node's desired geometry; no ``shares`` means exclusive."""
+    node's desired geometry; no ``shares`` means exclusive.
+
+    ``admin`` is a third kind: a monitoring tool's hold (DRA ``adminAccess``). It never
+    blocks another hold and is never blocked by one, does not count as a holder in the
+    device's availability, and does not stand in the way of a geometry change: a transition
+    that destroys its device makes its claim lost instead (the claims service says so)."""
 
     holder: str
     key: DeviceKey
@@ -61,16 +66,22 @@ class Hold:
     profile: str | None = None
     on_demand: bool = False
     shares: tuple[Share, ...] = ()
+    admin: bool = False
+
+    @property
+    def kind(self) -> Literal["exclusive", "share", "admin"]:
+        return "admin" if self.admin else "share" if self.shares else "exclusive"
 
     @property
     def exclusive(self) -> bool:
-        return not self.shares
+        return self.kind == "exclusive"
 
     def compatible(self, other: Hold) -> bool:
         """Whether both may be held at once (capacity aside): one holder's own holds, devices
-        that do not overlap, or two shares of the same device."""
-        return (self.holder == other.holder or not self.key.conflicts(other.key)
-                or (not self.exclusive and not other.exclusive and self.key == other.key))
+        that do not overlap, two shares of the same device, or an admin hold with anything."""
+        return (self.holder == other.holder or self.admin or other.admin
+                or not self.key.conflicts(other.key)
+                or (self.kind == other.kind == "share" and self.key == other.key))
 
 
 @dataclass(frozen=True)
@@ -154,9 +165,10 @@ class NodeLedger:
         return [h for entry in self._gpus.values() for h in entry.holds]
 
     def holders(self, key: DeviceKey) -> tuple[str, ...]:
-        """The claims whose holds overlap ``key`` (the whole GPU overlaps all on it)."""
+        """The claims whose holds overlap ``key`` (the whole GPU overlaps all on it); admin
+        holds take nothing from anyone and are not counted."""
         return tuple(dict.fromkeys(h.holder for h in self.gpu(key.gpu).holds
-                                   if h.key.conflicts(key)))
+                                   if not h.admin and h.key.conflicts(key)))
 
     def take(self, hold: Hold, *, name: str, capacity: Mapping[str, int] | None = None) -> None:
         """Register ``hold`` (``name`` is how the caller named the device, for the message),
@@ -175,7 +187,8 @@ class NodeLedger:
 
     @staticmethod
     def _over_capacity(entry: GpuLedger, hold: Hold, capacity: Mapping[str, int]) -> list[Hold]:
-        sharing = [h for h in entry.holds if h.key == hold.key and h.holder != hold.holder]
+        sharing = [h for h in entry.holds if h.key == hold.key and h.holder != hold.holder
+                   and h.kind == "share"]
         for share in hold.shares:
             used = sum(s.amount for h in sharing for s in h.shares if s.capacity == share.capacity)
             if used + share.amount > capacity.get(share.capacity, 0):
@@ -185,12 +198,13 @@ class NodeLedger:
     def settle(self, holder: str, state: HoldState = "prepared") -> None:
         """The holder's holds are now ``prepared`` (its claim is durable) or ``releasing``."""
         for entry in self._gpus.values():
-            entry.holds[:] = [Hold(h.holder, h.key, state, h.profile, h.on_demand, h.shares)
-                              if h.holder == holder else h for h in entry.holds]
+            entry.holds[:] = [replace(h, state=state) if h.holder == holder else h
+                              for h in entry.holds]
 
     def keeping(self, gpu: str) -> list[Hold]:
-        """The holds that block a change of ``gpu``'s geometry and that a rollback keeps."""
-        return [h for h in self.gpu(gpu).holds if h.state != "releasing"]
+        """The holds that block a change of ``gpu``'s geometry and that a rollback keeps (not
+        those being released, nor admin holds: monitoring never blocks a geometry change)."""
+        return [h for h in self.gpu(gpu).holds if h.state != "releasing" and not h.admin]
 
     def release(self, holder: str, key: DeviceKey | None = None) -> None:
         """Drop the holder's holds (only the one on ``key`` when given)."""

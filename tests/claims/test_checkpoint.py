@@ -1,14 +1,16 @@
 """The checkpoint's tombstones: kept oldest first, so pruning on every prepare costs only what
-it drops, however many a busy node holds."""
+it drops, however many a busy node holds; ordering stamps kept with claims and tombstones."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 import pytest
 
-from agent.claims.checkpoint import ClaimCheckpoint
+from agent.claims.checkpoint import KIND, ClaimCheckpoint, ClaimRecord, decode
+from agent.durable import encode_envelope
 
 
 def test_a_repeated_tombstone_moves_to_the_end(tmp_path: Path) -> None:
@@ -81,3 +83,71 @@ def test_tombstones_are_capped_oldest_first(tmp_path: Path) -> None:
         checkpoint.tombstone(f"u{i}")
     checkpoint.cap_tombstones(4)
     assert list(checkpoint.data.tombstones) == ["u6", "u7", "u8", "u9"]
+
+
+def _record(uid: str, stamp: int | None) -> ClaimRecord:
+    return ClaimRecord(uid=uid, state="prepare_completed", devices=[], request_digest="d",
+                       created_at=1.0, updated_at=1.0, issued_at_ns=stamp)
+
+
+async def test_stamps_are_kept_within_a_boot_and_dropped_across_one(tmp_path: Path) -> None:
+    """A claim's stamp and its tombstones' stamps are durable within one boot; after a
+    reboot none is left (CLOCK_BOOTTIME starts again), tombstones included."""
+    path = tmp_path / "claims.checkpoint"
+    first = ClaimCheckpoint(path, "boot-1")
+    first.data.claims["c"] = _record("c", 42)
+    first.tombstone("t", 7)
+    first.tombstone("plain")
+    await first.commit()
+    same = ClaimCheckpoint(path, "boot-1")
+    same.load()
+    assert same.data.claims["c"].issued_at_ns == 42
+    assert same.data.tombstone_stamps == {"t": 7}
+    rebooted = ClaimCheckpoint(path, "boot-2")
+    assert rebooted.load() == "boot-1"
+    assert rebooted.data.claims["c"].issued_at_ns is None
+    assert rebooted.data.tombstones == {} and rebooted.data.tombstone_stamps == {}
+
+
+TOMBSTONE_STAMPS = [
+    # (stamps of successive unprepares of one UID, the stamp its tombstone keeps)
+    ([5], 5),
+    ([5, 9], 9),
+    ([9, 5], 9),  # a late repeat does not move it back
+    ([5, None], None),  # an unstamped unprepare leaves an unstamped tombstone
+    ([None, 5], 5),
+]
+
+
+@pytest.mark.parametrize(("stamps", "kept"), TOMBSTONE_STAMPS)
+def test_a_tombstone_keeps_its_newest_stamp(tmp_path: Path, stamps: list[int | None],
+                                            kept: int | None) -> None:
+    """Repeated unprepares of one UID leave the newest stamp, or none after an unstamped one."""
+    checkpoint = ClaimCheckpoint(tmp_path / "c", "boot")
+    for stamp in stamps:
+        checkpoint.tombstone("u", stamp)
+    assert checkpoint.data.tombstone_stamps.get("u") == kept
+
+
+def test_pruned_and_capped_tombstones_take_their_stamps_along(tmp_path: Path) -> None:
+    """Stamps never outlive their tombstone."""
+    checkpoint = ClaimCheckpoint(tmp_path / "c", "boot")
+    for i in range(6):
+        checkpoint.tombstone(f"u{i}", i)
+    checkpoint.cap_tombstones(2)
+    assert checkpoint.data.tombstone_stamps == {"u4": 4, "u5": 5}
+    checkpoint.prune_tombstones(-1.0)
+    assert checkpoint.data.tombstone_stamps == {}
+
+
+def test_a_checkpoint_without_stamps_reads_as_unstamped() -> None:
+    """A checkpoint written before stamps existed reads with no stamp anywhere."""
+    payload = {"schema_version": 1, "boot_id": "b", "tombstones": {"t": 1.0}, "claims": {
+        "c": {"uid": "c", "state": "prepare_completed", "request_digest": "d",
+              "created_at": 1.0, "updated_at": 1.0, "devices": [
+                  {"request": "gpu", "kind": "gpu", "gpu": "GPU-1", "device_name": "gpu-0",
+                   "cdi_device": "k8s.gpu.nodeagent.dev/claim=c-gpu-0"}]}}}
+    data = decode(encode_envelope(KIND, json.dumps(payload).encode()))
+    assert data.claims["c"].issued_at_ns is None
+    assert data.claims["c"].devices[0].admin_access is False
+    assert data.tombstone_stamps == {}

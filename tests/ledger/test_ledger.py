@@ -190,3 +190,46 @@ async def test_unreadable_quarantine_state_quarantines_every_mig_gpu(tmp_path: P
     third = _ledger(tmp_path)
     await third.register([_gpu(A)])
     assert third.quarantined(A) is None
+
+
+@given(st.lists(st.tuples(st.sampled_from(["c1", "c2", "c3", "m1", "m2"]),
+                          st.one_of(st.none(), st.tuples(st.integers(0, 7),
+                                                         st.sampled_from([1, 2, 4, 8]))))))
+def test_admin_holds_are_never_refused_and_never_refuse(takes: list) -> None:
+    """Claims m1/m2 take admin holds: every one of them is granted whatever else is held,
+    none keeps an exclusive claim off its device, none counts as a holder or as a hold a
+    geometry change must keep, and settling keeps their kind."""
+    ledger = NodeLedger(quarantine_path=Path("/nonexistent/q.json"), events=EventLog())
+    refused: list[tuple[str, DeviceKey]] = []
+    for holder, placement in takes:
+        spec = None if placement is None else Placement(placement[0], min(placement[1],
+                                                                          8 - placement[0]))
+        key = DeviceKey(A, spec)
+        admin = holder.startswith("m")
+        try:
+            ledger.take(Hold(holder, key, admin=admin), name="d")
+        except DeviceBusy:
+            assert not admin, "an admin hold was refused"
+            refused.append((holder, key))
+    ledger.settle("m1")
+    exclusive = [h for h in ledger.holds(A) if not h.admin]
+    for holder, key in refused:  # refused only by an exclusive hold of another claim
+        assert any(h.holder != holder and h.key.conflicts(key) for h in exclusive)
+    assert {h.holder for h in ledger.holds(A) if h.admin} <= {"m1", "m2"}
+    assert all(h.kind == "admin" for h in ledger.holds(A) if h.holder in ("m1", "m2"))
+    assert not {"m1", "m2"} & set(ledger.holders(DeviceKey(A)))
+    assert all(not h.admin for h in ledger.keeping(A))
+
+
+HOLD_KINDS = [
+    (Hold("c", DeviceKey(A)), "exclusive"),
+    (Hold("c", DeviceKey(A), shares=(Share("memory_mib", 1),)), "share"),
+    (Hold("c", DeviceKey(A), admin=True), "admin"),
+]
+
+
+@pytest.mark.parametrize(("hold", "kind"), HOLD_KINDS)
+def test_each_hold_has_one_kind(hold: Hold, kind: str) -> None:
+    """A hold is exclusive, a counted share, or an admin hold, and says which."""
+    assert hold.kind == kind
+    assert hold.exclusive == (kind == "exclusive")

@@ -13,7 +13,7 @@ import pynvml
 
 from agent.durable import ExclusiveLock
 from agent.errors import Conflict, InvalidRequest, NotFound, ProcessesRunning
-from agent.gpu.sim import procfs, sysfs
+from agent.gpu.sim import devfs, procfs, sysfs
 from agent.gpu.sim.faults import check_function
 from agent.gpu.sim.hardware import (
     NO_INSTANCE,
@@ -58,6 +58,8 @@ class SimulatedNode:
         sim_dir = self.state_dir / "sim"
         #: Where the simulated node's ``/sys`` is (PCI device links for the PCIe roots).
         self.sys_root = sim_dir / "sys"
+        #: Where the simulated node's device nodes are (``<dev_root>/dev/nvidia0``, ...).
+        self.dev_root = sim_dir / "root"
         self._lock = ExclusiveLock(sim_dir / "hardware.lock")
         self._lock.acquire()
         self._closed = False
@@ -73,6 +75,7 @@ class SimulatedNode:
                                 nvswitch=self.preset.nvswitch)
             procfs.write_boot_id(self.proc_root, state.boot_id)
             sysfs.write_pci_devices(self.sys_root, self.preset)
+            devfs.write_nodes(self.dev_root, gpu_count=self.preset.gpu_count)
         except BaseException:
             self._lock.release()
             raise
