@@ -141,10 +141,15 @@ class CdiWriter:
         return mig_edits(self.host, parent_minor, device.gi_id, device.ci_id)
 
     def device_nodes(self, devices: Sequence[tuple[PreparedDevice, int]]) -> list[str]:
-        """Every device node path a claim's spec names (its devices' and the common ones)."""
+        """The device node paths of a claim's spec that must exist on the host before it is
+        answered: the GPUs' and the common ones (control, UVM), the nodes the driver makes
+        when it is ready. MIG capability nodes are left out: hosts create them on demand
+        (nvidia-modprobe), and the spec gives their type, major and minor, so a runtime
+        makes them in the container without a host node."""
         edits = [self.device_edits(d, minor) for d, minor in devices]
         edits.append(common_edits(self.host))
-        return list(dict.fromkeys(n.path for e in edits for n in e.device_nodes or ()))
+        return list(dict.fromkeys(n.path for e in edits for n in e.device_nodes or ()
+                                  if not n.path.startswith("/dev/nvidia-caps/")))
 
     def missing_nodes(self, paths: Sequence[str]) -> list[str]:
         """The paths among ``paths`` with no node under the device root yet."""
