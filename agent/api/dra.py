@@ -97,6 +97,12 @@ async def list_slices(request: web.Request) -> web.Response:
     return web.Response(status=304, headers={"ETag": current.etag})
 
 
+async def release_waiters(app: web.Application) -> None:
+    """At shutdown: answer every held request now (304), so that a long-poll never holds
+    the agent's stop for the shutdown timeout."""
+    await app[AGENT].node.slices.release()
+
+
 ROUTES = [
     Route("GET", "/v1/resourceslices", list_slices,
           "This node's devices as resource.k8s.io/v1 ResourceSlices (full GPUs, MIG devices; "

@@ -62,6 +62,7 @@ class SliceService:
         self._latest: tuple[GpuFacts, ...] | None = None
         self._waiters = 0
         self._watcher: asyncio.Task[None] | None = None
+        self._released = False
         ledger.watchers.append(self._geometry_changed)
 
     def facts(self) -> list[GpuFacts]:
@@ -114,7 +115,7 @@ class SliceService:
     async def wait_for_change(self, kubernetes: tuple[int, int], since: Rendered,
                               wait_s: float) -> Rendered | None:
         """The pool once its content differs from ``since`` (rendered for the same version),
-        or None after ``wait_s`` seconds without a change."""
+        or None after ``wait_s`` seconds without a change (at once after :meth:`release`)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         mine = since.facts
@@ -122,7 +123,7 @@ class SliceService:
         if self._watcher is None:
             self._watcher = asyncio.create_task(self._watch(), name="resourceslices-watch")
         try:
-            while True:
+            while not self._released:
                 latest = self._latest
                 if latest is not None and latest != mine:
                     current = await self.render(kubernetes, refresh=False)
@@ -139,6 +140,7 @@ class SliceService:
                             self._changes.wait_for(partial(self._moved, seen)), remaining)
                     except TimeoutError:
                         return None
+            return None
         finally:
             self._waiters -= 1
             if self._waiters == 0 and self._watcher is not None:
@@ -146,8 +148,15 @@ class SliceService:
                 self._watcher = None
                 self._latest = None
 
+    async def release(self) -> None:
+        """End every wait now, and any later one at once (the agent is stopping)."""
+        self._released = True
+        async with self._changes:
+            self._ticks += 1
+            self._changes.notify_all()
+
     def _moved(self, seen: int) -> bool:
-        return self._ticks != seen
+        return self._released or self._ticks != seen
 
     def _geometry_changed(self, gpu: str) -> None:
         """The ledger's watcher (on the event loop): a GPU's instances changed."""

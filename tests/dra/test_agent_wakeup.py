@@ -75,3 +75,18 @@ def test_a_change_wakes_a_waiting_request_within_2s(agent: AgentProcess, change:
     assert _gpu0(reply.body) == final
     assert woke - started < 2.0, f"final slices after {woke - started:.2f} s"
     assert reply.headers["etag"] not in etags
+
+
+def test_a_waiting_request_never_holds_the_agents_stop(tmp_path: Path) -> None:
+    """SIGTERM answers a held request at once (304) and the agent exits well inside its
+    10 s shutdown timeout."""
+    agent = start_agent(tmp_path / "state")
+    try:
+        thread, answer = _wait_in_thread(agent, agent.request("GET", URL).headers["etag"])
+        started = time.monotonic()
+        assert agent.stop(signal.SIGTERM) == 0
+        thread.join(25)
+        assert time.monotonic() - started < 5
+        assert answer[0][0].status == 304
+    finally:
+        agent.stop(signal.SIGKILL)
