@@ -75,7 +75,9 @@ class SliceService:
             node = graph.gpus[gpu.index] if gpu.index < graph.size else None
             island = next((members for members in islands if gpu.index in members), None)
             condition = self._ledger.condition(gpu)
-            holds = self._ledger.holds(gpu.uuid)
+            # A monitoring tool's admin-access hold takes nothing from anyone: it hides
+            # nothing (``Hold.admin`` arrives with the claims API's admin access).
+            holds = [h for h in self._ledger.holds(gpu.uuid) if not getattr(h, "admin", False)]
             found.append(GpuFacts(
                 gpu=gpu,
                 draining=self._ledger.draining(gpu.uuid),
