@@ -59,7 +59,8 @@ def test_a_mig_the_operator_switched_on_stays_on(tmp_path: Path) -> None:
     try:
         reply = agent.request("PUT", "/v1/gpus/1/mig", {"mig_enabled": True, "profiles": []})
         assert reply.status == 202, reply.body
-        agent.poll("/v1/gpus/1/mig", lambda body: body["mig_mode"]["current"])
+        agent.poll("/v1/gpus/1/mig", lambda body: body["mig_mode"]["current"]
+                   and body["active_transition"] is None)
         assert "gpu-1" not in _names(agent, 1)
         assert _claim(agent, "c-1", "gpu-1-mig-1g10gb-19-3") in (200, 201)
         assert agent.request("DELETE", "/v1/claims/c-1").status == 204
