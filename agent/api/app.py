@@ -165,4 +165,5 @@ def build_app(ctx: AgentContext) -> web.Application:
     routes = all_routes(simulated=ctx.node.sim is not None)
     register(app, routes)
     app[node.OPENAPI] = build_openapi(routes, version=agent.__version__)
+    app.on_shutdown.append(dra.release_waiters)  # before in-flight requests are awaited
     return app

@@ -61,7 +61,7 @@ from agent.mig.catalog import catalog_of
 from agent.mig.executor import GpuMutator, RestoreFailed
 from agent.mig.geometry import Geometry, Instance
 from agent.mig.journal import TransitionJournal
-from agent.mig.slices import create_slice, destroy_slice
+from agent.mig.slices import create_slice, destroy_slice, slice_ready
 
 log = logging.getLogger("agent.claims")
 #: Unprepared claim UIDs remembered to refuse late prepare retries: durably for claims that
@@ -457,7 +457,8 @@ class ClaimService:
                                  [{"field": "devices.profile", "reason": "unknown profile"}])
         if gpu_ref is not None:
             self._ledger.check_usable(candidates[0])  # a pinned GPU says why it cannot serve
-        usable = [g for g in candidates if g.mig_mode is not None and g.mig_mode.current
+        # A device the scheduler allocated from --dynamic-mig slices may switch MIG on.
+        usable = [g for g in candidates if slice_ready(g, allocated=request.device is not None)
                   and not self._ledger.condition(g)]
         if not usable:
             raise DeviceBusy("no healthy GPU with MIG enabled to make a slice on"

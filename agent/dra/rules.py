@@ -1,28 +1,40 @@
 """What the Kubernetes API server checks in ResourceSlices beyond the OpenAPI schema
-(``pkg/apis/resource/validation``), per version, so the agent never publishes a slice the
-server would refuse. ``check`` returns the violations as readable strings; empty is valid.
+(``pkg/apis/resource/validation`` and the declarative ``+k8s:`` tags), per version, so the agent
+never publishes a slice the server would refuse. ``check`` returns the violations as readable
+strings; empty is valid. Read from ``k8s.io/kubernetes`` v1.34.4, v1.36.3, v1.37.2 and
+``k8s.io/api`` v0.35.4; :data:`RULES` is the per-version table.
 
-Rules (1.34 and 1.35 as noted):
-- devices: at most 128 per slice, 64 once any device consumes counters or has taints; names
-  are DNS labels, unique in the pool; at most 32 attributes and capacities together;
-  attribute names are C identifiers (<= 32) optionally behind a DNS domain and ``/``;
-  exactly one attribute value; strings at most 64 characters; versions are semver 2.0.0;
+Everywhere:
+- devices: at most 128 per slice; names are DNS labels, unique in the pool; at most 32
+  attributes and capacities together; attribute names are C identifiers (<= 32) optionally
+  behind a DNS domain and ``/``; exactly one attribute value; strings at most 64 characters;
+  versions are semver 2.0.0; taints have a key and a known effect;
 - pool: generation >= 0, resourceSliceCount > 0 and equal to the slices seen, one
   generation in the pool;
 - exactly one of nodeName, nodeSelector, allNodes, perDeviceNodeSelection;
-- 1.34: at most 32 shared counters in a slice, 32 counters consumed per device and 1024 per
-  slice; a device consumes only counter sets of its own slice;
-- 1.35: a slice has shared counters or devices, not both; at most 8 counter sets a slice,
-  32 counters a set, 2 consumptions a device, 32 counters a consumption; counter set names
-  unique in the pool; a device consumes counter sets of its pool;
-- everywhere: consumed counters exist in their set and no device consumes more of a counter
-  than the set has.
+- consumed counters exist in their set and no device consumes more of a counter than the set
+  has (the allocator's pool check; the server cannot see other slices from 1.35).
+1.34: at most 32 shared counters in a slice, 32 counters consumed per device and 1024 per
+slice; a device consumes only counter sets of its own slice; at most 4 taints a device
+(effects NoSchedule, NoExecute).
+1.35: a slice has shared counters or devices, not both; at most 64 devices once any device
+consumes counters or has taints; at most 8 counter sets a slice, 32 counters a set, 2
+consumptions a device, 32 counters a consumption; counter set names unique in the pool; a
+device consumes counter sets of its pool; at most 16 taints a device (effect None too).
+1.36: list-valued attributes (``bools``, ``ints``, ``strings``, ``versions``: non-empty, each
+item checked as its scalar) also bring the 64-device limit, and a device has at most 48
+attribute values (a list counts its items).
+1.37: ``partitionTypeAttribute`` names a string attribute that every device consuming counters
+carries (bare in the driver's own domain or qualified), only in a slice with such devices;
+``skipNodeOperations`` may skip NodePrepareResources only with NodeUnprepareResources (or
+``*``). Fields a version does not know are reported: that server would drop them.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
@@ -32,6 +44,7 @@ _SEMVER = re.compile(
     r"(\+[0-9a-zA-Z-]+(\.[0-9a-zA-Z-]+)*)?$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?\Z")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*\Z")
+_LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?\Z")
 _C_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 _QUANTITY = re.compile(r"^([+-]?[0-9.]+)([eE][+-]?[0-9]+|[KMGTPE]i|[mkMGTPE]|)\Z")
 _SUFFIX: dict[str, Decimal | int] = {
@@ -40,8 +53,9 @@ _SUFFIX: dict[str, Decimal | int] = {
     "E": 10**18}
 
 MAX_DEVICES = 128
-MAX_DEVICES_WITH_TAINTS_OR_COUNTERS = 64
+MAX_DEVICES_WITH_ADVANCED_FEATURES = 64
 MAX_ATTRIBUTES_AND_CAPACITIES = 32
+MAX_ATTRIBUTE_VALUES = 48
 MAX_VALUE_LENGTH = 64
 # 1.34
 MAX_SHARED_COUNTERS_V134 = 32
@@ -52,6 +66,48 @@ MAX_COUNTER_SETS = 8
 MAX_COUNTERS_PER_SET = 32
 MAX_CONSUMPTIONS_PER_DEVICE = 2
 MAX_COUNTERS_PER_CONSUMPTION = 32
+_LISTS = ("bools", "ints", "strings", "versions")
+_SKIP_OPERATIONS = frozenset({"NodePrepareResources", "NodeUnprepareResources", "*"})
+
+
+@dataclass(frozen=True)
+class Rules:
+    """What one Kubernetes version's API server accepts in a ResourceSlice."""
+
+    version: tuple[int, int]
+    counters_apart: bool
+    """Shared counters and devices in separate slices, counter sets visible pool-wide."""
+    advanced_device_limit: bool
+    """At most 64 devices in a slice with counters, taints (or, 1.36, list attributes)."""
+    max_taints: int
+    taint_effects: frozenset[str]
+    list_attributes: bool
+    partition_type_attribute: bool
+    skip_node_operations: bool
+
+
+_V134 = Rules((1, 34), counters_apart=False, advanced_device_limit=False, max_taints=4,
+              taint_effects=frozenset({"NoSchedule", "NoExecute"}), list_attributes=False,
+              partition_type_attribute=False, skip_node_operations=False)
+_V135 = Rules((1, 35), counters_apart=True, advanced_device_limit=True, max_taints=16,
+              taint_effects=frozenset({"NoSchedule", "NoExecute", "None"}),
+              list_attributes=False, partition_type_attribute=False,
+              skip_node_operations=False)
+_V136 = Rules((1, 36), counters_apart=True, advanced_device_limit=True, max_taints=16,
+              taint_effects=_V135.taint_effects, list_attributes=True,
+              partition_type_attribute=False, skip_node_operations=False)
+_V137 = Rules((1, 37), counters_apart=True, advanced_device_limit=True, max_taints=16,
+              taint_effects=_V135.taint_effects, list_attributes=True,
+              partition_type_attribute=True, skip_node_operations=True)
+#: The versions whose rules the agent knows, oldest first.
+RULES = (_V134, _V135, _V136, _V137)
+
+
+def rules_for(kubernetes: tuple[int, int]) -> Rules:
+    """The rules of ``kubernetes``: those of the newest known version not above it (a newer
+    server keeps the newest rules known; an older one gets the oldest)."""
+    known = [r for r in RULES if r.version <= kubernetes]
+    return known[-1] if known else RULES[0]
 
 
 def quantity(text: object) -> Decimal:
@@ -72,18 +128,57 @@ def _qualified_name(name: str) -> bool:
     return len(ident) <= 32 and bool(_C_IDENTIFIER.match(ident))
 
 
-def _check_attribute(where: str, value: Any, problems: list[str]) -> None:
-    if not isinstance(value, dict) or len(value) != 1:
-        problems.append(f"{where}: exactly one value must be specified")
-        return
-    kind, raw = next(iter(value.items()))
+def _label_name(name: str) -> bool:
+    """A Kubernetes label key: an optional DNS-subdomain prefix and ``/``, then a name of at
+    most 63 alphanumerics, ``-``, ``_`` and ``.``, alphanumeric at both ends."""
+    prefix, _, ident = name.rpartition("/")
+    if prefix and (len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix)):
+        return False
+    return 0 < len(ident) <= 63 and bool(_LABEL_NAME.match(ident))
+
+
+def _check_scalar(where: str, kind: str, raw: Any, problems: list[str]) -> None:
     if kind in ("string", "version") and len(str(raw)) > MAX_VALUE_LENGTH:
         problems.append(f"{where}: longer than {MAX_VALUE_LENGTH} characters")
     if kind == "version" and not _SEMVER.match(str(raw)):
         problems.append(f"{where}: {raw!r} is not a semver 2.0.0 version")
 
 
-def _check_device(where: str, device: dict[str, Any], problems: list[str]) -> None:
+def _check_attribute(where: str, value: Any, rules: Rules, problems: list[str]) -> int:
+    """Check one attribute; the number of values it holds (a list counts its items)."""
+    if not isinstance(value, dict) or len(value) != 1:
+        problems.append(f"{where}: exactly one value must be specified")
+        return 1
+    kind, raw = next(iter(value.items()))
+    if kind not in _LISTS:
+        _check_scalar(where, kind, raw, problems)
+        return 1
+    if not rules.list_attributes:
+        problems.append(f"{where}: list values ({kind}) need Kubernetes 1.36 or newer")
+        return 1
+    if not isinstance(raw, list) or not raw:
+        problems.append(f"{where}: {kind} must be a non-empty list")
+        return 1
+    for i, item in enumerate(raw):
+        _check_scalar(f"{where}.{kind}[{i}]", kind[:-1], item, problems)
+    return len(raw)
+
+
+def _check_taints(where: str, taints: Any, rules: Rules, problems: list[str]) -> None:
+    if len(taints) > rules.max_taints:
+        problems.append(f"{where}: {len(taints)} taints (at most {rules.max_taints})")
+    for i, taint in enumerate(taints):
+        key = str(taint.get("key", "")) if isinstance(taint, dict) else ""
+        effect = taint.get("effect") if isinstance(taint, dict) else None
+        if not _label_name(key):
+            problems.append(f"{where}.taints[{i}]: bad key {key!r}")
+        if effect not in rules.taint_effects:
+            problems.append(f"{where}.taints[{i}]: effect {effect!r} is not one of "
+                            f"{', '.join(sorted(rules.taint_effects))}")
+
+
+def _check_device(where: str, device: dict[str, Any], rules: Rules,
+                  problems: list[str]) -> None:
     name = str(device.get("name", ""))
     if not _DNS_LABEL.match(name) or len(name) > 63:
         problems.append(f"{where}: name {name!r} is not a DNS label")
@@ -92,10 +187,13 @@ def _check_device(where: str, device: dict[str, Any], problems: list[str]) -> No
     if len(attributes) + len(capacity) > MAX_ATTRIBUTES_AND_CAPACITIES:
         problems.append(f"{where}: {len(attributes) + len(capacity)} attributes and "
                         f"capacities (at most {MAX_ATTRIBUTES_AND_CAPACITIES})")
+    values = 0
     for key, value in attributes.items():
         if not _qualified_name(key):
             problems.append(f"{where}.attributes: bad name {key!r}")
-        _check_attribute(f"{where}.attributes[{key}]", value, problems)
+        values += _check_attribute(f"{where}.attributes[{key}]", value, rules, problems)
+    if rules.list_attributes and values > MAX_ATTRIBUTE_VALUES:
+        problems.append(f"{where}: {values} attribute values (at most {MAX_ATTRIBUTE_VALUES})")
     for key, value in capacity.items():
         if not _qualified_name(key):
             problems.append(f"{where}.capacity: bad name {key!r}")
@@ -103,12 +201,62 @@ def _check_device(where: str, device: dict[str, Any], problems: list[str]) -> No
             quantity(value.get("value"))
         except (ValueError, AttributeError):
             problems.append(f"{where}.capacity[{key}]: bad quantity {value!r}")
+    _check_taints(where, device.get("taints") or [], rules, problems)
+
+
+def _has_lists(device: dict[str, Any]) -> bool:
+    return any(isinstance(v, dict) and any(k in v for k in _LISTS)
+               for v in (device.get("attributes") or {}).values())
+
+
+def _check_spec_fields(where: str, spec: dict[str, Any], rules: Rules,
+                       problems: list[str]) -> None:
+    """The 1.37 fields: ``partitionTypeAttribute`` and ``skipNodeOperations``."""
+    partition = spec.get("partitionTypeAttribute")
+    if partition is not None:
+        if not rules.partition_type_attribute:
+            problems.append(f"{where}: partitionTypeAttribute needs Kubernetes 1.37 or newer")
+        else:
+            _check_partition_type(where, str(partition), spec, problems)
+    skip = spec.get("skipNodeOperations")
+    if skip is not None:
+        if not rules.skip_node_operations:
+            problems.append(f"{where}: skipNodeOperations needs Kubernetes 1.37 or newer")
+        elif not isinstance(skip, list) or any(op not in _SKIP_OPERATIONS for op in skip):
+            problems.append(f"{where}: skipNodeOperations {skip!r} has an unknown operation")
+        elif "NodePrepareResources" in skip and not {"NodeUnprepareResources", "*"} & set(skip):
+            problems.append(f"{where}: NodePrepareResources cannot be skipped unless "
+                            "NodeUnprepareResources is also skipped")
+
+
+def _check_partition_type(where: str, name: str, spec: dict[str, Any],
+                          problems: list[str]) -> None:
+    consuming = [d for d in spec.get("devices") or [] if d.get("consumesCounters")]
+    if not consuming:
+        problems.append(f"{where}: partitionTypeAttribute may only be set on a slice with "
+                        "devices that consume counters")
+        return
+    if "/" not in name or not _qualified_name(name):
+        problems.append(f"{where}: partitionTypeAttribute {name!r} is not a fully qualified "
+                        "attribute name")
+        return
+    bare = name.removeprefix(f"{spec.get('driver', '')}/")
+    for device in consuming:
+        attributes = device.get("attributes") or {}
+        value = attributes.get(name, attributes.get(bare) if bare != name else None)
+        if value is None:
+            problems.append(f"{where} device {device.get('name')}: consumes counters, so it "
+                            f"must carry the partition type attribute {name!r}")
+        elif not isinstance(value, dict) or "string" not in value:
+            problems.append(f"{where} device {device.get('name')}: {name!r} must be a string "
+                            "(partitionTypeAttribute names it)")
 
 
 def check(slices: Sequence[dict[str, Any]], kubernetes: tuple[int, int]) -> list[str]:
     """Every rule above that ``slices`` (one pool) break, for this Kubernetes version."""
     problems: list[str] = []
-    v135 = kubernetes >= (1, 35)
+    rules = rules_for(kubernetes)
+    v135 = rules.counters_apart
     pool_sets: dict[str, dict[str, Decimal]] = {}
     device_names: set[str] = set()
     pools: dict[str, set[tuple[int, int]]] = {}
@@ -168,17 +316,22 @@ def check(slices: Sequence[dict[str, Any]], kubernetes: tuple[int, int]) -> list
                             f"(at most {MAX_SHARED_COUNTERS_V134})")
         per_slice_sets.append(own)
         devices = devices or []
-        consuming = any(d.get("consumesCounters") or d.get("taints") for d in devices)
-        limit = MAX_DEVICES_WITH_TAINTS_OR_COUNTERS if consuming else MAX_DEVICES
+        advanced = rules.advanced_device_limit and any(
+            d.get("consumesCounters") or d.get("taints") or (rules.list_attributes
+                                                             and _has_lists(d))
+            for d in devices)
+        limit = MAX_DEVICES_WITH_ADVANCED_FEATURES if advanced else MAX_DEVICES
         if len(devices) > limit:
-            why = " once devices consume counters or have taints" if consuming else ""
+            why = (" once devices consume counters, have taints or list attributes"
+                   if advanced else "")
             problems.append(f"{where}: {len(devices)} devices (at most {limit}{why})")
+        _check_spec_fields(where, spec, rules, problems)
         for d, device in enumerate(devices):
             name = str(device.get("name", ""))
             if name in device_names:
                 problems.append(f"{where}: device {name!r} appears twice in the pool")
             device_names.add(name)
-            _check_device(f"{where}.devices[{d}] {name}", device, problems)
+            _check_device(f"{where}.devices[{d}] {name}", device, rules, problems)
     for i, item in enumerate(slices):
         _check_consumption(i, item.get("spec", {}), per_slice_sets[i], pool_sets=pool_sets,
                            v135=v135, problems=problems)

@@ -1,17 +1,29 @@
 """ResourceSlices of this node, rendered on request from the inventory, the ledger's
-availability and marks, and the topology, with the pool generation kept in
-``<state>/dra/pool.json``."""
+availability, holds and marks, and the topology, with the pool generation kept in
+``<state>/dra/pool.json``.
+
+Change notification for the publisher: every answer carries an ETag (a digest of the items),
+and :meth:`SliceService.wait_for_change` holds a caller until the content differs. While
+anyone waits, one watcher task serves them all: the ledger's watchers wake it at once after
+a geometry change (it then re-reads the inventory); holds, drain marks, quarantine, XID and
+lost marks are in-memory state it compares every ``poll_s`` (no NVML call, a few GpuFacts
+compared); and it re-reads the inventory every ``refresh_s`` for changes made behind the
+agent's back. Nothing runs while nobody waits."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from agent.dra import rules
 from agent.dra.generation import PoolGeneration, fingerprint
 from agent.dra.slices import DEFAULT_DRIVER, GpuFacts, RenderOptions, render
-from agent.errors import SlicesInvalid
+from agent.errors import AgentError, SlicesInvalid
 from agent.gpu.inventory import GpuInventory
 from agent.ledger.ledger import NodeLedger
 from agent.topology.service import TopologyService
@@ -19,10 +31,21 @@ from agent.topology.service import TopologyService
 log = logging.getLogger("agent.dra")
 
 
+@dataclass(frozen=True)
+class Rendered:
+    """One answer: the slices, their ETag (quoted, as HTTP sends it) and the facts they were
+    rendered from."""
+
+    items: list[dict[str, Any]]
+    etag: str
+    facts: tuple[GpuFacts, ...]
+
+
 class SliceService:
     def __init__(self, *, inventory: GpuInventory, topology: TopologyService,
                  ledger: NodeLedger, state_dir: Path, node_name: str,
-                 driver: str = DEFAULT_DRIVER, dynamic_mig: bool = False) -> None:
+                 driver: str = DEFAULT_DRIVER, dynamic_mig: bool = False,
+                 poll_s: float = 0.5, refresh_s: float = 10.0) -> None:
         self._inventory = inventory
         self._topology = topology
         self._ledger = ledger
@@ -30,9 +53,21 @@ class SliceService:
         self.driver = driver
         self.dynamic_mig = dynamic_mig
         self.generation = PoolGeneration(state_dir / "dra" / "pool.json")
+        self._poll_s = poll_s
+        self._refresh_s = refresh_s
+        self._wake = asyncio.Event()
+        self._stale = False  # a geometry changed: the inventory must be read again
+        self._changes = asyncio.Condition()
+        self._ticks = 0  # counts the watcher's observed changes
+        self._latest: tuple[GpuFacts, ...] | None = None
+        self._waiters = 0
+        self._watcher: asyncio.Task[None] | None = None
+        self._released = False
+        ledger.watchers.append(self._geometry_changed)
 
     def facts(self) -> list[GpuFacts]:
-        """Every GPU of the last inventory snapshot, with the agent's marks and topology."""
+        """Every GPU of the last inventory snapshot, with the agent's marks, the claims'
+        holds and the topology."""
         graph = self._topology.graph
         islands = graph.islands()
         found = []
@@ -40,9 +75,15 @@ class SliceService:
             node = graph.gpus[gpu.index] if gpu.index < graph.size else None
             island = next((members for members in islands if gpu.index in members), None)
             condition = self._ledger.condition(gpu)
+            # A monitoring tool's admin-access hold takes nothing from anyone: it hides
+            # nothing.
+            holds = [h for h in self._ledger.holds(gpu.uuid) if not h.admin]
             found.append(GpuFacts(
                 gpu=gpu,
                 draining=self._ledger.draining(gpu.uuid),
+                held=frozenset((h.profile, h.key.placement) for h in holds
+                               if h.key.placement is not None),
+                held_whole=any(h.key.placement is None for h in holds),
                 unavailable="; ".join(condition) if condition else None,
                 nvlink_island=graph.gpus[island[0]].uuid if island else None,
                 nvlink_gb_s=round(node.nvlink_gb_s) if node else 0,
@@ -52,7 +93,14 @@ class SliceService:
 
     async def slices(self, kubernetes: tuple[int, int]) -> list[dict[str, Any]]:
         """The pool for a Kubernetes version, from a fresh inventory read."""
-        await self._inventory.refresh()
+        return (await self.render(kubernetes)).items
+
+    async def render(self, kubernetes: tuple[int, int], *, refresh: bool = True) -> Rendered:
+        """The pool for a Kubernetes version with its ETag (``refresh``: from a fresh
+        inventory read, else from the last snapshot). :class:`SlicesInvalid` when the
+        result would break the server's rules."""
+        if refresh:
+            await self._inventory.refresh()
         facts = self.facts()
         driver = self._inventory.driver
         content = render(facts, driver, self._options((1, 35), generation=0))
@@ -64,7 +112,83 @@ class SliceService:
             log.error("resourceslices invalid", extra={"problems": "; ".join(problems[:5])})
             raise SlicesInvalid("rendered ResourceSlices break Kubernetes validation rules: "
                                 + "; ".join(problems[:5]), problems=problems)
-        return slices
+        return Rendered(slices, f'"{fingerprint(slices)[:32]}"', tuple(facts))
+
+    async def wait_for_change(self, kubernetes: tuple[int, int], since: Rendered,
+                              wait_s: float) -> Rendered | None:
+        """The pool once its content differs from ``since`` (rendered for the same version),
+        or None after ``wait_s`` seconds without a change (at once after :meth:`release`)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        mine = since.facts
+        self._waiters += 1
+        if self._watcher is None:
+            self._watcher = asyncio.create_task(self._watch(), name="resourceslices-watch")
+        try:
+            while not self._released:
+                latest = self._latest
+                if latest is not None and latest != mine:
+                    current = await self.render(kubernetes, refresh=False)
+                    if current.etag != since.etag:
+                        return current
+                    mine = current.facts  # a change that leaves this version's slices alone
+                async with self._changes:
+                    seen = self._ticks
+                    remaining = deadline - loop.time()
+                    if remaining <= 0:
+                        return None
+                    try:
+                        await asyncio.wait_for(
+                            self._changes.wait_for(partial(self._moved, seen)), remaining)
+                    except TimeoutError:
+                        return None
+            return None
+        finally:
+            self._waiters -= 1
+            if self._waiters == 0 and self._watcher is not None:
+                self._watcher.cancel()
+                self._watcher = None
+                self._latest = None
+
+    async def release(self) -> None:
+        """End every wait now, and any later one at once (the agent is stopping)."""
+        self._released = True
+        async with self._changes:
+            self._ticks += 1
+            self._changes.notify_all()
+
+    def _moved(self, seen: int) -> bool:
+        return self._released or self._ticks != seen
+
+    def _geometry_changed(self, gpu: str) -> None:
+        """The ledger's watcher (on the event loop): a GPU's instances changed."""
+        self._stale = True
+        self._wake.set()
+
+    async def _watch(self) -> None:
+        """Observe the facts while anyone waits; wake the waiters when they change."""
+        loop = asyncio.get_running_loop()
+        refreshed = loop.time()
+        first = True
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._poll_s)
+            self._wake.clear()
+            if self._stale or loop.time() - refreshed >= self._refresh_s:
+                self._stale = False
+                refreshed = loop.time()
+                try:
+                    await self._inventory.refresh()
+                except AgentError as err:  # the waiters still see the in-memory changes
+                    log.warning("inventory refresh for resourceslices failed",
+                                extra={"error": err.detail})
+            facts = tuple(self.facts())
+            if first or facts != self._latest:
+                first = False
+                self._latest = facts
+                async with self._changes:
+                    self._ticks += 1
+                    self._changes.notify_all()
 
     def _options(self, kubernetes: tuple[int, int], *, generation: int) -> RenderOptions:
         return RenderOptions(driver=self.driver, node_name=self.node_name,

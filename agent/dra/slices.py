@@ -1,8 +1,18 @@
 """This node's devices as ``resource.k8s.io/v1`` ResourceSlices (pure: values in, dicts out).
 
-Names and shapes follow NVIDIA's DRA driver (``reference/dra-driver.md`` 3) with the project's
-driver name: full GPUs ``gpu-<minor>``, MIG devices ``gpu-<minor>-mig-<profile>-<profile id>-
-<start>`` (``agent/device_names.py``, the names the claims API accepts).
+Names, shapes and attribute values follow NVIDIA's DRA driver (``reference/dra-driver.md`` 3)
+with the project's driver name, so a selector copied from NVIDIA's documentation matches once
+the driver name is replaced: full GPUs ``gpu-<minor>``, MIG devices ``gpu-<minor>-mig-
+<profile>-<profile id>-<start>`` (``agent/device_names.py``, the names the claims API
+accepts); ``brand`` and ``architecture`` spelled as NVIDIA's go-nvlib spells them (``Nvidia``,
+``Hopper``, ``Ada Lovelace``), mapped here only: the inventory's own values drive the agent's
+logic and ``/v1/gpus``. The project adds ``nvlinkIsland``, ``nvlinkBandwidth`` and
+``fabricClique``; NUMA, PCI bus ID and PCIe root use the standard ``resource.kubernetes.io``
+names. Left out: ``addressingMode`` (the inventory does not read it).
+
+Order: the allocator takes the first fit in name order of the slices, then in device order
+inside a slice, so slice names carry a zero-padded index and devices go by GPU minor, then
+(MIG) by profile and placement start.
 
 Two modes:
 - static (default): full GPUs, and the MIG devices that exist (a GPU in MIG mode is published
@@ -11,13 +21,21 @@ Two modes:
   set ``gpu-<minor>-counter-set`` (``multiprocessors``, the engine counters, ``memory`` - each
   the largest any profile has - and ``memory-slice-<i>`` = 1 per memory slice); the full GPU
   consumes all of it and every (profile, placement) is a device consuming its profile's
-  amounts and its slices. Kubernetes >= 1.35 wants counters and devices in separate slices
-  (counter slices first, then one device slice per GPU); 1.34 wants them together (one slice
-  per GPU).
+  amounts and its slices, so the scheduler never books two overlapping placements.
+  Kubernetes >= 1.35 wants counters and devices in separate slices (counter slices first,
+  then one device slice per GPU); 1.34 wants them together (one slice per GPU).
 
-Left out: devices of unhealthy or quarantined GPUs; MIG devices being drained; with
-``--dynamic-mig``, devices whose placement overlaps an instance that exists in another shape
-(an existing instance of the same profile and placement is its device).
+What each GPU publishes with ``--dynamic-mig``:
+- MIG off on Hopper or newer: the full GPU and every placement (the first slice prepared
+  switches MIG on, ``agent/mig/slices.py``); MIG off on Ampere, or a mode change pending: the
+  full GPU only, without counters (Ampere's mode is never toggled: it needs a reset);
+- MIG on: the placements only (a GPU in MIG mode cannot be handed out whole);
+- never a placement that overlaps an existing instance of another shape (the instance itself
+  is its device), a claim's hold the scheduler may not know of (claims made over REST), or a
+  transition's drain or creation mark; a GPU held whole (or with any instance or hold) does
+  not publish its full GPU beside, and a GPU held whole publishes nothing but the full GPU.
+
+Left out everywhere: devices of unhealthy or quarantined GPUs; MIG devices being drained.
 """
 
 from __future__ import annotations
@@ -30,9 +48,10 @@ from typing import Any
 from agent.device_names import gpu_device_name, mig_device_name
 from agent.gpu.topology import sysfs_bus_id
 from agent.gpu.types import DriverInfo, GiProfile, Gpu, Placement
+from agent.mig.slices import switches_mig_on
 
 API_VERSION = "resource.k8s.io/v1"
-KUBERNETES_VERSIONS = ((1, 34), (1, 35))
+KUBERNETES_VERSIONS = ((1, 34), (1, 35), (1, 36), (1, 37))
 DEFAULT_DRIVER = "gpu.nodeagent.dev"
 STANDARD = "resource.kubernetes.io"
 #: Devices per slice the API server accepts, and the lower limit once devices consume
@@ -42,6 +61,18 @@ MAX_DEVICES_WITH_COUNTERS = 64
 #: Counter sets per slice (Kubernetes >= 1.35, ``ResourceSliceMaxCounterSets``).
 MAX_COUNTER_SETS = 8
 MEMORY_SLICES = 8
+#: Digits of a slice's index in its name: name order is index order up to 100,000 slices.
+SLICE_INDEX_DIGITS = 5
+#: The inventory's values as NVIDIA's driver publishes them (go-nvlib's
+#: ``GetArchitectureAsString`` / ``GetBrandAsString``); unknown values pass unchanged.
+NVIDIA_ARCHITECTURES = {
+    "kepler": "Kepler", "maxwell": "Maxwell", "pascal": "Pascal", "volta": "Volta",
+    "turing": "Turing", "ampere": "Ampere", "ada": "Ada Lovelace", "hopper": "Hopper",
+    "blackwell": "Blackwell", "unknown": "Unknown"}
+NVIDIA_BRANDS = {
+    "quadro": "Quadro", "tesla": "Tesla", "nvs": "NVS", "grid": "Grid", "geforce": "GeForce",
+    "titan": "Titan", "quadro_rtx": "QuadroRTX", "nvidia_rtx": "NvidiaRTX", "nvidia": "Nvidia",
+    "geforce_rtx": "GeForceRTX", "titan_rtx": "TitanRTX", "unknown": "Unknown"}
 
 Json = dict[str, Any]
 
@@ -54,6 +85,10 @@ class GpuFacts:
     gpu: Gpu
     draining: frozenset[Placement] = frozenset()
     """Placements a MIG transition destroys or is creating: not published."""
+    held: frozenset[tuple[str | None, Placement]] = frozenset()
+    """(profile, placement) of the claims' holds on MIG devices of this GPU."""
+    held_whole: bool = False
+    """A claim holds the whole GPU."""
     unavailable: str | None = None
     """Why the GPU's devices are left out (unhealthy, quarantined); None to publish."""
     nvlink_island: str | None = None
@@ -105,8 +140,8 @@ def _gpu_attributes(facts: GpuFacts, driver: DriverInfo) -> Json:
     s = facts.gpu.static
     attrs: Json = {
         "productName": _attr(s.name[:64]),
-        "brand": _attr(s.brand),
-        "architecture": _attr(s.architecture),
+        "brand": _attr(NVIDIA_BRANDS.get(s.brand, s.brand)),
+        "architecture": _attr(NVIDIA_ARCHITECTURES.get(s.architecture, s.architecture)),
     }
     for name, text in (("cudaComputeCapability", s.cuda_compute_capability),
                        ("driverVersion", driver.driver_version),
@@ -190,9 +225,7 @@ def _static_devices(facts: GpuFacts, driver: DriverInfo) -> list[Json]:
     s = gpu.static
     shared = _gpu_attributes(facts, driver)
     if gpu.mig_mode is None or not gpu.mig_mode.current:
-        return [{"name": gpu_device_name(s.minor),
-                 "attributes": {"type": _attr("gpu"), "uuid": _attr(s.uuid), **shared},
-                 "capacity": {"memory": {"value": _mib(s.memory_total_mib)}}}]
+        return [_full_gpu(facts, shared, None)]
     by_name = {p.name: p for p in gpu.profiles}
     devices = []
     for device in sorted(gpu.mig_devices, key=lambda d: (d.placement.start, d.gi_id, d.ci_id)):
@@ -210,40 +243,49 @@ def _static_devices(facts: GpuFacts, driver: DriverInfo) -> list[Json]:
     return devices
 
 
+def _full_gpu(facts: GpuFacts, shared: Json, counters: dict[str, int] | None) -> Json:
+    s = facts.gpu.static
+    device: Json = {"name": gpu_device_name(s.minor),
+                    "attributes": {"type": _attr("gpu"), "uuid": _attr(s.uuid), **shared},
+                    "capacity": {"memory": {"value": _mib(s.memory_total_mib)}}}
+    if counters is not None:
+        device["consumesCounters"] = [{"counterSet": counter_set_name(s.minor),
+                                       "counters": _counters_json(counters)}]
+    return device
+
+
 def _dynamic_devices(facts: GpuFacts, driver: DriverInfo) -> tuple[Json | None, list[Json]]:
-    """(the GPU's counter set or None, its devices)."""
+    """(the GPU's counter set or None, its devices), as the module docstring says."""
     gpu = facts.gpu
     s = gpu.static
-    if not gpu.profiles:
+    mode = gpu.mig_mode
+    mig_on = mode is not None and mode.current
+    if not gpu.profiles or (mode is not None and mode.pending != mode.current) or (
+            not mig_on and not switches_mig_on(gpu)):
         return None, _static_devices(facts, driver)
     counter_set = counter_set_name(s.minor)
     counters = counters_of(gpu.profiles)
     shared = _gpu_attributes(facts, driver)
+    if facts.held_whole:
+        return ({"name": counter_set, "counters": _counters_json(counters)},
+                [] if mig_on else [_full_gpu(facts, shared, counters)])
     by_name = {p.name: p for p in gpu.profiles}
-    existing = [(by_name.get(d.profile), d) for d in gpu.mig_devices]
-    instances = {(p.id, d.placement.start): d for p, d in existing if p is not None}
-    occupied = [(d.placement, d.gi_id) for d in gpu.mig_devices]
+    instances = {(d.profile, d.placement): d for d in gpu.mig_devices if d.profile in by_name}
+    # What occupies memory slices: each instance and each hold (a device at exactly its
+    # profile and placement is its own), and every drain or creation mark (nothing stays).
+    occupied: set[tuple[str | None, Placement]] = {*instances, *facts.held}
+    marked = [(None, placement) for placement in facts.draining]
     devices: list[Json] = []
-    mig_on = gpu.mig_mode is not None and gpu.mig_mode.current
-    # Ampere with MIG on cannot hand out the whole GPU without a reset (reference 3).
-    if not occupied and not (mig_on and s.architecture == "ampere"):
-        devices.append({
-            "name": gpu_device_name(s.minor),
-            "attributes": {"type": _attr("gpu"), "uuid": _attr(s.uuid), **shared},
-            "capacity": {"memory": {"value": _mib(s.memory_total_mib)}},
-            "consumesCounters": [{"counterSet": counter_set,
-                                  "counters": _counters_json(counters)}],
-        })
+    if not mig_on and not occupied and not marked:
+        devices.append(_full_gpu(facts, shared, counters))
     for profile in gpu.profiles:
         for placement in profile.placements:
-            instance = instances.get((profile.id, placement.start))
-            if instance is not None:
-                if instance.placement in facts.draining:
-                    continue
-            elif any(placement.overlaps(p) for p, _ in occupied):
+            here = (profile.name, placement)
+            if any(placement.overlaps(p) and (q, p) != here for q, p in (*occupied, *marked)):
                 continue
             attrs: Json = {"type": _attr("mig"), "profile": _attr(profile.name),
                            "parentUUID": _attr(s.uuid)}
+            instance = instances.get(here)
             if instance is not None:
                 attrs["uuid"] = _attr(instance.uuid)
             devices.append({
@@ -261,9 +303,10 @@ def _chunks(items: list[Json], size: int) -> list[list[Json]]:
 
 
 def slice_name(node: str, driver: str, index: int) -> str:
-    """A DNS-subdomain object name for slice ``index`` of this node's pool."""
+    """A DNS-subdomain object name for slice ``index`` of this node's pool; the index is
+    zero-padded so that name order is index order (``-00010`` after ``-00002``)."""
     base = re.sub(r"[^a-z0-9.-]+", "-", f"{node}-{driver}".lower()).strip("-.")
-    return f"{base[:240]}-{index}"
+    return f"{base[:240]}-{index:0{SLICE_INDEX_DIGITS}d}"
 
 
 def render(gpus: Sequence[GpuFacts], driver_info: DriverInfo,
@@ -277,21 +320,26 @@ def render(gpus: Sequence[GpuFacts], driver_info: DriverInfo,
         specs = [{"devices": chunk} for chunk in _chunks(devices, MAX_DEVICES)]
     else:
         per_gpu = [_dynamic_devices(f, driver_info) for f in published]
-        plain = [d for counter_set, devices in per_gpu if counter_set is None for d in devices]
-        partitioned = [(cs, devs) for cs, devs in per_gpu if cs is not None]
+        sets = [cs for cs, _ in per_gpu if cs is not None]
         if options.kubernetes >= (1, 35):
-            sets = [cs for cs, _ in partitioned]
-            specs.extend({"sharedCounters": chunk}
-                         for chunk in (sets[i:i + MAX_COUNTER_SETS]
-                                       for i in range(0, len(sets), MAX_COUNTER_SETS)))
-            for _, devices in partitioned:
-                if devices:
-                    specs.extend({"devices": chunk}
-                                 for chunk in _chunks(devices, MAX_DEVICES_WITH_COUNTERS))
-        else:
-            # 1.34: a device may only consume counters of its own slice.
-            specs.extend({"sharedCounters": [cs], "devices": devices}
-                         for cs, devices in partitioned)
+            specs.extend({"sharedCounters": sets[i:i + MAX_COUNTER_SETS]}
+                         for i in range(0, len(sets), MAX_COUNTER_SETS))
+        # GPU by GPU in minor order, so that slice order is device order: a partitioned
+        # GPU's devices in slices of their own, GPUs without counters side by side.
+        plain: list[Json] = []
+        for counter_set, devices in per_gpu:
+            if counter_set is None:
+                plain.extend(devices)
+                continue
+            if plain:
+                specs.extend({"devices": chunk} for chunk in _chunks(plain, MAX_DEVICES))
+                plain = []
+            if options.kubernetes < (1, 35):
+                # 1.34: a device may only consume counters of its own slice.
+                specs.append({"sharedCounters": [counter_set], "devices": devices})
+            elif devices:
+                specs.extend({"devices": chunk}
+                             for chunk in _chunks(devices, MAX_DEVICES_WITH_COUNTERS))
         if plain:
             specs.extend({"devices": chunk} for chunk in _chunks(plain, MAX_DEVICES))
         if not specs:

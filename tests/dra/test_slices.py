@@ -16,7 +16,7 @@ from agent.gpu.types import GiProfile
 
 from .conftest import Env, MakeEnv
 
-VERSIONS = [(1, 34), (1, 35)]
+VERSIONS = [(1, 34), (1, 35), (1, 36), (1, 37)]
 
 
 def validate(slices: list[dict[str, Any]], version: tuple[int, int]) -> None:
