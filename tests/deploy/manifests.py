@@ -36,5 +36,6 @@ def by_name(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
 
 def container(pod: dict[str, Any], name: str) -> dict[str, Any]:
     """The pod spec's container ``name``."""
-    (found,) = [c for c in pod["containers"] if c["name"] == name]
-    return found
+    found: list[dict[str, Any]] = [c for c in pod["containers"] if c["name"] == name]
+    (one,) = found
+    return one

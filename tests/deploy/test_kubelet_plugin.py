@@ -20,11 +20,9 @@ PLUGIN_SYSTEMD_UNIT = ROOT / "systemd" / "gpu-agent-kubelet-plugin.service"
 
 #: Every (API group, resource) the plugin may touch and exactly the verbs it may use there.
 PLUGIN_RBAC = {
-    ("resource.k8s.io", "resourceslices"): {"get", "list", "watch", "create", "update", "patch",
-                                            "delete"},
+    ("resource.k8s.io", "resourceslices"): {"list", "watch", "create", "update", "delete"},
     ("resource.k8s.io", "resourceclaims"): {"get"},
     ("", "nodes"): {"get"},
-    ("", "events"): {"create"},
 }
 
 #: The `gpu-agent kubelet-plugin` flags (the CLI line the plugin and the manifests share);
