@@ -174,3 +174,21 @@ def test_openshift_scc_admits_the_kubelet_plugin_container() -> None:
     assert scc["requiredDropCapabilities"] == [] and scc["runAsUser"]["type"] == "RunAsAny"
     assert context["seccompProfile"]["type"] == "RuntimeDefault"
     assert scc["seccompProfiles"] == ["*"]
+
+
+#: Kinds without a namespace (kustomize does not know all of them, so nothing may stamp one).
+CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "DeviceClass",
+                  "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
+                  "SecurityContextConstraints"}
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_namespaced_objects_and_only_they_name_the_namespace(tree: str) -> None:
+    """Every namespaced object is in the agent's namespace; no cluster-scoped one names a
+    namespace (a DeviceClass or a policy with one is at best misleading)."""
+    for doc in render(tree):
+        namespace = doc["metadata"].get("namespace")
+        if doc["kind"] in CLUSTER_SCOPED:
+            assert namespace is None, doc["kind"]
+        else:
+            assert namespace == "gpu-node-agent", (doc["kind"], doc["metadata"]["name"])
