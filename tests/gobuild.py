@@ -1,0 +1,60 @@
+"""Go test programs built with the machine's Go toolchain from modules pinned in the repo
+(go.mod and go.sum beside the source), through the Go module proxy and the default module and
+build caches, so a second build is seconds. Debian's ``golang-go`` (1.19) is too old for the
+pinned modules and may shadow the newer Go on PATH, so the newest Go found wins and one below
+the module's ``go`` line counts as missing: a skip on a developer machine, a failure in CI."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+from tests.tools import unavailable
+
+#: Where the Go toolchain is installed on the project's machines, besides PATH.
+KNOWN_GO = (Path("/usr/local/go/bin/go"),)
+
+
+def _version(go: str) -> tuple[int, ...] | None:
+    try:
+        done = subprocess.run([go, "env", "GOVERSION"], capture_output=True, text=True,
+                              timeout=30, check=False, env={**os.environ, "GOTOOLCHAIN": "local"})
+    except OSError:
+        return None
+    match = re.fullmatch(r"go(\d+)\.(\d+)(?:\.(\d+))?\S*", done.stdout.strip())
+    return tuple(int(p) for p in match.groups() if p is not None) if match else None
+
+
+def _required(module: Path) -> tuple[int, ...]:
+    match = re.search(r"^go (\d+)\.(\d+)(?:\.(\d+))?\s*$", (module / "go.mod").read_text(), re.M)
+    assert match, f"{module}/go.mod has no go line"
+    return tuple(int(p) for p in match.groups() if p is not None)
+
+
+def find_go(module: Path) -> str:
+    """The newest Go toolchain found ($GO, PATH, /usr/local/go), if it is new enough for
+    ``module``'s go.mod; otherwise the test is unavailable (it fails under CI=true)."""
+    candidates = [os.environ.get("GO"), shutil.which("go"), *map(str, KNOWN_GO)]
+    found = {c: v for c in dict.fromkeys(c for c in candidates if c) if (v := _version(c))}
+    needed = _required(module)
+    if not found:
+        unavailable("the Go toolchain is not installed (https://go.dev/dl, into /usr/local/go)")
+    go, version = max(found.items(), key=lambda item: item[1])
+    if version < needed:
+        unavailable(f"{go} is Go {'.'.join(map(str, version))}; {module.name} needs Go "
+                    f"{'.'.join(map(str, needed))} or newer (Debian's golang-go is too old)")
+    return go
+
+
+def build(module: Path, output: Path, timeout_s: float) -> Path:
+    """``go build`` the main package in ``module`` to ``output``, with the dependencies exactly
+    as go.sum pins them (-mod=readonly) and no automatic toolchain download."""
+    go = find_go(module)
+    env = {**os.environ, "GOTOOLCHAIN": "local", "GOFLAGS": "-mod=readonly", "GO111MODULE": "on"}
+    done = subprocess.run([go, "build", "-o", str(output), "."], cwd=module, env=env,
+                          capture_output=True, text=True, timeout=timeout_s, check=False)
+    assert done.returncode == 0, f"go build in {module} failed:\n{done.stderr}"
+    return output
