@@ -49,8 +49,9 @@ def add_parser(sub: Any) -> None:
                         default="info", help="(default info)")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the plugin until SIGTERM; 2 when it cannot start."""
+def run(args: argparse.Namespace, wire: Any = None) -> int:
+    """Run the plugin until SIGTERM; 2 when it cannot start. ``wire`` replaces
+    ``process.wire_kubernetes`` (tests run the real process with fakes)."""
     from agent import logs  # noqa: PLC0415 - keeps the client verbs fast
 
     try:
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         plugins_dir=args.plugins_dir, kubeconfig=args.kubeconfig,
         health_listen=args.health_listen, agent_lost_after_s=args.agent_lost_after)
     try:
-        return asyncio.run(process.serve(settings))
+        return asyncio.run(process.serve(settings, wire or process.wire_kubernetes))
     except process.PluginStartError as err:
         print(f"gpu-agent kubelet-plugin: {err}", file=sys.stderr)
         return 2

@@ -122,7 +122,7 @@ class DraService:
             if not task.done():
                 log.warning("kubelet stopped waiting; the claim's %s continues", call,
                             extra={"claim": claim.uid, "namespace": claim.namespace,
-                                   "name": claim.name})
+                                   "claim_name": claim.name})
                 task.add_done_callback(lambda t: self._finished_late(call, claim, t))
             raise
 
@@ -152,10 +152,15 @@ class DraService:
             log.warning("prepare failed", extra={"claim": claim.uid, "reason": err.reason,
                                                  "error": str(err)})
             return PrepareResult(error=str(err))
+        except Exception as err:  # a bug here must still fail this claim alone
+            self._metrics.prepare_errors.labels("internal").inc()
+            log.exception("prepare failed", extra={"claim": claim.uid, "reason": "internal"})
+            return PrepareResult(error=f"claim {claim}: internal error in the kubelet plugin: "
+                                       f"{type(err).__name__}: {err}")
         finally:
             self._metrics.prepare_seconds.observe(max(arrival_ns() - issued_at_ns, 0) / 1e9)
         log.info("prepared", extra={"claim": claim.uid, "namespace": claim.namespace,
-                                    "name": claim.name,
+                                    "claim_name": claim.name,
                                     "devices": ",".join(d.device_name for d in devices)})
         return PrepareResult(devices=tuple(devices))
 
@@ -179,10 +184,15 @@ class DraService:
             log.warning("unprepare failed", extra={"claim": claim.uid, "reason": err.reason,
                                                    "error": str(err)})
             return str(err)
+        except Exception as err:  # a bug here must still fail this claim alone
+            self._metrics.unprepare_errors.labels("internal").inc()
+            log.exception("unprepare failed", extra={"claim": claim.uid, "reason": "internal"})
+            return f"claim {claim}: internal error in the kubelet plugin: " \
+                f"{type(err).__name__}: {err}"
         finally:
             self._metrics.unprepare_seconds.observe(max(arrival_ns() - issued_at_ns, 0) / 1e9)
         log.info("unprepared", extra={"claim": claim.uid, "namespace": claim.namespace,
-                                      "name": claim.name})
+                                      "claim_name": claim.name})
         return None
 
     @staticmethod
