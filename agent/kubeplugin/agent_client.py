@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import logging
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 import aiohttp
+from multidict import CIMultiDict
 
 from agent.kubeplugin.errors import (
     AgentNotReady,
@@ -122,7 +124,7 @@ class AgentClient:
     async def _call(self, method: str, path: str, *, timeout_s: float, body: Any = None,
                     params: dict[str, str] | None = None,
                     headers: dict[str, str] | None = None,
-                    auth: bool = True) -> tuple[int, dict[str, str], Any]:
+                    auth: bool = True) -> tuple[int, CIMultiDict[str], Any]:
         sent = dict(headers or {})
         if auth:
             sent["Authorization"] = f"Bearer {self.tokens.token()}"
@@ -137,7 +139,7 @@ class AgentClient:
                         answer = json.loads(payload)
                     except ValueError:
                         answer = {"detail": payload[:500].decode(errors="replace")}
-                return response.status, dict(response.headers), answer
+                return response.status, CIMultiDict(response.headers), answer
         except (aiohttp.ClientConnectionError, OSError) as err:
             raise AgentUnreachable(f"agent socket {self.socket}: {err}") from err
         except TimeoutError as err:
@@ -145,7 +147,7 @@ class AgentClient:
                                    f"within {timeout_s:.0f} s") from err
 
     @staticmethod
-    def _raise(status: int, headers: dict[str, str], answer: Any) -> None:
+    def _raise(status: int, headers: Mapping[str, str], answer: Any) -> None:
         problem = answer if isinstance(answer, dict) else {}
         if status == 503:
             detail = str(problem.get("detail") or problem.get("title") or "agent not ready")

@@ -57,9 +57,10 @@ def _agent_error(claim: KubeletClaim, err: AgentCallError) -> ClaimError:
     """The per-claim error for a failed agent call; a not-ready agent is named as such (kubelet
     retries), never as unreachable."""
     if isinstance(err, AgentNotReady):
-        return ClaimError("agent-not-ready",
-                          f"claim {claim}: the GPU agent is not ready yet ({err.kind}: "
-                          f"{err.detail}); retry in {err.retry_after_s:g} s", retryable=True)
+        what = "the GPU agent is not ready yet" if err.kind == "not-ready" else \
+            f"the GPU agent cannot prepare it yet ({err.kind})"
+        return ClaimError("agent-not-ready", f"claim {claim}: {what}: {err.detail}; retry in "
+                                             f"{err.retry_after_s:g} s", retryable=True)
     if isinstance(err, AgentRefused):
         return ClaimError("agent-refused", f"claim {claim}: the GPU agent refused it "
                                            f"(HTTP {err.status} {err.kind}): {err.detail}")
