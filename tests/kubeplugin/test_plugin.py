@@ -394,4 +394,3 @@ async def test_a_rotated_token_is_used_without_restart(kubelet: Kubelet, agent: 
     assert "HTTP 401" in error, error
     write_private(agent.token_file, agent.plugin_token)
     assert (await kubelet.prepare(claim))[claim.uid].error == ""
-

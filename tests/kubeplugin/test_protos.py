@@ -30,4 +30,3 @@ def test_the_services_have_kubelets_full_names(module: str, service: str) -> Non
     loaded = __import__(f"agent.kubeplugin.proto.{module}", fromlist=["DESCRIPTOR"])
     names = [s.full_name for s in loaded.DESCRIPTOR.services_by_name.values()]
     assert names == [service]
-
