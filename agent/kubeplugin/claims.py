@@ -8,7 +8,7 @@ other drivers' results, PR #1371).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,14 +101,16 @@ def our_devices(claim: KubeletClaim, obj: Mapping[str, Any], *, driver: str,
     return list(found.values())
 
 
-def agent_body(obj: Mapping[str, Any], devices: Sequence[Allocated],
-               issued_at_ns: int) -> dict[str, Any]:
-    """The ``PUT /v1/claims/{uid}`` body: each device by its ResourceSlice name (request
-    names kept, ``admin_access`` for monitoring access), the claim's namespace, name and
-    resourceVersion, and when kubelet's call arrived (``issued_at_ns``, CLOCK_BOOTTIME)."""
+def agent_body(obj: Mapping[str, Any], devices: Sequence[Allocated], issued_at_ns: int,
+               on_demand: Collection[str] = ()) -> dict[str, Any]:
+    """The ``PUT /v1/claims/{uid}`` body: each device by its ResourceSlice name, as an
+    existing device or (named in ``on_demand``: a partitionable MIG device) a slice to make,
+    request names kept, ``admin_access`` for monitoring access; the claim's namespace, name
+    and resourceVersion; and when kubelet's call arrived (``issued_at_ns``, CLOCK_BOOTTIME)."""
     entries: list[dict[str, Any]] = []
     for device in devices:
-        entry: dict[str, Any] = {"request": "gpu", "device": device.device}
+        entry: dict[str, Any] = {"request": "slice" if device.device in on_demand else "gpu",
+                                 "device": device.device}
         if len(device.requests[0]) <= MAX_AGENT_REQUEST_NAME:
             entry["name"] = device.requests[0]
         if device.admin_access:

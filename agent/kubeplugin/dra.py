@@ -32,6 +32,7 @@ from agent.kubeplugin.errors import (
     AgentUnreachable,
     TokenFileError,
 )
+from agent.kubeplugin.kinds import DeviceKinds, is_mig_name
 from agent.kubeplugin.metrics import PluginMetrics
 from agent.kubeplugin.protocols import ClaimReader
 
@@ -91,6 +92,7 @@ class DraService:
         self.pool = node_name  # the publisher names this node's pool after the node
         self._metrics = metrics
         self._running: set[asyncio.Task[Any]] = set()
+        self._kinds = DeviceKinds(agent)
 
     async def prepare(self, claims: Sequence[KubeletClaim],
                       issued_at_ns: int) -> dict[str, PrepareResult]:
@@ -172,8 +174,10 @@ class DraService:
         except Exception as err:  # any client failure is this claim's error
             raise _read_error(claim, err) from err
         devices = our_devices(claim, obj, driver=self.driver, pool=self.pool)
+        on_demand = await self._call_agent(claim, lambda: self._kinds.on_demand(
+            d.device for d in devices if is_mig_name(d.device)))
         answer = await self._call_agent(claim, lambda: self._agent.prepare(
-            claim.uid, agent_body(obj, devices, issued_at_ns)))
+            claim.uid, agent_body(obj, devices, issued_at_ns, on_demand)))
         return kubelet_devices(claim, devices, answer)
 
     async def _unprepare_one(self, claim: KubeletClaim, issued_at_ns: int) -> str | None:

@@ -79,6 +79,17 @@ def test_the_agent_gets_slice_names_request_names_metadata_and_the_stamp() -> No
         "issued_at_ns": 1234}
 
 
+def test_partitionable_devices_are_slices_to_make() -> None:
+    """A device named in on_demand (a partitionable MIG placement) is sent as a slice to make
+    at that placement; the others as existing devices."""
+    devices = [Allocated("gpu-1-mig-1g10gb-19-2", NODE, ("s",), False),
+               Allocated("gpu-2", NODE, ("g",), False)]
+    body = agent_body(claim_with([]), devices, 1, on_demand={"gpu-1-mig-1g10gb-19-2"})
+    assert body["devices"] == [
+        {"request": "slice", "device": "gpu-1-mig-1g10gb-19-2", "name": "s"},
+        {"request": "gpu", "device": "gpu-2", "name": "g"}]
+
+
 def test_kubelet_gets_each_device_with_the_agents_cdi_names() -> None:
     """Kubelet's devices pair each allocated device with the CDI names the agent answered for
     it; a device the answer lacks is this claim's error."""

@@ -37,8 +37,9 @@ from tests.kubeplugin.conftest import (
 )
 
 
-def set_mig(agent: AgentProcess, gpu: str, profiles: list[str]) -> None:
-    reply = agent.request("PUT", f"/v1/gpus/{gpu}/mig", {"profiles": profiles})
+def set_mig(agent: AgentProcess, gpu: str, body: dict[str, Any]) -> None:
+    """PUT /v1/gpus/{gpu}/mig and wait for the change to finish."""
+    reply = agent.request("PUT", f"/v1/gpus/{gpu}/mig", body)
     assert reply.status in (200, 202), reply.body
     if reply.status == 202:
         for _ in range(500):
@@ -167,7 +168,7 @@ async def test_prepare_of_a_full_gpu_and_a_mig_device_returns_the_agents_cdi_ids
         kubelet: Kubelet, agent: Agent, version: str) -> None:
     """Each claim's answer lists its device with the request name, this node's pool, the
     ResourceSlice device name and the CDI IDs the agent wrote, on either DRA version."""
-    set_mig(agent.process, "5", ["3g.40gb"])
+    set_mig(agent.process, "5", {"profiles": ["3g.40gb"]})
     mig = next(n for n in published(agent.process) if n.startswith("gpu-5-mig-3g40gb"))
     full = kubelet.claims.add("full", [result("gpu-2", "trainer")])
     sliced = kubelet.claims.add("sliced", [result(mig, "small")])
@@ -182,6 +183,33 @@ async def test_prepare_of_a_full_gpu_and_a_mig_device_returns_the_agents_cdi_ids
         assert cdi == [f"k8s.gpu.nodeagent.dev/claim={claim.uid}-{device}"]
         spec = read_json(Path(recorded["cdi_spec"]))
         assert f"{claim.uid}-{device}" in [d["name"] for d in spec["devices"]]
+
+
+@needs_claimsapi
+async def test_a_partitionable_mig_device_is_made_at_its_placement_and_destroyed(
+        short_dir: Path) -> None:
+    """With --dynamic-mig, a claim allocated a MIG placement the agent published as consuming
+    counters is prepared as an on-demand slice exactly there, and unprepared by destroying it."""
+    agent = start_with_plugin_token(short_dir / "state", extra=["--dynamic-mig"])
+    kubelet = await open_kubelet(settings_for(short_dir, agent))
+    try:
+        set_mig(agent.process, "3", {"mig_enabled": True})  # MIG on, no instances yet
+        body = agent.process.request("GET", "/v1/resourceslices").body
+        placement = next(d["name"] for item in body["items"]
+                         for d in item["spec"].get("devices", [])
+                         if d["name"].startswith("gpu-3-mig-1g10gb-") and
+                         d["name"].endswith("-2") and d.get("consumesCounters"))
+        claim = kubelet.claims.add("dynamic", [result(placement, "slice")])
+        answer = await kubelet.prepare(claim)
+        assert answer[claim.uid].error == "", answer[claim.uid].error
+        assert devices_of(answer[claim.uid])[0][:3] == (["slice"], NODE, placement)
+        made = agent.process.request("GET", "/v1/gpus/3").body["mig_devices"]
+        assert [(d["profile"], d["placement"]["start"]) for d in made] == [("1g.10gb", 2)]
+        assert await kubelet.unprepare(claim) == {claim.uid: ""}
+        assert agent.process.request("GET", "/v1/gpus/3").body["mig_devices"] == []
+    finally:
+        await close_kubelet(kubelet)
+        agent.process.stop(signal.SIGKILL)
 
 
 @needs_claimsapi
