@@ -46,7 +46,7 @@ def add_parser(sub: Any) -> None:
     plugin.add_argument("--log-format", choices=("text", "json"), default="text",
                         help="text (key=value) or json, one line per event (default text)")
     plugin.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
-                        default="info", help="(default info)")
+                        default="info", help="log verbosity (default info)")
 
 
 def run(args: argparse.Namespace, wire: Any = None) -> int:
