@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: run test lint bench clean
+.PHONY: run test lint bench clean protos
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python 3.11+ is needed; set PYTHON=python3.11")'
@@ -28,3 +28,7 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .gpu-agent-sim .pytest_cache .mypy_cache .ruff_cache
+
+# The kubelet plugin's gRPC stubs, committed; regenerate after editing agent/kubeplugin/proto/*.proto.
+protos: $(STAMP)
+	$(BIN)/python -m agent.kubeplugin.protogen

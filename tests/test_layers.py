@@ -41,6 +41,9 @@ LAYER_OF = {
     "agent.topology": "services",
     "agent.metrics": "services",
     "agent.dra": "services",
+    # the kubelet plugin: a process of its own that reaches the agent only over REST
+    # (test_kubeplugin_talks_to_the_agent_only_over_rest narrows what it may import)
+    "agent.kubeplugin": "services",
     # wiring: build_node puts the services together
     "agent.wiring": "wiring",
     # api: HTTP, the only code that knows statuses
@@ -139,6 +142,17 @@ def test_no_import_runs_up_a_layer() -> None:
             if mine is not None and theirs is not None and rank[theirs] > rank[mine]:
                 upward.append(f"{module} -> {target} ({mine} -> {theirs})")
     assert upward == []
+
+
+def test_kubeplugin_talks_to_the_agent_only_over_rest() -> None:
+    """agent.kubeplugin imports only foundation modules and itself: never the claims, MIG,
+    ledger, GPU or API code it reaches through the agent's REST API."""
+    allowed = {m for m in MODULES if layer_of(m) == "foundation"}
+    plugin = [m for m in MODULES if m.startswith("agent.kubeplugin")]
+    assert "agent.kubeplugin.agent_client" in plugin
+    reached = sorted(f"{m} -> {t}" for m in plugin for t in imports_of(m)
+                     if not t.startswith("agent.kubeplugin") and t not in allowed)
+    assert reached == []
 
 
 def test_every_package_needs_its_own_row() -> None:

@@ -1,0 +1,75 @@
+"""``gpu-agent kubelet-plugin``: kubelet's DRA plugin for this node (agent/kubeplugin/)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def add_parser(sub: Any) -> None:
+    """The ``kubelet-plugin`` subcommand and its flags."""
+    plugin = sub.add_parser(
+        "kubelet-plugin", help="run kubelet's DRA plugin for this node's agent",
+        description="Serve kubelet's DRA plugin protocol (registration, NodePrepareResources, "
+                    "NodeUnprepareResources) and publish this node's ResourceSlices, talking "
+                    "to the agent only through its REST API. Needs the 'kubernetes' extra.")
+    plugin.add_argument("--agent-socket", required=True, type=Path, metavar="PATH",
+                        help="the agent's Unix socket, e.g. /run/gpu-agent/agent.sock")
+    plugin.add_argument("--token-file", required=True, type=Path, metavar="PATH",
+                        help="the agent token (claims scope) for the plugin, mode 0600: the "
+                             "token alone or a 'name:token[:scopes]' line; re-read when it "
+                             "changes")
+    plugin.add_argument("--node-name", default=os.environ.get("NODE_NAME"), metavar="NAME",
+                        help="this node's name, the pool name of its slices (default "
+                             "$NODE_NAME)")
+    plugin.add_argument("--driver", default="gpu.nodeagent.dev", metavar="NAME",
+                        help="DRA driver name (default gpu.nodeagent.dev)")
+    plugin.add_argument("--registry-dir", default=Path("/var/lib/kubelet/plugins_registry"),
+                        type=Path, metavar="DIR",
+                        help="kubelet's plugin registration directory: <driver>-reg.sock "
+                             "goes here (default /var/lib/kubelet/plugins_registry)")
+    plugin.add_argument("--plugins-dir", default=Path("/var/lib/kubelet/plugins"), type=Path,
+                        metavar="DIR",
+                        help="kubelet's plugins directory: <driver>/dra.sock goes here "
+                             "(default /var/lib/kubelet/plugins)")
+    plugin.add_argument("--kubeconfig", type=Path, metavar="PATH",
+                        help="kubeconfig for the API server (default: in-cluster)")
+    plugin.add_argument("--health-listen", default="127.0.0.1:9478", metavar="HOST:PORT",
+                        help="/healthz, /readyz and /metrics (default 127.0.0.1:9478)")
+    plugin.add_argument("--agent-lost-after", type=float, default=60.0, metavar="SECONDS",
+                        help="delete this node's slices once the agent has been unreachable "
+                             "this long (default 60)")
+    plugin.add_argument("--log-format", choices=("text", "json"), default="text",
+                        help="text (key=value) or json, one line per event (default text)")
+    plugin.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                        default="info", help="log verbosity (default info)")
+
+
+def run(args: argparse.Namespace, wire: Any = None) -> int:
+    """Run the plugin until SIGTERM; 2 when it cannot start. ``wire`` replaces
+    ``process.wire_kubernetes`` (tests run the real process with fakes)."""
+    from agent import logs  # noqa: PLC0415 - keeps the client verbs fast
+
+    try:
+        from agent.kubeplugin import process  # noqa: PLC0415 - grpcio is an optional extra
+    except ImportError as err:
+        print(f"gpu-agent kubelet-plugin: {err.name or err} is missing; install "
+              "gpu-node-agent[kubernetes]", file=sys.stderr)
+        return 2
+    logs.configure(args.log_format, args.log_level)
+    settings = process.PluginSettings(
+        agent_socket=args.agent_socket, token_file=args.token_file,
+        node_name=args.node_name or "", driver=args.driver, registry_dir=args.registry_dir,
+        plugins_dir=args.plugins_dir, kubeconfig=args.kubeconfig,
+        health_listen=args.health_listen, agent_lost_after_s=args.agent_lost_after)
+    try:
+        return asyncio.run(process.serve(settings, wire or process.wire_kubernetes))
+    except process.PluginStartError as err:
+        print(f"gpu-agent kubelet-plugin: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

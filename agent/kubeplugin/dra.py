@@ -1,0 +1,208 @@
+"""NodePrepareResources and NodeUnprepareResources, independent of the gRPC version.
+
+Every claim of a call runs as a task of its own, at once: there is no node-wide lock here
+(the agent orders the calls of one claim UID and locks per GPU), so claims on different GPUs
+never wait for each other. Each task is shielded from kubelet's deadline: when kubelet stops
+waiting (45 s) the agent call still finishes, and kubelet's retry, which the agent answers
+idempotently, finds the result. Errors are per claim; one bad claim never fails the call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from agent.kubeplugin.agent_client import AgentClient
+from agent.kubeplugin.claims import (
+    ClaimError,
+    KubeletClaim,
+    PreparedDevice,
+    agent_body,
+    kubelet_devices,
+    our_devices,
+)
+from agent.kubeplugin.errors import (
+    AgentCallError,
+    AgentNotReady,
+    AgentRefused,
+    AgentUnreachable,
+    TokenFileError,
+)
+from agent.kubeplugin.kinds import DeviceKinds, is_mig_name
+from agent.kubeplugin.metrics import PluginMetrics
+from agent.kubeplugin.protocols import ClaimReader
+
+log = logging.getLogger("agent.kubeplugin.dra")
+T = TypeVar("T")
+
+
+def arrival_ns() -> int:
+    """Now on CLOCK_BOOTTIME, the clock of the agent's ``issued_at_ns`` ordering stamps: it
+    keeps counting through suspend and never steps, so stamps of one boot always order."""
+    return time.clock_gettime_ns(time.CLOCK_BOOTTIME)
+
+
+@dataclass(frozen=True)
+class PrepareResult:
+    """One claim's answer: its devices, or the error kubelet reports."""
+
+    devices: tuple[PreparedDevice, ...] = ()
+    error: str | None = None
+
+
+def _agent_error(claim: KubeletClaim, err: AgentCallError) -> ClaimError:
+    """The per-claim error for a failed agent call; a not-ready agent is named as such (kubelet
+    retries), never as unreachable."""
+    if isinstance(err, AgentNotReady):
+        what = "the GPU agent is not ready yet" if err.kind == "not-ready" else \
+            f"the GPU agent cannot prepare it yet ({err.kind})"
+        return ClaimError("agent-not-ready", f"claim {claim}: {what}: {err.detail}; retry in "
+                                             f"{err.retry_after_s:g} s", retryable=True)
+    if isinstance(err, AgentRefused):
+        return ClaimError("agent-refused", f"claim {claim}: the GPU agent refused it "
+                                           f"(HTTP {err.status} {err.kind}): {err.detail}")
+    if isinstance(err, TokenFileError):
+        return ClaimError("token", f"claim {claim}: {err}")
+    if isinstance(err, AgentUnreachable):
+        return ClaimError("agent-unreachable",
+                          f"claim {claim}: GPU agent unreachable: {err.reason}", retryable=True)
+    return ClaimError("agent", f"claim {claim}: {err}")
+
+
+def _read_error(claim: KubeletClaim, err: Exception) -> ClaimError:
+    if isinstance(err, LookupError) or getattr(err, "status", None) == 404:
+        return ClaimError("claim-not-found",
+                          f"claim {claim}: not found on the API server", retryable=True)
+    return ClaimError("api-server", f"claim {claim}: reading it from the API server failed: "
+                                    f"{type(err).__name__}: {err}", retryable=True)
+
+
+class DraService:
+    """Prepares and unprepares claims through the agent's REST API."""
+
+    def __init__(self, agent: AgentClient, claims: ClaimReader, *, driver: str,
+                 node_name: str, metrics: PluginMetrics) -> None:
+        self._agent = agent
+        self._claims = claims
+        self.driver = driver
+        self.pool = node_name  # the publisher names this node's pool after the node
+        self._metrics = metrics
+        self._running: set[asyncio.Task[Any]] = set()
+        self._kinds = DeviceKinds(agent)
+
+    async def prepare(self, claims: Sequence[KubeletClaim],
+                      issued_at_ns: int) -> dict[str, PrepareResult]:
+        """Prepare every claim (by UID) in parallel; ``issued_at_ns`` is when kubelet's call
+        arrived (:func:`arrival_ns`, taken before anything was awaited)."""
+        unique = list({c.uid: c for c in claims}.values())
+        results = await asyncio.gather(*(
+            self._shielded("prepare", c, self._prepare_one(c, issued_at_ns))
+            for c in unique))
+        return {c.uid: r for c, r in zip(unique, results, strict=True)}
+
+    async def unprepare(self, claims: Sequence[KubeletClaim],
+                        issued_at_ns: int) -> dict[str, str | None]:
+        """Unprepare every claim (by UID) in parallel: the error of each, None for success
+        (an unknown claim included)."""
+        unique = list({c.uid: c for c in claims}.values())
+        results = await asyncio.gather(*(
+            self._shielded("unprepare", c, self._unprepare_one(c, issued_at_ns))
+            for c in unique))
+        return {c.uid: r for c, r in zip(unique, results, strict=True)}
+
+    async def _shielded(self, call: str, claim: KubeletClaim, work: Awaitable[T]) -> T:
+        task = asyncio.ensure_future(work)
+        self._running.add(task)
+        self._metrics.in_flight.inc()
+        task.add_done_callback(self._done)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.done():
+                log.warning("kubelet stopped waiting; the claim's %s continues", call,
+                            extra={"claim": claim.uid, "namespace": claim.namespace,
+                                   "claim_name": claim.name})
+                task.add_done_callback(lambda t: self._finished_late(call, claim, t))
+            raise
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._running.discard(task)
+        self._metrics.in_flight.dec()
+
+    def _finished_late(self, call: str, claim: KubeletClaim, task: asyncio.Task[Any]) -> None:
+        if task.cancelled():
+            return
+        self._metrics.finished_late.labels(call).inc()
+        result = task.result()  # the work functions never raise: errors are results
+        error = result.error if isinstance(result, PrepareResult) else result
+        log.info("claim's %s finished after kubelet's deadline", call,
+                 extra={"claim": claim.uid, "error": error or ""})
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for claim calls still running (shutdown)."""
+        if self._running:
+            await asyncio.wait(set(self._running), timeout=timeout_s)
+
+    async def _prepare_one(self, claim: KubeletClaim, issued_at_ns: int) -> PrepareResult:
+        try:
+            devices = await self._prepare_devices(claim, issued_at_ns)
+        except ClaimError as err:
+            self._metrics.prepare_errors.labels(err.reason).inc()
+            log.warning("prepare failed", extra={"claim": claim.uid, "reason": err.reason,
+                                                 "error": str(err)})
+            return PrepareResult(error=str(err))
+        except Exception as err:  # a bug here must still fail this claim alone
+            self._metrics.prepare_errors.labels("internal").inc()
+            log.exception("prepare failed", extra={"claim": claim.uid, "reason": "internal"})
+            return PrepareResult(error=f"claim {claim}: internal error in the kubelet plugin: "
+                                       f"{type(err).__name__}: {err}")
+        finally:
+            self._metrics.prepare_seconds.observe(max(arrival_ns() - issued_at_ns, 0) / 1e9)
+        log.info("prepared", extra={"claim": claim.uid, "namespace": claim.namespace,
+                                    "claim_name": claim.name,
+                                    "devices": ",".join(d.device_name for d in devices)})
+        return PrepareResult(devices=tuple(devices))
+
+    async def _prepare_devices(self, claim: KubeletClaim,
+                               issued_at_ns: int) -> list[PreparedDevice]:
+        try:
+            obj = await self._claims.get_resource_claim(claim.namespace, claim.name)
+        except Exception as err:  # any client failure is this claim's error
+            raise _read_error(claim, err) from err
+        devices = our_devices(claim, obj, driver=self.driver, pool=self.pool)
+        on_demand = await self._call_agent(claim, lambda: self._kinds.on_demand(
+            d.device for d in devices if is_mig_name(d.device)))
+        answer = await self._call_agent(claim, lambda: self._agent.prepare(
+            claim.uid, agent_body(obj, devices, issued_at_ns, on_demand)))
+        return kubelet_devices(claim, devices, answer)
+
+    async def _unprepare_one(self, claim: KubeletClaim, issued_at_ns: int) -> str | None:
+        try:
+            await self._call_agent(claim, lambda: self._agent.unprepare(claim.uid,
+                                                                        issued_at_ns))
+        except ClaimError as err:
+            self._metrics.unprepare_errors.labels(err.reason).inc()
+            log.warning("unprepare failed", extra={"claim": claim.uid, "reason": err.reason,
+                                                   "error": str(err)})
+            return str(err)
+        except Exception as err:  # a bug here must still fail this claim alone
+            self._metrics.unprepare_errors.labels("internal").inc()
+            log.exception("unprepare failed", extra={"claim": claim.uid, "reason": "internal"})
+            return f"claim {claim}: internal error in the kubelet plugin: " \
+                f"{type(err).__name__}: {err}"
+        finally:
+            self._metrics.unprepare_seconds.observe(max(arrival_ns() - issued_at_ns, 0) / 1e9)
+        log.info("unprepared", extra={"claim": claim.uid, "namespace": claim.namespace,
+                                      "claim_name": claim.name})
+        return None
+
+    @staticmethod
+    async def _call_agent(claim: KubeletClaim, call: Callable[[], Awaitable[T]]) -> T:
+        try:
+            return await call()
+        except AgentCallError as err:
+            raise _agent_error(claim, err) from err

@@ -1,0 +1,126 @@
+"""The plugin's health listener (``--health-listen``): ``/healthz`` (the process answers),
+``/readyz`` (registered with kubelet, agent reachable and ready, API server reachable, slices
+in sync; 503 naming every failing check) and ``/metrics`` (the plugin's and the publisher's
+series, one registry). No tokens: nothing here changes anything or shows a secret."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from agent.kubeplugin.agent_client import AgentClient
+from agent.kubeplugin.protocols import ApiServer, Publisher
+from agent.kubeplugin.servers import RegistrationState
+
+log = logging.getLogger("agent.kubeplugin.health")
+
+#: Each check's bound, so that one slow dependency cannot hang the probe (give the probe a
+#: timeoutSeconds above it).
+CHECK_TIMEOUT_S = 3.0
+
+Check = Callable[[], Awaitable[str | None]]
+
+
+@dataclass
+class Readiness:
+    """The checks behind ``/readyz``, each answering None (fine) or the reason it fails."""
+
+    registration: RegistrationState
+    agent: AgentClient
+    api: ApiServer | None = None
+    publisher: Publisher | None = None
+
+    async def _registered(self) -> str | None:
+        return self.registration.reason
+
+    async def _api(self) -> str | None:
+        if self.api is None:
+            return None
+        try:
+            await self.api.server_version()
+        except Exception as err:  # any failure means "not reachable"
+            return f"API server unreachable: {type(err).__name__}: {err}"
+        return None
+
+    async def _slices(self) -> str | None:
+        if self.publisher is None:
+            return None
+        health = self.publisher.health()
+        return None if health.in_sync else f"slices not in sync: {health.reason or 'unknown'}"
+
+    async def checks(self) -> dict[str, str | None]:
+        """Every check's result, run concurrently, each bounded by ``CHECK_TIMEOUT_S``."""
+        named: dict[str, Check] = {"registered": self._registered,
+                                   "agent": self.agent.readiness, "api_server": self._api,
+                                   "slices": self._slices}
+
+        async def bounded(check: Check) -> str | None:
+            try:
+                return await asyncio.wait_for(check(), CHECK_TIMEOUT_S)
+            except TimeoutError:
+                return f"no answer within {CHECK_TIMEOUT_S:g} s"
+
+        results = await asyncio.gather(*(bounded(c) for c in named.values()))
+        return dict(zip(named, results, strict=True))
+
+
+def health_app(readiness: Readiness, registry: CollectorRegistry) -> web.Application:
+    """The aiohttp application of the health listener."""
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readyz(request: web.Request) -> web.Response:
+        checks = await readiness.checks()
+        failing = {name: reason for name, reason in checks.items() if reason is not None}
+        body = {"status": "not ready" if failing else "ready",
+                "checks": {name: reason or "ok" for name, reason in checks.items()}}
+        if failing:
+            body["reason"] = "; ".join(f"{name}: {why}" for name, why in failing.items())
+        return web.json_response(body, status=503 if failing else 200)
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6; port 0 picks one) as (host, port);
+    :class:`ValueError` saying what is wrong."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"--health-listen {text!r}: expected HOST:PORT, e.g. 127.0.0.1:9478")
+    return host.strip("[]"), int(port)
+
+
+class HealthServer:
+    """Runs :func:`health_app` on one TCP address."""
+
+    def __init__(self, listen: str, readiness: Readiness, registry: CollectorRegistry) -> None:
+        self._host, self._port = parse_listen(listen)
+        self._runner = web.AppRunner(health_app(readiness, registry), access_log=None)
+        self.address: tuple[str, int] | None = None
+
+    async def start(self) -> None:
+        await self._runner.setup()
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        sock = socket.create_server((self._host, self._port), family=family)
+        await web.SockSite(self._runner, sock).start()
+        host, port = sock.getsockname()[:2]
+        self.address = (str(host), int(port))
+        log.info("health listener up", extra={"listen": f"{host}:{port}"})
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()

@@ -1,0 +1,196 @@
+"""The ``gpu-agent kubelet-plugin`` process: the gRPC servers kubelet calls, the health
+listener, and the ResourceSlice publisher, until SIGTERM.
+
+Kubernetes comes in through :func:`wire_kubernetes`, the one place that builds the concrete
+API server client and publisher; everything else sees them through the Protocols of
+:mod:`agent.kubeplugin.protocols`, so the tests run the same process with fakes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from agent.kubeplugin.agent_client import AgentClient, token_file_usable
+from agent.kubeplugin.dra import DraService
+from agent.kubeplugin.health import HealthServer, Readiness, parse_listen
+from agent.kubeplugin.metrics import PluginMetrics
+from agent.kubeplugin.protocols import ApiServer, ClaimReader, Publisher
+from agent.kubeplugin.servers import PluginServers, RegistrationState, SocketPathError
+
+log = logging.getLogger("agent.kubeplugin")
+
+DEFAULT_DRIVER = "gpu.nodeagent.dev"
+DEFAULT_REGISTRY_DIR = Path("/var/lib/kubelet/plugins_registry")
+DEFAULT_PLUGINS_DIR = Path("/var/lib/kubelet/plugins")
+DEFAULT_HEALTH_LISTEN = "127.0.0.1:9478"
+#: How long calls in progress may finish after SIGTERM (a DaemonSet's default grace is 30 s).
+STOP_GRACE_S = 10.0
+#: A publisher that fails is started again after this long.
+PUBLISHER_RESTART_S = 5.0
+
+
+class PluginStartError(Exception):
+    """The plugin cannot start: a one-line reason for the operator."""
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    """The command line of ``gpu-agent kubelet-plugin``."""
+
+    agent_socket: Path
+    token_file: Path
+    node_name: str
+    driver: str = DEFAULT_DRIVER
+    registry_dir: Path = DEFAULT_REGISTRY_DIR
+    plugins_dir: Path = DEFAULT_PLUGINS_DIR
+    kubeconfig: Path | None = None
+    health_listen: str = DEFAULT_HEALTH_LISTEN
+    agent_lost_after_s: float = 60.0
+
+    def check(self) -> None:
+        """Refuse settings that cannot work, naming the flag."""
+        if not self.node_name:
+            raise PluginStartError("--node-name (or NODE_NAME) is required")
+        if not self.driver or "/" in self.driver:
+            raise PluginStartError(f"--driver {self.driver!r}: a DNS subdomain, no '/'")
+        if self.agent_lost_after_s <= 0:
+            raise PluginStartError("--agent-lost-after must be above 0 seconds")
+        try:
+            parse_listen(self.health_listen)
+        except ValueError as err:
+            raise PluginStartError(str(err)) from None
+        problem = token_file_usable(self.token_file)
+        if problem is not None:
+            raise PluginStartError(problem)
+
+
+@dataclass
+class Wiring:
+    """The Kubernetes side: how claims are read, how the API server is probed, the publisher
+    (None: slices are not published by this process), and what to close at the end."""
+
+    claims: ClaimReader
+    api: ApiServer | None = None
+    publisher: Publisher | None = None
+    close: Callable[[], Awaitable[None]] | None = None
+
+
+Wire = Callable[[PluginSettings, AgentClient, CollectorRegistry], Awaitable[Wiring]]
+
+
+async def wire_kubernetes(settings: PluginSettings, agent: AgentClient,
+                          registry: CollectorRegistry) -> Wiring:
+    """The real Kubernetes side: the API server client (in-cluster, or ``--kubeconfig``) as
+    claim reader and API probe, and the ResourceSlice publisher on the same client.
+
+    The concrete classes live in ``agent/kubeplugin/kube.py`` and ``publisher.py``; at merge
+    this body becomes::
+
+        kube = await KubeClient.from_environment(settings.kubeconfig)
+        publisher = SlicePublisher(agent, kube, node_name=settings.node_name,
+                                   driver=settings.driver,
+                                   agent_lost_after_s=settings.agent_lost_after_s,
+                                   registry=registry)
+        return Wiring(claims=kube, api=kube, publisher=publisher, close=kube.close)
+    """
+    raise PluginStartError("this build has no Kubernetes client wired in "
+                           "(agent/kubeplugin/process.py: wire_kubernetes)")
+
+
+@dataclass
+class Plugin:
+    """One running plugin: start, then stop (both idempotent in order)."""
+
+    settings: PluginSettings
+    wiring: Wiring
+    agent: AgentClient
+    registry: CollectorRegistry
+    registration: RegistrationState = field(default_factory=RegistrationState)
+
+    def __post_init__(self) -> None:
+        metrics = PluginMetrics(self.registry)
+        self.service = DraService(self.agent, self.wiring.claims, driver=self.settings.driver,
+                                  node_name=self.settings.node_name, metrics=metrics)
+        self.servers = PluginServers(self.service, driver=self.settings.driver,
+                                     registry_dir=self.settings.registry_dir,
+                                     plugins_dir=self.settings.plugins_dir,
+                                     registration=self.registration, metrics=metrics)
+        self.health = HealthServer(self.settings.health_listen, Readiness(
+            self.registration, self.agent, self.wiring.api, self.wiring.publisher),
+            self.registry)
+        self._publishing: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        try:
+            await self.health.start()
+            await self.servers.start()
+        except (SocketPathError, OSError) as err:
+            await self.stop()
+            raise PluginStartError(str(err)) from err
+        if self.wiring.publisher is not None:
+            self._publishing = asyncio.create_task(self._publish(self.wiring.publisher))
+
+    async def _publish(self, publisher: Publisher) -> None:
+        while True:
+            try:
+                await publisher.run()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("the ResourceSlice publisher failed; restarting it",
+                              extra={"restart_in_s": PUBLISHER_RESTART_S})
+                await asyncio.sleep(PUBLISHER_RESTART_S)
+
+    async def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Deregister from kubelet, let claim calls in progress finish (up to ``grace_s``),
+        stop publishing, close everything; the socket files are removed."""
+        await self.servers.stop(grace_s)
+        await self.service.drain(grace_s)
+        if self._publishing is not None:
+            self._publishing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._publishing
+            self._publishing = None
+        await self.health.stop()
+        if self.wiring.close is not None:
+            await self.wiring.close()
+        await self.agent.close()
+
+
+async def serve(settings: PluginSettings, wire: Wire = wire_kubernetes) -> int:
+    """Run the plugin until SIGTERM or SIGINT; the exit status."""
+    settings.check()
+    registry = CollectorRegistry()
+    agent = AgentClient(settings.agent_socket, settings.token_file)
+    try:
+        wiring = await wire(settings, agent, registry)
+    except BaseException:
+        await agent.close()
+        raise
+    plugin = Plugin(settings, wiring, agent, registry)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    try:
+        await plugin.start()
+        log.info("kubelet plugin started", extra={
+            "driver": settings.driver, "node": settings.node_name,
+            "agent_socket": str(settings.agent_socket),
+            "health": "{}:{}".format(*plugin.health.address) if plugin.health.address else ""})
+        await stopping.wait()
+        log.info("stopping")
+        await plugin.stop()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    return 0

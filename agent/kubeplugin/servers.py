@@ -1,0 +1,224 @@
+"""The two gRPC servers kubelet talks to (grpc.aio): registration on
+``<registry-dir>/<driver>-reg.sock`` and the DRA service, v1 and v1beta1, on
+``<plugins-dir>/<driver>/dra.sock``.
+
+The DRA socket is listening before the registration socket appears, because kubelet's plugin
+watcher dials the endpoint as soon as it has called ``GetInfo``; at shutdown the registration
+socket goes first, so kubelet deregisters the plugin before its endpoint closes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import grpc
+
+from agent.kubeplugin.claims import KubeletClaim
+from agent.kubeplugin.dra import DraService, arrival_ns
+from agent.kubeplugin.metrics import PluginMetrics
+from agent.kubeplugin.proto import (
+    dra_v1_pb2,
+    dra_v1_pb2_grpc,
+    dra_v1beta1_pb2,
+    dra_v1beta1_pb2_grpc,
+    registration_pb2,
+    registration_pb2_grpc,
+)
+
+log = logging.getLogger("agent.kubeplugin.grpc")
+
+#: Kubelet picks the first entry it supports: v1 (1.34+), then v1beta1 (1.32-1.33 kubelets).
+SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
+PLUGIN_TYPE = "DRAPlugin"
+#: sun_path holds 108 bytes, the terminating NUL included.
+MAX_SOCKET_PATH = 107
+
+
+class SocketPathError(Exception):
+    """A socket path is taken by something that is not a socket, or cannot be created."""
+
+
+def prepare_socket(path: Path) -> None:
+    """Create the socket's directory and remove a stale socket a previous plugin left (its
+    process is gone: nothing accepts on it). A socket something still accepts on (another
+    plugin for the same driver), or anything that is not a socket, is refused, not removed."""
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        raise SocketPathError(f"{path}: longer than the {MAX_SOCKET_PATH} bytes a Unix socket "
+                              "path may have")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        info = path.lstat()
+    except FileNotFoundError:
+        return
+    except OSError as err:
+        raise SocketPathError(f"{path}: {err.strerror}") from err
+    if not stat.S_ISSOCK(info.st_mode):
+        raise SocketPathError(f"{path} exists and is not a socket; not removing it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(str(path))
+    except OSError:
+        pass  # refused: stale
+    else:
+        raise SocketPathError(f"{path}: another process is serving on it (a second plugin "
+                              "for this driver?)")
+    finally:
+        probe.close()
+    path.unlink()
+    log.info("removed a stale socket", extra={"path": str(path)})
+
+
+def remove_socket(path: Path) -> None:
+    try:
+        if stat.S_ISSOCK(path.lstat().st_mode):
+            path.unlink()
+    except OSError:
+        pass  # already gone
+
+
+@dataclass
+class RegistrationState:
+    """What kubelet last said about the registration (``NotifyRegistrationStatus``)."""
+
+    registered: bool = False
+    error: str | None = None
+    info_calls: int = 0
+    notified_at: float | None = None
+
+    @property
+    def reason(self) -> str | None:
+        """Why the plugin is not registered, or None."""
+        if self.registered:
+            return None
+        if self.error:
+            return f"kubelet refused the registration: {self.error}"
+        if self.info_calls:
+            return "kubelet called GetInfo but has not confirmed the registration"
+        return "kubelet has not called GetInfo yet"
+
+
+class RegistrationServicer:
+    """``pluginregistration.Registration``: who the plugin is, and kubelet's verdict."""
+
+    def __init__(self, driver: str, endpoint: Path, state: RegistrationState,
+                 metrics: PluginMetrics) -> None:
+        self._info = registration_pb2.PluginInfo(
+            type=PLUGIN_TYPE, name=driver, endpoint=str(endpoint),
+            supported_versions=list(SUPPORTED_VERSIONS))
+        self._state = state
+        self._metrics = metrics
+
+    async def GetInfo(self, request: registration_pb2.InfoRequest,
+                      context: Any) -> registration_pb2.PluginInfo:
+        self._state.info_calls += 1
+        return self._info
+
+    async def NotifyRegistrationStatus(
+            self, request: registration_pb2.RegistrationStatus,
+            context: Any,
+    ) -> registration_pb2.RegistrationStatusResponse:
+        self._state.registered = request.plugin_registered
+        self._state.error = request.error or None
+        self._state.notified_at = time.time()
+        self._metrics.registered.set(1 if request.plugin_registered else 0)
+        if request.plugin_registered:
+            log.info("registered with kubelet", extra={"driver": self._info.name})
+        else:
+            log.error("kubelet refused the registration",
+                      extra={"driver": self._info.name, "error": request.error})
+        return registration_pb2.RegistrationStatusResponse()
+
+
+def _claims(messages: Any) -> list[KubeletClaim]:
+    return [KubeletClaim(namespace=c.namespace, uid=c.uid, name=c.name) for c in messages]
+
+
+class DraServicer:
+    """``DRAPlugin`` for one version's messages (``pb2``: ``dra_v1_pb2`` or
+    ``dra_v1beta1_pb2``; the wire is the same)."""
+
+    def __init__(self, service: DraService, pb2: ModuleType) -> None:
+        self._service = service
+        self._pb2 = pb2
+
+    async def NodePrepareResources(self, request: Any,
+                                   context: Any) -> Any:
+        issued_at_ns = arrival_ns()  # first, before any await: the call's ordering stamp
+        results = await self._service.prepare(_claims(request.claims), issued_at_ns)
+        pb2 = self._pb2
+        answer = pb2.NodePrepareResourcesResponse()
+        for uid, result in results.items():
+            entry = answer.claims[uid]
+            if result.error is not None:
+                entry.error = result.error
+                continue
+            entry.devices.extend(pb2.Device(
+                request_names=list(d.request_names), pool_name=d.pool_name,
+                device_name=d.device_name, cdi_device_ids=list(d.cdi_device_ids))
+                for d in result.devices)
+        return answer
+
+    async def NodeUnprepareResources(self, request: Any,
+                                     context: Any) -> Any:
+        issued_at_ns = arrival_ns()  # first, before any await
+        results = await self._service.unprepare(_claims(request.claims), issued_at_ns)
+        answer = self._pb2.NodeUnprepareResourcesResponse()
+        for uid, error in results.items():
+            answer.claims[uid].error = error or ""
+        return answer
+
+
+class PluginServers:
+    """Both gRPC servers, started and stopped in kubelet's order."""
+
+    def __init__(self, service: DraService, *, driver: str, registry_dir: Path,
+                 plugins_dir: Path, registration: RegistrationState,
+                 metrics: PluginMetrics) -> None:
+        self.registration_socket = registry_dir / f"{driver}-reg.sock"
+        self.dra_socket = plugins_dir / driver / "dra.sock"
+        self._dra = grpc.aio.server()
+        dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(DraServicer(service, dra_v1_pb2),
+                                                        self._dra)
+        dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server(
+            DraServicer(service, dra_v1beta1_pb2), self._dra)
+        self._registration = grpc.aio.server()
+        registration_pb2_grpc.add_RegistrationServicer_to_server(
+            RegistrationServicer(driver, self.dra_socket, registration, metrics),
+            self._registration)
+        self._bound: list[Path] = []
+
+    async def start(self) -> None:
+        for path in (self.dra_socket, self.registration_socket):
+            prepare_socket(path)
+        await self._listen(self._dra, self.dra_socket)
+        await self._listen(self._registration, self.registration_socket)
+        log.info("serving kubelet", extra={"registration": str(self.registration_socket),
+                                           "endpoint": str(self.dra_socket)})
+
+    async def _listen(self, server: grpc.aio.Server, path: Path) -> None:
+        try:
+            server.add_insecure_port(f"unix://{path}")
+        except RuntimeError as err:
+            raise SocketPathError(f"cannot listen on {path}: {err}") from err
+        self._bound.append(path)
+        await server.start()
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop registration first (kubelet deregisters), then the DRA service after letting
+        calls in progress finish for up to ``grace_s``; both socket files are removed."""
+        await self._registration.stop(None)
+        if self.registration_socket in self._bound:
+            remove_socket(self.registration_socket)
+        await self._dra.stop(grace_s)
+        if self.dra_socket in self._bound:
+            remove_socket(self.dra_socket)
+        self._bound = []
