@@ -73,3 +73,24 @@ def test_published_slices_are_created_unchanged(version: str, case: Case,
         status, stored = server.request("GET", f"{SLICES}/{item['metadata']['name']}")
         assert status == 200
         assert _semantic(stored["spec"]) == _semantic(item["spec"])
+
+
+@pytest.mark.parametrize(("version", "gates"), [("1.34", ""),
+                                                ("1.37", "DRAPartitionableDevices=false")])
+def test_server_without_partitionable_gate_drops_counters_silently(
+        version: str, gates: str, kube_apiservers: StartApiServer,
+        agent_node: StartAgent) -> None:
+    """A server whose DRAPartitionableDevices gate is off (1.34's default) still answers 201
+    to dynamic-MIG slices but stores them without sharedCounters and consumesCounters: only
+    reading back shows the loss (what the publisher must detect)."""
+    server = kube_apiservers(version, feature_gates=gates)
+    node_name = f"gate-off-v{version}".replace(".", "-")
+    agent = agent_node("dgx-h100", node_name=node_name, dynamic_mig=True)
+    server.ensure_node(node_name)
+    sent = slices_of(agent, SLICE_RULES[version])
+    assert any("sharedCounters" in s["spec"] for s in sent)
+    for item in sent:
+        status, stored = server.request("POST", SLICES, item)
+        assert status == 201, stored
+        assert "sharedCounters" not in stored["spec"]
+        assert not any("consumesCounters" in d for d in stored["spec"].get("devices", []))

@@ -122,8 +122,9 @@ func runKubelet(args []string) error {
 		}
 		emit(answer)
 	}
-	// EOF on stdin is the caller going away: stop like kubelet does, closing connections.
-	manager.Stop()
+	// EOF on stdin is the caller going away: close the plugin connections as kubelet's
+	// shutdown does (what 1.37's Manager.Stop does; 1.34 has no Manager.Stop).
+	h.plugins.Stop()
 	return nil
 }
 
