@@ -209,15 +209,19 @@ class ApiServer:
             conn.close()
         return reply.status, (json.loads(payload) if payload else None)
 
-    def service_account_kubeconfig(self, namespace: str, name: str, path: Path, *,
-                                   duration: str = "1h") -> Path:
-        """A kubeconfig for ServiceAccount ``namespace/name`` (created if missing) with a
-        token from ``kubectl create token``: that account's RBAC, nothing more."""
+    def service_account_token(self, namespace: str, name: str, *, duration: str = "1h") -> str:
+        """A token for ServiceAccount ``namespace/name`` (created if missing) from
+        ``kubectl create token``: that account's RBAC, nothing more."""
         if self.kubectl("get", "serviceaccount", "-n", namespace, name,
                         check=False).returncode != 0:
             self.kubectl("create", "serviceaccount", "-n", namespace, name)
-        token = self.kubectl("create", "token", "-n", namespace, name,
-                             f"--duration={duration}").stdout.strip()
+        return self.kubectl("create", "token", "-n", namespace, name,
+                            f"--duration={duration}").stdout.strip()
+
+    def service_account_kubeconfig(self, namespace: str, name: str, path: Path, *,
+                                   duration: str = "1h") -> Path:
+        """A kubeconfig (mode 0600) with :meth:`service_account_token`'s token."""
+        token = self.service_account_token(namespace, name, duration=duration)
         path.write_text(json.dumps({
             "apiVersion": "v1", "kind": "Config",
             "clusters": [{"name": "harness", "cluster": {"server": self.url,
