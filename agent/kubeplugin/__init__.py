@@ -1,0 +1,1 @@
+"""The kubelet DRA plugin process (``gpu-agent kubelet-plugin``)."""
