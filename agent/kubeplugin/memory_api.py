@@ -73,6 +73,7 @@ class MemorySliceApi:
         self._nodes: dict[str, Json] = {}
         self._events: list[_Event] = []
         self._compacted = 0
+        self._epoch = 0
         self._versions = itertools.count(1)
         self._last_version = 0
         self._changed = asyncio.Event()
@@ -107,8 +108,10 @@ class MemorySliceApi:
         return len(names)
 
     def compact(self) -> None:
-        """Forget the event history: a watch from an older resourceVersion expires."""
+        """Forget the event history: open watches end with 410 Expired, and a watch from an
+        older resourceVersion expires."""
         self._compacted = self._last_version
+        self._epoch += 1
         self._events.clear()
         self._notify()
 
@@ -138,6 +141,7 @@ class MemorySliceApi:
         if since < self._compacted:
             raise KubeExpired(f"too old resource version: {since}", status=410,
                               reason="Expired")
+        epoch = self._epoch
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
@@ -150,7 +154,7 @@ class MemorySliceApi:
                     yield WatchEvent(event.type, copy.deepcopy(event.object))
             if not self.available:
                 raise KubeUnavailable("watch: connection reset")
-            if since < self._compacted:
+            if epoch != self._epoch:
                 raise KubeExpired("history compacted", status=410, reason="Expired")
             remaining = deadline - loop.time()
             if remaining <= 0:

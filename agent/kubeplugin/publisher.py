@@ -30,7 +30,7 @@ from typing import Any, Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception
-from tenacity.wait import wait_base, wait_exponential_jitter
+from tenacity.wait import wait_base, wait_exponential, wait_random
 
 from agent.kubeplugin.kube import (
     KubeConflict,
@@ -103,8 +103,8 @@ class Backoff:
     max_s: float = 10.0
 
     def waits(self) -> wait_base:
-        return wait_exponential_jitter(initial=self.initial_s, max=self.max_s,
-                                       jitter=self.initial_s)
+        return (wait_exponential(multiplier=self.initial_s, max=self.max_s)
+                + wait_random(0, self.initial_s))
 
 
 def kubernetes_version(version: tuple[int, int]) -> str:
@@ -168,6 +168,7 @@ class SlicePublisher:
         self._lost_after = agent_lost_after_s
         self._wait_s = agent_wait_s
         self._backoff = backoff or Backoff()
+        self._waits = self._backoff.waits()
         self.metrics = PublisherMetrics(registry)
         self.kubernetes: str | None = None
         self._dirty = asyncio.Event()
@@ -295,15 +296,15 @@ class SlicePublisher:
                 wait=self._wait_for, before_sleep=self._note_failure(what), reraise=True):
             with attempt:
                 result = await call()
-            self._server_problem = None
-            return result
+                self._server_problem = None
+                return result
         raise AssertionError("unreachable: tenacity retries forever here")
 
     def _wait_for(self, state: RetryCallState) -> float:
         err = state.outcome.exception() if state.outcome else None
         if isinstance(err, KubeConflict):
             return CONFLICT_WAIT_S  # someone wrote since the list: read again soon
-        wait = self._backoff.waits()(state)
+        wait = self._waits(state)
         if isinstance(err, KubeUnavailable) and err.retry_after_s is not None:
             wait = max(wait, min(err.retry_after_s, self._backoff.max_s))
         return float(wait)
