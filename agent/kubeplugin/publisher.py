@@ -226,6 +226,9 @@ class SlicePublisher:
                 async with asyncio.timeout(self._wait_s + 10):
                     answer = await self._agent.resource_slices(kubernetes, etag, self._wait_s)
             except Exception as err:  # whatever the client raises: the agent did not answer
+                # The next ask is unconditional: an agent back with the same content would
+                # otherwise hold it for wait_s before saying so.
+                etag = None
                 now = time.monotonic()
                 failing_since = now if failing_since is None else failing_since
                 self._agent_problem = f"agent not answering: {type(err).__name__}: {err}"

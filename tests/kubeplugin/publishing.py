@@ -42,6 +42,15 @@ class ScriptedAgent:
 
     def set(self, items: list[Json]) -> None:
         self.items, self.version = items, self.version + 1
+        self._wake()
+
+    def go_down(self) -> None:
+        """Refuse every call from now on, ending a held long-poll; the content stays, so
+        an agent back up answers the old ETag with "unchanged"."""
+        self.down = True
+        self._wake()
+
+    def _wake(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
 

@@ -127,8 +127,7 @@ async def test_lost_agent_deletes_the_pool_until_it_is_back() -> None:
     publisher, registry = make_publisher(agent, api, lost_after_s=0.3)
     async with running(publisher) as task:
         await eventually(lambda: publisher.health().in_sync, task=task)
-        agent.down = True
-        agent.set(POOL)  # wake the long-poll: it fails now
+        agent.go_down()
         took = await eventually(lambda: api.slices() == [], within_s=3, task=task)
         assert took >= 0.25
         assert sample(registry, "slice_pool_deletions_total") == 1
@@ -147,8 +146,7 @@ async def test_a_short_agent_outage_keeps_the_pool() -> None:
     publisher, registry = make_publisher(agent, api, lost_after_s=30)
     async with running(publisher) as task:
         await eventually(lambda: publisher.health().in_sync, task=task)
-        agent.down = True
-        agent.set(POOL)
+        agent.go_down()
         await eventually(lambda: sample(registry, "slice_publisher_errors_total",
                                         kind="agent") >= 3, task=task)
         assert len(api.slices()) == 2
