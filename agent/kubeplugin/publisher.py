@@ -354,8 +354,8 @@ class SlicePublisher:
         if actions.writes:
             self.metrics.publishes.inc()
             log.info("resourceslices published", extra={
-                "generation": actions.generation, "created": len(actions.creates),
-                "updated": len(actions.updates), "deleted": len(actions.deletes),
+                "generation": actions.generation, "slices_created": len(actions.creates),
+                "slices_updated": len(actions.updates), "slices_deleted": len(actions.deletes),
                 "cause": cause or "agent"})
             if cause is not None:
                 self.metrics.republishes.labels(cause).inc()
