@@ -159,8 +159,11 @@ class MemorySliceApi:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return
+            # asyncio.timeout, not wait_for: 3.11's wait_for loses a cancellation that
+            # arrives as the event fires, and the watch would outlive its publisher.
             try:
-                await asyncio.wait_for(changed.wait(), remaining)
+                async with asyncio.timeout(remaining):
+                    await changed.wait()
             except TimeoutError:
                 return
 

@@ -61,7 +61,8 @@ class ScriptedAgent:
             raise ConnectionRefusedError("agent socket refused")
         if etag == str(self.version):
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), wait_s)
+                async with asyncio.timeout(wait_s):  # not wait_for: it can lose a cancel
+                    await self._changed.wait()
             if self.down:
                 raise ConnectionResetError("agent went away")
             if etag == str(self.version):
