@@ -52,8 +52,6 @@ LAYER_OF = {
     "agent.daemon": "entry",
     "agent.cli": "entry",
     "agent.systemd": "entry",
-    # the kubelet plugin: its own process, reaching the agent over REST only
-    "agent.kubeplugin": "entry",
     "agent.__main__": "entry",
 }
 
