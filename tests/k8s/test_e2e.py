@@ -5,6 +5,7 @@ resolved and injected by the CDI reference library, then unprepared."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -26,6 +27,7 @@ from tests.k8s.workload import (
 
 Json = dict[str, Any]
 ADMIN_LABEL = "resource.kubernetes.io/admin-access"
+SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 
 
 def held(stack: Stack) -> dict[str, list[str]]:
@@ -203,3 +205,22 @@ def test_admin_access_claim_gets_a_device_another_claim_holds(
     assert held(running) == {claim_uid(running, "workload", namespace): ["gpu-2"]}
     unprepare(running, "workload", namespace=namespace)
     assert held(running) == {}
+
+
+def test_the_plugins_credential_is_held_to_its_own_node(kube_apiserver: ApiServer,
+                                                        stack: StartStack) -> None:
+    """The stack's plugin runs as the DaemonSet's pod would: the shipped admission policy
+    lets its token write its own node's slices (they are published) and refuses a slice
+    for another node, naming the node its token is bound to."""
+    running = stack(kube_apiserver, "l40s", node="e2e-policy", kubelet=False)
+    [mine, *_] = running.wait_slices()
+    token = json.loads(running.kubeconfig.read_text())["users"][0]["user"]["token"]
+    other = {**mine, "metadata": {"name": "e2e-policy-elsewhere"},
+             "spec": {**mine["spec"], "nodeName": "e2e-policy-other",
+                      "pool": {**mine["spec"]["pool"], "name": "e2e-policy-other"}}}
+    kube_apiserver.ensure_node("e2e-policy-other")
+    status, body = kube_apiserver.request("POST", SLICES, other, token=token)
+    # A policy validation without a ``reason`` fails as Invalid: 422, not 403.
+    assert status == 422, body.get("message")
+    assert "ValidatingAdmissionPolicy 'gpu-node-agent-resourceslices'" in body["message"]
+    assert "may write only ResourceSlices whose spec.nodeName is e2e-policy" in body["message"]
