@@ -69,6 +69,9 @@ def test_full_gpu_claim_runs_through_the_whole_stack(kube_apiserver: ApiServer,
     unprepare(running, "full")
     assert held(running) == {}
     assert not spec.exists()
+    assert running.plugin.metric("gpu_agent_plugin_registered") == 1
+    for call in ("prepare", "unprepare"):
+        assert running.plugin.metric(f"gpu_agent_plugin_{call}_seconds_count") == 1, call
 
 
 def test_static_mig_claim_gets_an_existing_instance(kube_apiserver: ApiServer,
