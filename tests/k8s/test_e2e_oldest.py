@@ -61,3 +61,26 @@ def test_full_gpu_and_static_mig_through_the_1_34_stack(oldest: ApiServer,
     unprepare(running, "old-mig")
     unprepare(running, "old-full")
     assert running.agent_claims() == []
+
+
+def test_dynamic_mig_through_the_1_34_stack(oldest: ApiServer, stack: StartStack) -> None:
+    """On 1.34 with DRAPartitionableDevices on, the dynamic 3g.40gb example claim is
+    allocated from the counter-sharing slices, its instance is created at the allocated
+    placement by the prepare through 1.34 kubelet, and destroyed by the unprepare."""
+    running = stack(oldest, "dgx-h100", node="e2e-oldest-dynamic", dynamic_mig=True)
+    create_pod(running, "old-dynamic", example_claim("dynamic-mig.yaml", "old-dynamic"))
+    answer = allocate(running, "old-dynamic", feature_gates=DRA_GATES[OLDEST])
+    assert answer.allocated, answer.reason
+    [device] = answer.devices()
+    # gpu-<minor>-mig-<profile>-<profile id>-<placement start>
+    gpu, start = int(device.split("-")[1]), int(device.split("-")[-1])
+    assert "-mig-3g40gb-" in device, device
+
+    _, injected = prepare_and_inject(running, "old-dynamic")
+    assert any(p.startswith("/dev/nvidia-caps/") for p in device_paths(injected)), injected
+    made = running.agent.request("GET", f"/v1/gpus/{gpu}").body["mig_devices"]
+    assert [(m["profile"], m["placement"]["start"]) for m in made] == [("3g.40gb", start)]
+
+    unprepare(running, "old-dynamic")
+    assert running.agent.request("GET", f"/v1/gpus/{gpu}").body["mig_devices"] == []
+    assert running.agent_claims() == []
