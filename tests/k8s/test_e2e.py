@@ -162,6 +162,8 @@ def test_live_geometry_change_reaches_the_server_and_a_pending_claim_gets_alloca
         lambda s: sum(n.startswith("gpu-0-mig-1g10gb") for n in devices_of(s)) == 7)
     seen_after_s = time.monotonic() - changed
     assert "gpu-0" not in devices_of(published)
+    # The goal is 2 s (bench/ measures it; ~0.3-0.5 s here); this bound leaves a loaded
+    # 2-core CI room while still catching a publisher that only resyncs periodically.
     assert seen_after_s < 10, seen_after_s
 
     answer = allocate(running, "pending-mig")
