@@ -229,3 +229,30 @@ def test_the_plugins_credential_is_held_to_its_own_node(kube_apiserver: ApiServe
     assert status == 422, body.get("message")
     assert "ValidatingAdmissionPolicy 'gpu-node-agent-resourceslices'" in body["message"]
     assert "may write only ResourceSlices whose spec.nodeName is e2e-policy" in body["message"]
+
+
+def test_two_dynamic_mig_claims_on_one_gpu_get_disjoint_instances(
+        kube_apiserver: ApiServer, stack: StartStack) -> None:
+    """Two 3g.40gb claims pinned to one GPU are allocated different placements (the shared
+    counters as the scheduler tracks them), both prepared instances exist at once at exactly
+    those placements, and a third is refused: the GPU has no room left for it."""
+    running = stack(kube_apiserver, "dgx-h100", node="e2e-dynamic-two", dynamic_mig=True)
+    uuid = gpu_uuid(running.agent, 4)
+    on_gpu_4 = f'device.attributes["gpu.nodeagent.dev"].parentUUID == "{uuid}"'
+    starts = []
+    for name in ("dyn-a", "dyn-b", "dyn-c"):
+        create_pod(running, name, claim_with_selector(
+            example_claim("dynamic-mig.yaml", name), on_gpu_4))
+    for name in ("dyn-a", "dyn-b"):
+        answer = allocate(running, name)
+        assert answer.allocated, answer.reason
+        [device] = answer.devices()
+        starts.append(int(device.split("-")[-1]))
+        prepare_and_inject(running, name)
+    assert len(set(starts)) == 2, starts
+    assert {(p, s) for _, p, s in instances(running, 4)} == {("3g.40gb", s) for s in starts}
+    assert not allocate(running, "dyn-c").allocated
+
+    for name in ("dyn-a", "dyn-b"):
+        unprepare(running, name)
+    assert instances(running, 4) == set()
