@@ -225,8 +225,8 @@ def test_the_plugins_credential_is_held_to_its_own_node(kube_apiserver: ApiServe
                       "pool": {**mine["spec"]["pool"], "name": "e2e-policy-other"}}}
     kube_apiserver.ensure_node("e2e-policy-other")
     status, body = kube_apiserver.request("POST", SLICES, other, token=token)
-    # A policy validation without a ``reason`` fails as Invalid: 422, not 403.
-    assert status == 422, body.get("message")
+    # The policy's validations give reason Forbidden: 403, as for any authorisation failure.
+    assert status == 403, body.get("message")
     assert "ValidatingAdmissionPolicy 'gpu-node-agent-resourceslices'" in body["message"]
     assert "may write only ResourceSlices whose spec.nodeName is e2e-policy" in body["message"]
 
