@@ -441,26 +441,29 @@ class MigLabels:
         if isinstance(action, Fail):
             outcome = Outcome(State.FAILED, action.reason)
         else:
-            outcome = await self._apply(action, state)
-        await self._set(action.label, outcome)
+            outcome, state = await self._apply(action, state)
+        await self._set(action.label, outcome, state)
         self.handled = action.handled
 
-    async def _apply(self, action: Apply, state: str | None) -> Outcome:
+    async def _apply(self, action: Apply, state: str | None) -> tuple[Outcome, str | None]:
+        """The apply's outcome, and the state label as it now is."""
         try:
             planned = await self.agent.apply(action.config, action.label, dry_run=True,
                                              allow_reset=self.allow_reset)
         except AgentRefused as err:
-            return Outcome(State.FAILED, f"the agent refused {action.label!r}: {err.detail}")
+            return Outcome(State.FAILED, f"the agent refused {action.label!r}: "
+                           f"{err.detail}"), state
         decided = dry_run_outcome(planned)
         if decided is not None:
-            return decided
-        if state != State.PENDING:
-            await self._set(action.label, Outcome(State.PENDING, "applying"))
+            return decided, state
+        await self._set(action.label, Outcome(State.PENDING, "applying"), state)
+        state = State.PENDING
         try:
             answer = await self.agent.apply(action.config, action.label, dry_run=False,
                                             allow_reset=self.allow_reset)
         except AgentRefused as err:
-            return Outcome(State.FAILED, f"the agent refused {action.label!r}: {err.detail}")
+            return Outcome(State.FAILED, f"the agent refused {action.label!r}: "
+                           f"{err.detail}"), state
         apply_id = str(answer.get("apply_id"))
         while (outcome := apply_outcome(answer)) is None:
             await asyncio.sleep(POLL_S)
@@ -469,15 +472,19 @@ class MigLabels:
             except AgentRefused as err:
                 # 404: the agent restarted and keeps no applies; its journal finished or
                 # rolled back each GPU, so what happened is not known here.
-                return Outcome(State.FAILED, f"apply {apply_id} lost: {err.detail}")
+                return Outcome(State.FAILED, f"apply {apply_id} lost: {err.detail}"), state
             except AgentCallError as err:
                 log.warning("MIG config label: agent unreachable during the apply",
                             extra={"apply_id": apply_id, "error": str(err)})
                 await asyncio.sleep(RETRY_S)
-        return outcome
+        return outcome, state
 
-    async def _set(self, label: str, outcome: Outcome) -> None:
-        await self.kube.patch_node_labels(self.node_name, {STATE_LABEL: outcome.state.value})
+    async def _set(self, label: str, outcome: Outcome, state: str | None) -> None:
+        """Log the outcome; write the state label unless it already says so (a ConfigMap
+        edit reaches every node, and most have nothing to change)."""
+        if state != outcome.state.value:
+            await self.kube.patch_node_labels(self.node_name,
+                                              {STATE_LABEL: outcome.state.value})
         extra = {"node": self.node_name, "mig_config": label, "state": outcome.state.value,
                  "reason": outcome.reason}
         if outcome.state is State.FAILED:

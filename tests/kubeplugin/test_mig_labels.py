@@ -5,7 +5,7 @@ and which flag combinations start."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -31,8 +31,21 @@ EDITED = ConfigSource(TEXT + "  all-enabled:\n    - devices: all\n      mig-enab
 MISSING = ConfigSource(None, "ConfigMap gpu-operator/default-mig-parted-config not found")
 DONE = Handled("all-disabled", CONFIG.digest)
 
-# (label, state, config, handled) -> the kind of action, and its label when not Idle.
-DECISIONS: list[tuple[str, str | None, str | None, ConfigSource, Handled | None, type, str]] = [
+
+
+class Case(NamedTuple):
+    """(label, state, config, handled) -> the kind of action, and its label when not Idle."""
+
+    name: str
+    label: str | None
+    state: str | None
+    config: ConfigSource
+    handled: Handled | None
+    kind: type
+    applied: str
+
+
+DECISIONS = [Case(*row) for row in [
     ("no label: nothing, whatever the state", None, "success", CONFIG, None, Idle, ""),
     ("empty label: nothing", "", None, CONFIG, DONE, Idle, ""),
     ("a label at start-up is applied (a no-op when already there)", "all-disabled",
@@ -55,23 +68,22 @@ DECISIONS: list[tuple[str, str | None, str | None, ConfigSource, Handled | None,
      Handled("all-disabled", MISSING.digest), Idle, ""),
     ("the ConfigMap comes back: applied", "all-disabled", "failed", CONFIG,
      Handled("all-disabled", MISSING.digest), Apply, "all-disabled"),
-]
+]]
 
 
-@pytest.mark.parametrize(("case", "label", "state", "config", "handled", "kind", "applied"),
-                         DECISIONS, ids=[row[0] for row in DECISIONS])
-def test_decide(case: str, label: str | None, state: str | None, config: ConfigSource,
-                handled: Handled | None, kind: type, applied: str) -> None:
+@pytest.mark.parametrize("case", DECISIONS, ids=[case.name for case in DECISIONS])
+def test_decide(case: Case) -> None:
     """decide() applies a label when the label, the ConfigMap's content or the presence of the
     state label changed since it was last carried through, fails without a ConfigMap, and
     otherwise does nothing."""
-    action = decide(label=label, state=state, config=config, handled=handled)
-    assert isinstance(action, kind), (case, action)
+    action = decide(label=case.label, state=case.state, config=case.config,
+                    handled=case.handled)
+    assert isinstance(action, case.kind), (case.name, action)
     if isinstance(action, Apply | Fail):
-        assert action.label == applied
-        assert action.handled == Handled(applied, config.digest)
+        assert action.label == case.applied
+        assert action.handled == Handled(case.applied, case.config.digest)
     if isinstance(action, Apply):
-        assert action.config == config.text
+        assert action.config == case.config.text
 
 
 def _row(state: str, index: int = 0, **fields: Any) -> dict[str, Any]:
