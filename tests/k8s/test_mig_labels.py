@@ -31,6 +31,7 @@ CONFIG_LABEL = "nvidia.com/mig.config"
 STATE_LABEL = "nvidia.com/mig.config.state"
 ACCOUNT = "miglabels-plugin"
 
+ALL_ENABLED = "  all-enabled:\n    - devices: all\n      mig-enabled: true\n      mig-devices: {}\n"
 BALANCED = {"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1}
 
 
@@ -324,7 +325,7 @@ def test_config_map_edit_reapplies_the_label(
     seen = len(plugin.lines())
     before = node_of(kube_apiserver, node)["metadata"]["resourceVersion"]
     put_config(kube_apiserver, account, config_yaml(
-        {"1g.10gb": 7}, extra="  all-enabled:\n    - devices: all\n      mig-enabled: true\n"))
+        {"1g.10gb": 7}, extra=ALL_ENABLED))
     plugin.wait_line(_applied("already applied"), after=seen)
     assert "pending" not in states_since(kube_apiserver, node, before)
     assert layout(agent) == everywhere({"1g.10gb": 7})
