@@ -29,7 +29,6 @@ from tests.k8s.harness import ApiServer
 
 CONFIG_LABEL = "nvidia.com/mig.config"
 STATE_LABEL = "nvidia.com/mig.config.state"
-ACCOUNT = "miglabels-plugin"
 
 ALL_ENABLED = "  all-enabled:\n    - devices: all\n      mig-enabled: true\n      mig-devices: {}\n"
 BALANCED = {"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1}
@@ -60,47 +59,74 @@ mig-configs:
 {extra}"""
 
 
+#: The shipped bindings and admission policies name this account; applied as rendered.
+PLUGIN_NAMESPACE = PLUGIN_ACCOUNT = "gpu-node-agent"
+#: What the test takes from the rendered overlay (not the DaemonSet: no kubelet runs it).
+ACCESS_KINDS = ("ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
+                "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+
+
 @dataclass(frozen=True)
 class Account:
-    """The plugin's API server credential, and the ConfigMap the overlay lets it read."""
+    """The overlay's access objects on the server, and the ConfigMap its Role names."""
 
-    kubeconfig: Path
+    server: ApiServer
     namespace: str
     config_map: str
 
+    def kubeconfig(self, node: str, path: Path) -> Path:
+        """A kubeconfig (mode 0600) with a token of the plugin's ServiceAccount bound to a
+        Pod on ``node``, as the DaemonSet's projected token is (the API server then names
+        the node in the token, which both admission policies check)."""
+        pods = f"/api/v1/namespaces/{PLUGIN_NAMESPACE}/pods"
+        pod = f"kubelet-plugin-{node}"
+        status, body = self.server.request("GET", f"{pods}/{pod}")
+        if status == 404:
+            status, body = self.server.request("POST", pods, {
+                "apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": pod, "namespace": PLUGIN_NAMESPACE},
+                "spec": {"nodeName": node, "serviceAccountName": PLUGIN_ACCOUNT,
+                         "containers": [{"name": "kubelet-plugin",
+                                         "image": "registry.invalid/gpu-node-agent"}]}})
+        assert status in (200, 201), body
+        token = self.server.kubectl(
+            "create", "token", "-n", PLUGIN_NAMESPACE, PLUGIN_ACCOUNT,
+            "--bound-object-kind", "Pod", "--bound-object-name", pod,
+            "--bound-object-uid", body["metadata"]["uid"], "--duration=1h").stdout.strip()
+        path.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config",
+            "clusters": [{"name": "harness", "cluster": {
+                "server": self.server.url, "certificate-authority": str(self.server.ca)}}],
+            "users": [{"name": "plugin", "user": {"token": token}}],
+            "contexts": [{"name": "plugin", "context": {"cluster": "harness",
+                                                        "user": "plugin"}}],
+            "current-context": "plugin"}))
+        path.chmod(0o600)
+        return path
+
+
+def _ensure_namespace(server: ApiServer, name: str) -> None:
+    if server.kubectl("get", "namespace", name, check=False).returncode != 0:
+        server.kubectl("create", "namespace", name)
+
 
 @pytest.fixture(scope="module")
-def account(kube_apiserver: ApiServer, tmp_path_factory: pytest.TempPathFactory) -> Account:
-    """A ServiceAccount holding exactly the rules daemonset/overlays/mig-manager renders: the
-    base plugin ClusterRole, the overlay's node rules, and its Role on the one ConfigMap."""
+def account(kube_apiserver: ApiServer) -> Account:
+    """daemonset/overlays/mig-manager's RBAC and admission policies (the base's included)
+    applied as rendered, and the ServiceAccount they name."""
     docs = render("daemonset/overlays/mig-manager")
-    base = by_name(docs, "ClusterRole", "gpu-node-agent-kubelet-plugin")["rules"]
-    nodes = by_name(docs, "ClusterRole", "gpu-node-agent-mig-manager")["rules"]
     role = by_name(docs, "Role", "gpu-node-agent-mig-config")
-    namespace = role["metadata"]["namespace"]
     (config_map,) = role["rules"][0]["resourceNames"]
-    if kube_apiserver.kubectl("get", "namespace", namespace, check=False).returncode != 0:
-        kube_apiserver.kubectl("create", "namespace", namespace)
-    subject = [{"kind": "ServiceAccount", "namespace": "default", "name": ACCOUNT}]
-    rbac = "rbac.authorization.k8s.io"
-    objects: list[dict[str, Any]] = []
-    for name, rules in ((ACCOUNT, base + nodes),):
-        objects += [
-            {"apiVersion": f"{rbac}/v1", "kind": "ClusterRole", "metadata": {"name": name},
-             "rules": rules},
-            {"apiVersion": f"{rbac}/v1", "kind": "ClusterRoleBinding",
-             "metadata": {"name": name}, "subjects": subject,
-             "roleRef": {"apiGroup": rbac, "kind": "ClusterRole", "name": name}}]
-    objects += [
-        {"apiVersion": f"{rbac}/v1", "kind": "Role",
-         "metadata": {"name": ACCOUNT, "namespace": namespace}, "rules": role["rules"]},
-        {"apiVersion": f"{rbac}/v1", "kind": "RoleBinding",
-         "metadata": {"name": ACCOUNT, "namespace": namespace}, "subjects": subject,
-         "roleRef": {"apiGroup": rbac, "kind": "Role", "name": ACCOUNT}}]
-    kube_apiserver.apply(objects)
-    kubeconfig = kube_apiserver.service_account_kubeconfig(
-        "default", ACCOUNT, tmp_path_factory.mktemp("miglabels") / "plugin.kubeconfig")
-    return Account(kubeconfig, namespace, config_map)
+    for namespace in (PLUGIN_NAMESPACE, role["metadata"]["namespace"]):
+        _ensure_namespace(kube_apiserver, namespace)
+    body = {"apiVersion": "v1", "kind": "List",
+            "items": [doc for doc in docs if doc["kind"] in ACCESS_KINDS]}
+    kube_apiserver.kubectl("apply", "-f", "-", stdin=json.dumps(body))
+    if kube_apiserver.kubectl("get", "serviceaccount", "-n", PLUGIN_NAMESPACE, PLUGIN_ACCOUNT,
+                              check=False).returncode != 0:
+        kube_apiserver.kubectl("create", "serviceaccount", "-n", PLUGIN_NAMESPACE,
+                               PLUGIN_ACCOUNT)
+    return Account(kube_apiserver, role["metadata"]["namespace"], config_map)
 
 
 def put_config(server: ApiServer, account: Account, text: str) -> None:
@@ -238,7 +264,8 @@ def node_with_plugin(kube_apiserver: ApiServer, agent_node: StartAgent, account:
         log_path = tmp_path / f"plugin-{len(started)}.log"
         args = [sys.executable, "-m", "agent", "kubelet-plugin",
                 "--agent-socket", str(agent.socket_path), "--token-file", str(claims),
-                "--node-name", node, "--kubeconfig", str(account.kubeconfig),
+                "--node-name", node,
+                "--kubeconfig", str(account.kubeconfig(node, root / "kubeconfig")),
                 "--registry-dir", str(root / "reg"), "--plugins-dir", str(root / "plug"),
                 "--health-listen", "127.0.0.1:0", "--log-format", "json"]
         if mode:
@@ -374,3 +401,40 @@ def test_mode_off_ignores_the_label(
     assert layout(agent) == was
     assert not any(line.get("msg", "").startswith(("MIG config label", "following the Node"))
                    for line in plugin.lines())
+
+
+def test_policy_lets_the_plugin_write_only_its_own_state_label(
+        kube_apiserver: ApiServer, account: Account, tmp_path: Path) -> None:
+    """With the plugin's token for one node, the overlay's admission policy admits a change
+    of that Node's nvidia.com/mig.config.state and refuses any other label, another Node's
+    state label, and a change to the Node's spec."""
+    mine, other = "miglabels-policy", "miglabels-policy-other"
+    for node in (mine, other):
+        kube_apiserver.ensure_node(node)
+    plugin = account.kubeconfig(mine, tmp_path / "plugin.kubeconfig")
+
+    def as_plugin(*args: str) -> subprocess.CompletedProcess[str]:
+        return kube_apiserver.kubectl(*args, kubeconfig=plugin, check=False)
+
+    allowed = as_plugin("label", "node", mine, f"{STATE_LABEL}=success", "--overwrite")
+    assert allowed.returncode == 0, allowed.stderr
+    for args, why in [
+            (("label", "node", mine, f"{CONFIG_LABEL}=all-disabled"), "only the Node label"),
+            (("label", "node", mine, "team=x"), "only the Node label"),
+            (("label", "node", mine, f"{STATE_LABEL}-"), None),
+            (("label", "node", other, f"{STATE_LABEL}=success"), "only its own Node"),
+            (("cordon", mine), "spec or annotations"),
+            (("annotate", "node", mine, "a=b"), "spec or annotations")]:
+        refused = as_plugin(*args)
+        if why is None:  # removing the state label is the label mode's own business too
+            assert refused.returncode == 0, (args, refused.stderr)
+            continue
+        # (kubectl cordon exits 0 on a refused patch: the message and the Node tell.)
+        assert "denied request" in refused.stderr and why in refused.stderr, \
+            (args, refused.stderr)
+    assert state_of(kube_apiserver, other) is None
+    node = node_of(kube_apiserver, mine)
+    assert "team" not in (node["metadata"].get("labels") or {})
+    assert CONFIG_LABEL not in (node["metadata"].get("labels") or {})
+    assert not node.get("spec", {}).get("unschedulable")
+    assert "a" not in (node["metadata"].get("annotations") or {})
