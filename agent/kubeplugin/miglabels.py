@@ -385,6 +385,12 @@ class MigLabels:
                                 extra={"error": str(err), "retry_in_s": RETRY_S})
                     await asyncio.sleep(RETRY_S)
                     self._wake.set()
+                except Exception:
+                    # A bug must not end the mode silently while the plugin runs on.
+                    log.exception("MIG config label: reconcile failed; trying again",
+                                  extra={"retry_in_s": RETRY_S})
+                    await asyncio.sleep(RETRY_S)
+                    self._wake.set()
         finally:
             for task in watches:
                 task.cancel()

@@ -383,6 +383,25 @@ def test_removing_the_state_label_retries(
     assert layout(agent) == everywhere(None)
 
 
+def test_missing_config_map_fails_until_it_comes(
+        kube_apiserver: ApiServer, account: Account,
+        node_with_plugin: StartPlugin) -> None:
+    """Without the ConfigMap the label fails, naming the ConfigMap; once it is created the
+    label is applied with no other change."""
+    kube_apiserver.kubectl("delete", "configmap", "-n", account.namespace, account.config_map,
+                           "--ignore-not-found")
+    node = "miglabels-no-config"
+    agent, plugin = node_with_plugin(node)
+    label(kube_apiserver, node, "all-balanced")
+    wait_state(kube_apiserver, node, "failed", plugin)
+    line = plugin.wait_line(lambda line: line.get("msg") == "MIG config label failed")
+    assert line["reason"] == f"ConfigMap {account.namespace}/{account.config_map} not found"
+
+    put_config(kube_apiserver, account, config_yaml({"1g.10gb": 7}))
+    wait_state(kube_apiserver, node, "success", plugin)
+    assert layout(agent) == everywhere(BALANCED)
+
+
 def test_mode_off_ignores_the_label(
         kube_apiserver: ApiServer, account: Account,
         node_with_plugin: StartPlugin) -> None:
