@@ -231,7 +231,6 @@ class Plugin:
         raise AssertionError(f"no such log line in {timeout}s:\n{self.log()[-4000:]}")
 
 
-Tokens = dict[str, str]
 StartPlugin = Callable[..., tuple[AgentProcess, Plugin]]
 
 
