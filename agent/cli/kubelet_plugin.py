@@ -43,6 +43,17 @@ def add_parser(sub: Any) -> None:
     plugin.add_argument("--agent-lost-after", type=float, default=60.0, metavar="SECONDS",
                         help="delete this node's slices once the agent has been unreachable "
                              "this long (default 60)")
+    plugin.add_argument("--mig-config-map", metavar="NAMESPACE/NAME",
+                        help="follow this Node's nvidia.com/mig.config label as mig-manager "
+                             "does: apply that label of this ConfigMap's config.yaml through "
+                             "the agent and report nvidia.com/mig.config.state (default off; "
+                             "never alongside a running mig-manager; docs/mig.md)")
+    plugin.add_argument("--mig-token-file", type=Path, metavar="PATH",
+                        help="the agent token (geometry scope) for --mig-config-map, mode "
+                             "0600, as --token-file")
+    plugin.add_argument("--mig-allow-reset", action="store_true",
+                        help="with --mig-config-map: let the agent reset a GPU whose MIG mode "
+                             "change stays pending (Ampere; the agent's --gpu-reset-command)")
     plugin.add_argument("--log-format", choices=("text", "json"), default="text",
                         help="text (key=value) or json, one line per event (default text)")
     plugin.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
@@ -65,7 +76,9 @@ def run(args: argparse.Namespace, wire: Any = None) -> int:
         agent_socket=args.agent_socket, token_file=args.token_file,
         node_name=args.node_name or "", driver=args.driver, registry_dir=args.registry_dir,
         plugins_dir=args.plugins_dir, kubeconfig=args.kubeconfig,
-        health_listen=args.health_listen, agent_lost_after_s=args.agent_lost_after)
+        health_listen=args.health_listen, agent_lost_after_s=args.agent_lost_after,
+        mig_config_map=args.mig_config_map, mig_token_file=args.mig_token_file,
+        mig_allow_reset=args.mig_allow_reset)
     try:
         return asyncio.run(process.serve(settings, wire or process.wire_kubernetes))
     except process.PluginStartError as err:

@@ -23,6 +23,7 @@ from agent.kubeplugin.dra import DraService
 from agent.kubeplugin.health import HealthServer, Readiness, parse_listen
 from agent.kubeplugin.kube import KubeClient
 from agent.kubeplugin.metrics import PluginMetrics
+from agent.kubeplugin.miglabels import MigLabels, settings_problem
 from agent.kubeplugin.protocols import ApiServer, ClaimReader, Publisher
 from agent.kubeplugin.publisher import SlicePublisher
 from agent.kubeplugin.servers import PluginServers, RegistrationState, SocketPathError
@@ -56,6 +57,10 @@ class PluginSettings:
     kubeconfig: Path | None = None
     health_listen: str = DEFAULT_HEALTH_LISTEN
     agent_lost_after_s: float = 60.0
+    #: mig-manager's node labels (docs/mig.md), off unless a ConfigMap is named.
+    mig_config_map: str | None = None
+    mig_token_file: Path | None = None
+    mig_allow_reset: bool = False
 
     def check(self) -> None:
         """Refuse settings that cannot work, naming the flag."""
@@ -69,7 +74,8 @@ class PluginSettings:
             parse_listen(self.health_listen)
         except ValueError as err:
             raise PluginStartError(str(err)) from None
-        problem = token_file_usable(self.token_file)
+        problem = token_file_usable(self.token_file) or settings_problem(
+            self.mig_config_map, self.mig_token_file)
         if problem is not None:
             raise PluginStartError(problem)
 
@@ -83,6 +89,8 @@ class Wiring:
     api: ApiServer | None = None
     publisher: Publisher | None = None
     close: Callable[[], Awaitable[None]] | None = None
+    #: mig-manager's node labels (None: the mode is off).
+    mig_labels: MigLabels | None = None
 
 
 Wire = Callable[[PluginSettings, AgentClient, CollectorRegistry], Awaitable[Wiring]]
@@ -97,7 +105,18 @@ async def wire_kubernetes(settings: PluginSettings, agent: AgentClient,
                                driver=settings.driver,
                                agent_lost_after_s=settings.agent_lost_after_s,
                                registry=registry)
-    return Wiring(claims=kube, api=kube, publisher=publisher, close=kube.close)
+    if settings.mig_config_map is None or settings.mig_token_file is None:
+        return Wiring(claims=kube, api=kube, publisher=publisher, close=kube.close)
+    labels = await MigLabels.open(
+        kubeconfig=settings.kubeconfig, agent_socket=settings.agent_socket,
+        token_file=settings.mig_token_file, node_name=settings.node_name,
+        config_map=settings.mig_config_map, allow_reset=settings.mig_allow_reset)
+
+    async def close() -> None:
+        await labels.close()
+        await kube.close()
+
+    return Wiring(claims=kube, api=kube, publisher=publisher, close=close, mig_labels=labels)
 
 
 @dataclass
@@ -122,6 +141,7 @@ class Plugin:
             self.registration, self.agent, self.wiring.api, self.wiring.publisher),
             self.registry)
         self._publishing: asyncio.Task[None] | None = None
+        self._labelling: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         try:
@@ -132,6 +152,8 @@ class Plugin:
             raise PluginStartError(str(err)) from err
         if self.wiring.publisher is not None:
             self._publishing = asyncio.create_task(self._publish(self.wiring.publisher))
+        if self.wiring.mig_labels is not None:
+            self._labelling = asyncio.create_task(self.wiring.mig_labels.run())
 
     async def _publish(self, publisher: Publisher) -> None:
         while True:
@@ -155,6 +177,11 @@ class Plugin:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._publishing
             self._publishing = None
+        if self._labelling is not None:
+            self._labelling.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._labelling
+            self._labelling = None
         await self.health.stop()
         if self.wiring.close is not None:
             await self.wiring.close()
