@@ -24,7 +24,8 @@ CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitors.ya
              ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrules.yaml",
              ("security.openshift.io/v1", "SecurityContextConstraints"):
                  "securitycontextconstraints.yaml"}
-TREES = ["daemonset", "daemonset/base", "daemonset/overlays/openshift"]
+TREES = ["daemonset", "daemonset/base", "daemonset/overlays/openshift",
+         "daemonset/overlays/mig-manager"]
 EXAMPLES = ROOT / "daemonset" / "examples"
 
 
@@ -182,13 +183,21 @@ CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "DeviceClass
                   "SecurityContextConstraints"}
 
 
+#: Objects that must live beside something of another namespace: the mig-manager overlay's
+#: grant to read the GPU Operator's mig-parted ConfigMap, in that ConfigMap's namespace.
+ELSEWHERE = {("Role", "gpu-node-agent-mig-config"): "gpu-operator",
+             ("RoleBinding", "gpu-node-agent-mig-config"): "gpu-operator"}
+
+
 @pytest.mark.parametrize("tree", TREES)
 def test_namespaced_objects_and_only_they_name_the_namespace(tree: str) -> None:
-    """Every namespaced object is in the agent's namespace; no cluster-scoped one names a
-    namespace (a DeviceClass or a policy with one is at best misleading)."""
+    """Every namespaced object is in the agent's namespace (or, named in ELSEWHERE, beside
+    what it grants); no cluster-scoped one names a namespace (a DeviceClass or a policy with
+    one is at best misleading)."""
     for doc in render(tree):
         namespace = doc["metadata"].get("namespace")
         if doc["kind"] in CLUSTER_SCOPED:
             assert namespace is None, doc["kind"]
         else:
-            assert namespace == "gpu-node-agent", (doc["kind"], doc["metadata"]["name"])
+            expected = ELSEWHERE.get((doc["kind"], doc["metadata"]["name"]), "gpu-node-agent")
+            assert namespace == expected, (doc["kind"], doc["metadata"]["name"])
