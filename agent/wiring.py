@@ -37,6 +37,10 @@ from agent.topology.service import TopologyService
 
 log = logging.getLogger("agent.node")
 
+#: The deadline of one PodResources call to kubelet: a busy node's kubelet can take a second;
+#: the poller runs in its own task, so a slow answer delays only the next poll.
+POD_RESOURCES_TIMEOUT_S = 5.0
+
 
 @dataclass(frozen=True)
 class Node:
@@ -224,9 +228,10 @@ def _pod_resources(settings: Settings, inventory: GpuInventory,
     from agent.podresources.client import PodResourcesClient  # noqa: PLC0415 - optional grpcio
 
     interval = settings.collect_interval_s
-    client = PodResourcesClient(settings.pod_resources_socket, timeout_s=min(interval, 5.0))
+    client = PodResourcesClient(settings.pod_resources_socket, timeout_s=POD_RESOURCES_TIMEOUT_S)
     return PodResourcesPoller(fetch=client.list, close=client.close,
                               gpus=lambda: inventory.gpus, driver=settings.driver_name,
-                              interval_s=interval, on_error=metrics.podresources_errors.inc,
+                              interval_s=interval, timeout_s=POD_RESOURCES_TIMEOUT_S,
+                              on_error=metrics.podresources_errors.inc,
                               on_success=metrics.podresources_last_success.set)
 

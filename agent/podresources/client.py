@@ -39,7 +39,12 @@ class PodResourcesClient:
         if self._stub is None:
             self._channel = grpc.aio.insecure_channel(
                 f"unix://{self.socket.absolute()}",
-                options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+                options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                         # A kubelet restart (or a kubelet started after the agent) is seen
+                         # within seconds, not after gRPC's default backoff of up to 2 min.
+                         ("grpc.initial_reconnect_backoff_ms", 250),
+                         ("grpc.min_reconnect_backoff_ms", 250),
+                         ("grpc.max_reconnect_backoff_ms", 2000)])
             self._stub = pb_grpc.PodResourcesListerStub(self._channel)
         return self._stub
 

@@ -2,10 +2,11 @@
 keeps the answer for the metrics collector (which reads it from its own thread: the mapping is
 an immutable value replaced whole).
 
-Bounded: each call has a deadline shorter than the interval; a kubelet that fails or hangs
-never delays a collection or a scrape. The last good answer is kept for
-:data:`KEEP_INTERVALS` failed polls (a kubelet restart does not make every series flap), then
-dropped, so a series never stays attributed to a pod long after kubelet stopped saying so."""
+Bounded: each call has a deadline (``timeout_s``), and polls run in their own task, so a
+kubelet that fails or hangs never delays a collection or a scrape, only the next poll. The
+last good answer is kept for :data:`KEEP_INTERVALS` failed polls (a kubelet restart does not
+make every series flap), then dropped, so a series never stays attributed to a pod long after
+kubelet stopped saying so."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ class PodResourcesPoller:
 
     def __init__(self, *, fetch: Callable[[], Awaitable[Sequence[ContainerHolding]]],
                  gpus: Callable[[], Sequence[Gpu]], driver: str, interval_s: float,
-                 close: Callable[[], Awaitable[None]] | None = None,
+                 timeout_s: float = 5.0, close: Callable[[], Awaitable[None]] | None = None,
                  on_error: Callable[[], None] | None = None,
                  on_success: Callable[[float], None] | None = None) -> None:
         self._fetch = fetch
@@ -37,6 +38,7 @@ class PodResourcesPoller:
         self._gpus = gpus
         self._driver = driver
         self.interval_s = interval_s
+        self.timeout_s = timeout_s
         self._on_error = on_error
         self._on_success = on_success
         self._holders: Holders = {}
@@ -50,8 +52,8 @@ class PodResourcesPoller:
         """One call to kubelet; True when it answered."""
         try:
             # The client's own deadline bounds the call; this one bounds anything else
-            # (a connect that never completes) to one interval.
-            holdings = await asyncio.wait_for(self._fetch(), timeout=self.interval_s)
+            # (a connect that never completes) as well.
+            holdings = await asyncio.wait_for(self._fetch(), timeout=self.timeout_s)
         except Exception as err:
             self._failures += 1
             if self._on_error is not None:
