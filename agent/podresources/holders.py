@@ -97,4 +97,11 @@ def holders_by_device(holdings: Iterable[ContainerHolding], gpus: Sequence[Gpu],
                       "dra_driver_name": dra.driver, "dra_pool_name": dra.pool,
                       "dra_device_name": dra.device}
             found.setdefault(key, set()).add(tuple(sorted(labels.items())))
-    return {key: tuple(dict(pairs) for pairs in sorted(sets)) for key, sets in found.items()}
+    return {key: tuple(sorted((dict(pairs) for pairs in sets), key=_holder_order))
+            for key, sets in found.items()}
+
+
+def _holder_order(labels: Mapping[str, str]) -> tuple[str, ...]:
+    """By namespace, pod, container, then the rest: the order a reader expects."""
+    return (labels["namespace"], labels["pod"], labels["container"],
+            *(f"{k}={v}" for k, v in sorted(labels.items())))
