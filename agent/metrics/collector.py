@@ -286,8 +286,8 @@ def _attributions(attribution: Attribution, holders: Holders | None,
                   key: tuple[str, int | None]) -> list[list[tuple[str, str]]]:
     """The sorted attribution labels of each series of one device: one per container kubelet
     says holds it (its pod labels over the claim's), else the one of the agent's claim (or
-    none). A device two containers share thus has a series for each, as dcgm-exporter's
-    shared-GPU mode emits, so a dashboard filtered on either pod shows it."""
+    none). A device two containers share thus has a series for each, so a dashboard
+    filtered on either pod shows it (docs/metrics.md, "Pod attribution")."""
     own = attribution.get(key, {})
     held = holders.get(key, ()) if holders else ()
     if not held:
