@@ -72,7 +72,7 @@ def test_prepared_claim_labels_its_device_series_with_the_pod_until_unprepared(
     prepare_and_inject(running, "trainer")
 
     def attributed() -> list[dict[str, str]]:
-        return [s for s in series(running.agent) if "pod" in s]
+        return [s for s in series(running.agent) if "container" in s]
 
     [held] = wait_for("the claimed GPU's series labelled with the pod", attributed, 30,
                       log=running.agent.log)
@@ -89,6 +89,6 @@ def test_prepared_claim_labels_its_device_series_with_the_pod_until_unprepared(
     assert xid["pod"] == "trainer"
 
     unprepare(running, "trainer")
-    wait_for("no series labelled with a pod", lambda: not attributed(), 30,
-             log=running.agent.log)
+    wait_for("no series labelled with a pod", lambda: not any(
+        set(POD_LABELS) & set(s) for s in series(running.agent)), 30, log=running.agent.log)
     assert len(series(running.agent)) == len(gpus)
