@@ -29,6 +29,7 @@ bench: $(STAMP)
 clean:
 	rm -rf $(VENV) .gpu-agent-sim .pytest_cache .mypy_cache .ruff_cache
 
-# The kubelet plugin's gRPC stubs, committed; regenerate after editing agent/kubeplugin/proto/*.proto.
+# The gRPC stubs (kubelet plugin, PodResources client), committed; regenerate after editing
+# agent/kubeplugin/proto/*.proto or agent/podresources/proto/*.proto.
 protos: $(STAMP)
 	$(BIN)/python -m agent.kubeplugin.protogen

@@ -6,6 +6,7 @@ Precedence: command-line flag, then ``GPU_AGENT_<FLAG>`` in the environment, the
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import socket
@@ -89,6 +90,9 @@ class Settings:
     tls_client_ca: Path | None = None
     #: Group that owns the API's Unix socket (mode 0660), by name or number.
     socket_group: str | None = None
+    #: Kubelet's PodResources socket: label DCGM series with the pods holding the devices.
+    #: None: off (needs the ``kubernetes`` extra when set).
+    pod_resources_socket: Path | None = None
 
 
 # Flags the environment and the config file may set, with their parsers.
@@ -100,7 +104,7 @@ _FLAG_TYPES: dict[str, str] = {
     "collect_interval": "float", "metrics_listen": "str", "metrics_hostname_label": "str",
     "driver_name": "str", "dynamic_mig": "bool", "tls_cert": "path", "tls_key": "path",
     "tls_client_ca": "path", "socket_group": "str", "run_dir": "path", "dev_root": "path",
-    "device_node_wait_s": "float",
+    "device_node_wait_s": "float", "pod_resources_socket": "path",
 }
 
 
@@ -212,6 +216,7 @@ def resolve(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> S
         driver_name=_driver_name(str(merged.get("driver_name", "gpu.nodeagent.dev"))),
         dynamic_mig=bool(merged.get("dynamic_mig", False)),
         socket_group=merged.get("socket_group"),
+        pod_resources_socket=_pod_resources_socket(merged.get("pod_resources_socket")),
         **metrics,
         **_tls_settings(merged),
     )
@@ -230,6 +235,19 @@ def _tls_settings(merged: Mapping[str, Any]) -> dict[str, Any]:
                              [{"field": "tls_client_ca", "reason": "needs tls_cert"}])
     return {name: None if value is None else Path(value)
             for name, value in (("tls_cert", cert), ("tls_key", key), ("tls_client_ca", ca))}
+
+
+def _pod_resources_socket(value: Any) -> Path | None:
+    """--pod-resources-socket, refused at start-up when grpcio (the ``kubernetes`` extra) is
+    not installed: pod labels silently missing would be worse than not starting."""
+    if value is None or str(value) == "":
+        return None
+    if importlib.util.find_spec("grpc") is None:
+        raise InvalidRequest(
+            "--pod-resources-socket needs grpcio, which is not installed: install "
+            "gpu-node-agent[kubernetes], or leave the flag out",
+            [{"field": "pod_resources_socket", "reason": "grpcio is not installed"}])
+    return Path(str(value)).absolute()
 
 
 def _driver_name(name: str) -> str:

@@ -30,11 +30,16 @@ from agent.metrics.collector import Collector
 from agent.metrics.health import GpuHealth
 from agent.mig.journal import TransitionJournal
 from agent.mig.service import MigService
+from agent.podresources.poller import PodResourcesPoller
 from agent.readiness import Readiness
 from agent.settings import Settings
 from agent.topology.service import TopologyService
 
 log = logging.getLogger("agent.node")
+
+#: The deadline of one PodResources call to kubelet: a busy node's kubelet can take a second;
+#: the poller runs in its own task, so a slow answer delays only the next poll.
+POD_RESOURCES_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,8 @@ class Node:
     topology: TopologyService
     slices: SliceService
     xids: XidWatcher
+    #: Pod attribution from kubelet (--pod-resources-socket), else None.
+    pods: PodResourcesPoller | None = None
     #: Background work started by :meth:`start` and stopped by :meth:`stop`.
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -88,6 +95,11 @@ class Node:
         await self.mig.reconcile()
         # Metrics and XID health work even where claims cannot (below): they need NVML only.
         self.readiness.set("collecting metrics")
+        if self.pods is not None:
+            # One answer before the first round, so the first scrape already has pod labels
+            # (a kubelet that does not answer costs at most one bounded call).
+            await self.pods.poll()
+            self.tasks.append(asyncio.create_task(self.pods.run()))
         await self.collector.start()
         self.xids.start(gpu.static for gpu in self.inventory.gpus)
         self.publish_availability()
@@ -139,6 +151,8 @@ class Node:
                 await task
         self.tasks.clear()
         await self.mig.close()
+        if self.pods is not None:
+            await self.pods.close()
         self.xids.stop()
         self.collector.stop()
         self.session.close()
@@ -191,13 +205,33 @@ def build_node(settings: Settings, backend: Backend) -> Node:
     slices = SliceService(inventory=inventory, topology=topology, ledger=ledger,
                           state_dir=state, node_name=settings.node_name,
                           driver=settings.driver_name, dynamic_mig=settings.dynamic_mig)
+    pods = _pod_resources(settings, inventory, metrics)
     collector = Collector(session=session, inventory=inventory, metrics=metrics, health=health,
                           interval_s=settings.collect_interval_s, hostname=settings.node_name,
                           hostname_label=settings.metrics_hostname_label,
-                          attribution=lambda: claim_attribution(claims.records()))
+                          attribution=lambda: claim_attribution(claims.records()),
+                          holders=pods.holders if pods is not None else None)
     xids = XidWatcher(session, collector.on_xid, on_error=metrics.count_nvml_error)
     return Node(settings=settings, backend=backend, session=session, inventory=inventory,
                 events=events, metrics=metrics, readiness=Readiness(), ledger=ledger,
                 mig=mig, claims=claims, health=health, collector=collector,
-                topology=topology, slices=slices, xids=xids)
+                topology=topology, slices=slices, xids=xids, pods=pods)
+
+
+def _pod_resources(settings: Settings, inventory: GpuInventory,
+                   metrics: AgentMetrics) -> PodResourcesPoller | None:
+    """The kubelet PodResources poller with --pod-resources-socket, else None. The gRPC client
+    is imported only then: grpcio is the optional ``kubernetes`` extra (settings refuse the
+    flag without it)."""
+    if settings.pod_resources_socket is None:
+        return None
+    from agent.podresources.client import PodResourcesClient  # noqa: PLC0415 - optional grpcio
+
+    interval = settings.collect_interval_s
+    client = PodResourcesClient(settings.pod_resources_socket, timeout_s=POD_RESOURCES_TIMEOUT_S)
+    return PodResourcesPoller(fetch=client.list, close=client.close,
+                              gpus=lambda: inventory.gpus, driver=settings.driver_name,
+                              interval_s=interval, timeout_s=POD_RESOURCES_TIMEOUT_S,
+                              on_error=metrics.podresources_errors.inc,
+                              on_success=metrics.podresources_last_success.set)
 

@@ -41,6 +41,8 @@ LAYER_OF = {
     "agent.topology": "services",
     "agent.metrics": "services",
     "agent.dra": "services",
+    # kubelet's PodResources client (pod labels on metrics; grpcio only with the flag)
+    "agent.podresources": "services",
     # the kubelet plugin: a process of its own that reaches the agent only over REST
     # (test_kubeplugin_talks_to_the_agent_only_over_rest narrows what it may import)
     "agent.kubeplugin": "services",

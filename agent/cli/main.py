@@ -41,7 +41,7 @@ def _serve(args: argparse.Namespace) -> int:
             "driver_name": args.driver_name, "dynamic_mig": True if args.dynamic_mig else None,
             "tls_cert": args.tls_cert, "tls_key": args.tls_key,
             "tls_client_ca": args.tls_client_ca, "socket_group": args.socket_group,
-            "run_dir": args.run_dir,
+            "run_dir": args.run_dir, "pod_resources_socket": args.pod_resources_socket,
         })
         systemd.check_environment()  # Type=notify without systemd-python: refuse to start
         logs.configure(settings.log_format, settings.log_level)
@@ -178,6 +178,12 @@ def _add_serve(sub: Any) -> None:
                        help="spelling of the host label on DCGM series: hostname for "
                             "dcgm-exporter 4.8.3+ dashboards (default Hostname, as "
                             "dcgm-exporter up to 4.8.2)")
+    serve.add_argument("--pod-resources-socket", nargs="?", metavar="PATH",
+                       const="/var/lib/kubelet/pod-resources/kubelet.sock",
+                       help="label DCGM series with the pod, namespace and container holding "
+                            "each device, from kubelet's PodResources API on this socket "
+                            "(alone: /var/lib/kubelet/pod-resources/kubelet.sock; needs the "
+                            "kubernetes extra) (default: off)")
     serve.add_argument("--driver-name", metavar="NAME",
                        help="DRA driver name of the ResourceSlices (default gpu.nodeagent.dev)")
     serve.add_argument("--dynamic-mig", action="store_true",

@@ -1,5 +1,6 @@
-"""Regenerate the committed gRPC stubs in ``agent/kubeplugin/proto/`` from the ``.proto`` files
-beside them (``make protos``, or ``python -m agent.kubeplugin.protogen``).
+"""Regenerate the committed gRPC stubs in ``agent/kubeplugin/proto/`` and
+``agent/podresources/proto/`` from the ``.proto`` files beside them (``make protos``, or
+``python -m agent.kubeplugin.protogen``).
 
 The stubs are committed so that an install needs protobuf and grpcio at run time only, never
 grpcio-tools; ``tests/kubeplugin/test_protos.py`` regenerates them into a scratch directory and
@@ -14,7 +15,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-PROTO_DIR = Path(__file__).resolve().parent / "proto"
+#: The plugin's DRA and registration protocols, and the agent's PodResources client (the
+#: agent never imports this module: it is a build tool that happens to live here).
+PROTO_DIRS = (Path(__file__).resolve().parent / "proto",
+              ROOT / "agent" / "podresources" / "proto")
 #: Generated beside each ``X.proto``: messages, their type stubs, and the service glue.
 SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 
@@ -22,7 +26,7 @@ SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 def sources() -> list[Path]:
     """The ``.proto`` files, relative to the repository root (protoc's import root, so the
     generated modules import each other as ``agent.kubeplugin.proto.X_pb2``)."""
-    return sorted(p.relative_to(ROOT) for p in PROTO_DIR.glob("*.proto"))
+    return sorted(p.relative_to(ROOT) for d in PROTO_DIRS for p in d.glob("*.proto"))
 
 
 def outputs(out_root: Path) -> list[Path]:

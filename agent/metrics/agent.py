@@ -76,6 +76,14 @@ class AgentMetrics:
         self.claims_checkpoint_writes = Counter(
             "claims_checkpoint_writes", "Durable writes of the claims checkpoint; concurrent "
             "prepares share one (group commit)", namespace=NAMESPACE, registry=self.registry)
+        # Pod attribution from kubelet (agent/podresources/, --pod-resources-socket).
+        self.podresources_errors = Counter(
+            "podresources_errors", "PodResources List calls to kubelet that failed or timed "
+            "out", namespace=NAMESPACE, registry=self.registry)
+        self.podresources_last_success = Gauge(
+            "podresources_last_success_timestamp_seconds", "Unix time of kubelet's last "
+            "PodResources answer (the pod labels are as old as this)", namespace=NAMESPACE,
+            registry=self.registry)
         if process:
             ProcessCollector(registry=self.registry)
         self.ready.set(0)

@@ -47,6 +47,9 @@ HOSTNAME_LABELS = ("Hostname", "hostname")
 #: (GPU UUID, GPU instance id or None for the whole GPU) -> attribution labels (for claims,
 #: ``agent.claims.attribution.claim_attribution`` makes them).
 Attribution = Mapping[tuple[str, int | None], Mapping[str, str]]
+#: The same key -> the label sets of every container holding the device, from kubelet's
+#: PodResources API (``agent.podresources``): each gets a series of its own.
+Holders = Mapping[tuple[str, int | None], Sequence[Mapping[str, str]]]
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,8 @@ class Collector:
     def __init__(self, *, session: NvmlSession, inventory: GpuInventory, metrics: AgentMetrics,
                  health: GpuHealth, interval_s: float, hostname: str,
                  hostname_label: str = "Hostname",
-                 attribution: Callable[[], Attribution] | None = None) -> None:
+                 attribution: Callable[[], Attribution] | None = None,
+                 holders: Callable[[], Holders] | None = None) -> None:
         if hostname_label not in HOSTNAME_LABELS:
             raise ValueError(f"hostname label must be one of {HOSTNAME_LABELS}")
         self._session = session
@@ -80,6 +84,7 @@ class Collector:
         self.interval_s = interval_s
         self._hostname = (hostname_label, hostname)
         self._attribution = attribution
+        self._holders = holders
         self._readers: dict[str, GpuTelemetry] = {}
         self._inflight: dict[str, Future[GpuReading]] = {}
         self._pool: ThreadPoolExecutor | None = None
@@ -176,7 +181,8 @@ class Collector:
         readings = self._read_all(gpus)
         self._health.check()
         attribution = self._current_attribution()
-        devices, xids = self._series(gpus, readings, attribution)
+        holders = self._holders() if self._holders is not None else {}
+        devices, xids = self._series(gpus, readings, attribution, holders)
         block = CachedBlock(render(devices, xids))
         duration = time.perf_counter() - started
         snapshot = Snapshot(taken_at=time.time(), duration_s=duration, block=block,
@@ -243,7 +249,8 @@ class Collector:
     # -- rendering -------------------------------------------------------------------------
 
     def _series(self, gpus: Sequence[Gpu], readings: Mapping[str, GpuReading],
-                attribution: Attribution) -> tuple[list[DeviceSeries], list[XidSeries]]:
+                attribution: Attribution, holders: Holders | None = None,
+                ) -> tuple[list[DeviceSeries], list[XidSeries]]:
         driver = self._inventory.driver.driver_version if self._inventory.loaded else ""
         tail = [self._hostname, (DRIVER_VERSION_LABEL, driver)]
         devices: list[DeviceSeries] = []
@@ -255,11 +262,11 @@ class Collector:
             reading = readings.get(gpu.uuid)
             migs = reading.mig if reading is not None and reading.error is None else ()
             if not migs:
-                attrs = sorted(attribution.get((gpu.uuid, None), {}).items())
-                gpu_labels = labels_text([*head, *tail, *attrs])
-                xids.append(XidSeries(gpu_labels, *xid))
-                if reading is not None and reading.error is None:
-                    devices.append(DeviceSeries(gpu_labels, reading.values))
+                for attrs in _attributions(attribution, holders, (gpu.uuid, None)):
+                    gpu_labels = labels_text([*head, *tail, *attrs])
+                    xids.append(XidSeries(gpu_labels, *xid))
+                    if reading is not None and reading.error is None:
+                        devices.append(DeviceSeries(gpu_labels, reading.values))
                 continue
             # dcgm-exporter's default ("flex") mode: a GPU with GPU instances is served as
             # its instances only, each repeating the whole-GPU readings DCGM takes from the
@@ -267,12 +274,25 @@ class Collector:
             assert reading is not None
             shared = {k: v for k, v in reading.values.items() if k not in MIG_FIELDS}
             for mig in migs:
-                mig_attrs = sorted(attribution.get((gpu.uuid, mig.gi_id), {}).items())
-                labels = labels_text([*head, ("GPU_I_PROFILE", mig.profile),
-                                      ("GPU_I_ID", str(mig.gi_id)), *tail, *mig_attrs])
-                xids.append(XidSeries(labels, *xid))
-                devices.append(DeviceSeries(labels, {**shared, **mig.values}))
+                for mig_attrs in _attributions(attribution, holders, (gpu.uuid, mig.gi_id)):
+                    labels = labels_text([*head, ("GPU_I_PROFILE", mig.profile),
+                                          ("GPU_I_ID", str(mig.gi_id)), *tail, *mig_attrs])
+                    xids.append(XidSeries(labels, *xid))
+                    devices.append(DeviceSeries(labels, {**shared, **mig.values}))
         return devices, xids
+
+
+def _attributions(attribution: Attribution, holders: Holders | None,
+                  key: tuple[str, int | None]) -> list[list[tuple[str, str]]]:
+    """The sorted attribution labels of each series of one device: one per container kubelet
+    says holds it (its pod labels over the claim's), else the one of the agent's claim (or
+    none). A device two containers share thus has a series for each, so a dashboard
+    filtered on either pod shows it (docs/metrics.md, "Pod attribution")."""
+    own = attribution.get(key, {})
+    held = holders.get(key, ()) if holders else ()
+    if not held:
+        return [sorted(own.items())]
+    return [sorted({**own, **labels}.items()) for labels in held]
 
 
 def _device_labels(static: GpuStatic) -> list[tuple[str, str]]:

@@ -73,9 +73,11 @@ def test_wheel_installs_with_constraints_and_serves(tmp_path: Path) -> None:
     version = subprocess.run([str(gpu_agent), "--version"], capture_output=True, text=True,
                              check=True, timeout=30)
     assert version.stdout.strip() == f"gpu-agent {agent.__version__}"
-    # The plugin's generated stubs load against the pinned grpcio and protobuf.
+    # The generated stubs (plugin, PodResources client) load against the pinned grpcio and
+    # protobuf.
     stubs = subprocess.run([str(env_dir / "bin" / "python"), "-c",
-                            "import agent.kubeplugin.process"], capture_output=True, text=True,
+                            "import agent.kubeplugin.process, agent.podresources.client"],
+                           capture_output=True, text=True,
                            timeout=60, cwd=tmp_path, check=False)
     assert stubs.returncode == 0, stubs.stderr
     # Only the pinned versions were installed.

@@ -9,6 +9,7 @@ import http.client
 import json
 import os
 import select
+import shutil
 import signal
 import ssl
 import subprocess
@@ -272,7 +273,8 @@ def _allocation(done: subprocess.CompletedProcess[str]) -> AllocationAnswer:
 
 class KubeletHarness:
     """``k8s-harness kubelet``: kubelet's DRA manager and plugin watcher in one process,
-    driven by JSON-line commands (see tests/k8s/src/kubelet.go)."""
+    driven by JSON-line commands (see tests/k8s/src/kubelet.go), serving kubelet's
+    PodResources v1 API on ``.pod_resources_socket`` (tests/k8s/src/podresources.go)."""
 
     def __init__(self, version: str, server: ApiServer, *, node: str, root: Path,
                  feature_gates: str = "", kubeconfig: Path | None = None) -> None:
@@ -281,9 +283,16 @@ class KubeletHarness:
         self.state_dir = root / "dra-state"
         self.log_path = root / "kubelet-harness.log"
         root.mkdir(parents=True, exist_ok=True)
+        # kubelet's layout (<root>/pod-resources/kubelet.sock) where the path fits a Unix
+        # socket address (107 bytes); pytest's deep tmp paths get a short directory instead.
+        self._short_dir: Path | None = None
+        self.pod_resources_socket = root / "pod-resources" / "kubelet.sock"
+        if len(str(self.pod_resources_socket)) > 100:
+            self._short_dir = Path(tempfile.mkdtemp(prefix="podres-", dir="/tmp"))
+            self.pod_resources_socket = self._short_dir / "kubelet.sock"
         args = [str(binary), "kubelet", "--kubeconfig", str(kubeconfig or server.kubeconfig),
                 "--registry-dir", str(self.registry_dir), "--state-dir", str(self.state_dir),
-                "--node-name", node]
+                "--node-name", node, "--pod-resources-socket", str(self.pod_resources_socket)]
         if feature_gates:
             args += ["--feature-gates", feature_gates]
         with self.log_path.open("ab") as log:
@@ -335,3 +344,5 @@ class KubeletHarness:
             except (OSError, subprocess.TimeoutExpired):
                 pass
         _stop(self.proc)
+        if self._short_dir is not None:
+            shutil.rmtree(self._short_dir, ignore_errors=True)

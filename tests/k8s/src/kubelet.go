@@ -54,6 +54,7 @@ func runKubelet(args []string) error {
 	nodeName := fs.String("node-name", "", "this node's name")
 	gates := fs.String("feature-gates", "", "kubelet --feature-gates")
 	verbosity := fs.String("v", "0", "klog verbosity (logs go to stderr)")
+	podResources := fs.String("pod-resources-socket", "", "serve kubelet's PodResources v1 API on this Unix socket (default: not served)")
 	fs.Parse(args)
 	if *kubeconfig == "" || *registry == "" || *stateDir == "" || *nodeName == "" {
 		return fmt.Errorf("--kubeconfig, --registry-dir, --state-dir and --node-name are required")
@@ -96,6 +97,14 @@ func runKubelet(args []string) error {
 	stop := make(chan struct{})
 	go runPluginManager(ctx, pm, stop)
 	defer close(stop)
+
+	if *podResources != "" {
+		server, err := h.servePodResources(ctx, *podResources)
+		if err != nil {
+			return err
+		}
+		defer server.Stop()
+	}
 
 	emit(map[string]any{"ready": true, "pid": os.Getpid(), "kubernetes": kubernetesVersion})
 	lines := bufio.NewScanner(os.Stdin)

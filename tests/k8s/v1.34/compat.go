@@ -9,8 +9,11 @@ import (
 	utilfeature "k8s.io/apiserver/pkg/util/feature"
 	"k8s.io/dynamic-resource-allocation/cel"
 	"k8s.io/dynamic-resource-allocation/structured"
+	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
 	"k8s.io/kubernetes/pkg/features"
+	"k8s.io/kubernetes/pkg/kubelet/apis/podresources"
 	"k8s.io/kubernetes/pkg/kubelet/cm/dra"
+	"k8s.io/kubernetes/pkg/kubelet/cm/dra/state"
 	"k8s.io/kubernetes/pkg/kubelet/pluginmanager"
 )
 
@@ -43,3 +46,34 @@ func nodeGetter(ctx context.Context, get func(context.Context) (*v1.Node, error)
 func runPluginManager(_ context.Context, pm pluginmanager.PluginManager, stop chan struct{}) {
 	pm.Run(neverReady{}, stop)
 }
+
+// PodResources providers with 1.34's signatures (no loggers, CPUs and memory by pod UID).
+type noDevices struct{}
+
+func (noDevices) UpdateAllocatedDevices()                                      {}
+func (noDevices) GetDevices(string, string) []*podresourcesv1.ContainerDevices { return nil }
+func (noDevices) GetAllocatableDevices() []*podresourcesv1.ContainerDevices    { return nil }
+
+type noCPUs struct{}
+
+func (noCPUs) GetCPUs(string, string) []int64 { return nil }
+func (noCPUs) GetAllocatableCPUs() []int64    { return nil }
+
+type noMemory struct{}
+
+func (noMemory) GetMemory(string, string) []*podresourcesv1.ContainerMemory { return nil }
+func (noMemory) GetAllocatableMemory() []*podresourcesv1.ContainerMemory    { return nil }
+
+type draResources struct{ h *kubeletHarness }
+
+func (d draResources) GetDynamicResources(pod *v1.Pod, c *v1.Container) []*podresourcesv1.DynamicResource {
+	return d.h.dynamicResources(pod, c)
+}
+
+func podResourcesProviders(h *kubeletHarness) podresources.PodResourcesProviders {
+	return podresources.PodResourcesProviders{Pods: h, Devices: noDevices{}, Cpus: noCPUs{},
+		Memory: noMemory{}, DynamicResources: draResources{h}}
+}
+
+// 1.34's DRA state and PodResources API have no share IDs.
+func setShareID(*podresourcesv1.ClaimResource, state.Device) {}

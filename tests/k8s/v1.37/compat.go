@@ -9,8 +9,12 @@ import (
 	utilfeature "k8s.io/apiserver/pkg/util/feature"
 	"k8s.io/dynamic-resource-allocation/cel"
 	"k8s.io/dynamic-resource-allocation/structured"
+	"k8s.io/klog/v2"
+	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
 	"k8s.io/kubernetes/pkg/features"
+	"k8s.io/kubernetes/pkg/kubelet/apis/podresources"
 	"k8s.io/kubernetes/pkg/kubelet/cm/dra"
+	"k8s.io/kubernetes/pkg/kubelet/cm/dra/state"
 	"k8s.io/kubernetes/pkg/kubelet/pluginmanager"
 )
 
@@ -49,4 +53,40 @@ func nodeGetter(_ context.Context, get func(context.Context) (*v1.Node, error)) 
 
 func runPluginManager(ctx context.Context, pm pluginmanager.PluginManager, stop chan struct{}) {
 	pm.Run(ctx, neverReady{}, stop)
+}
+
+// PodResources providers with 1.37's signatures (loggers; CPUs and memory per pod too).
+type noDevices struct{}
+
+func (noDevices) UpdateAllocatedDevices(klog.Logger)                                   {}
+func (noDevices) GetDevices(string, string) []*podresourcesv1.ContainerDevices         { return nil }
+func (noDevices) GetAllocatableDevices(klog.Logger) []*podresourcesv1.ContainerDevices { return nil }
+
+type noCPUs struct{}
+
+func (noCPUs) GetCPUs(*v1.Pod, *v1.Container) []int64 { return nil }
+func (noCPUs) GetPodCPUs(string) []int64              { return nil }
+func (noCPUs) GetAllocatableCPUs() []int64            { return nil }
+
+type noMemory struct{}
+
+func (noMemory) GetMemory(klog.Logger, *v1.Pod, *v1.Container) []*podresourcesv1.ContainerMemory {
+	return nil
+}
+func (noMemory) GetPodMemory(klog.Logger, string) []*podresourcesv1.ContainerMemory { return nil }
+func (noMemory) GetAllocatableMemory(klog.Logger) []*podresourcesv1.ContainerMemory { return nil }
+
+type draResources struct{ h *kubeletHarness }
+
+func (d draResources) GetDynamicResources(_ klog.Logger, pod *v1.Pod, c *v1.Container) []*podresourcesv1.DynamicResource {
+	return d.h.dynamicResources(pod, c)
+}
+
+func podResourcesProviders(h *kubeletHarness) podresources.PodResourcesProviders {
+	return podresources.PodResourcesProviders{Pods: h, Devices: noDevices{}, Cpus: noCPUs{},
+		Memory: noMemory{}, DynamicResources: draResources{h}}
+}
+
+func setShareID(claimed *podresourcesv1.ClaimResource, device state.Device) {
+	claimed.ShareId = (*string)(device.ShareID)
 }
