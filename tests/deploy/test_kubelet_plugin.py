@@ -160,7 +160,8 @@ def test_plugin_and_agent_share_the_socket_and_nothing_secret() -> None:
 def test_kubelet_directories_are_host_paths_at_the_same_paths() -> None:
     """kubelet dials the socket paths the plugin names, so the registry and the plugin's own
     directory are host paths mounted where they are on the host; only the plugin mounts them,
-    and never the other plugins' directories."""
+    and never the other plugins' directories. Of kubelet's directories the agent mounts only
+    the PodResources socket's, read-only, at the path its flag names."""
     pod = _pod()
     flags = _plugin_flags()
     plugin_mounts = _mounts(pod, "kubelet-plugin")
@@ -169,8 +170,14 @@ def test_kubelet_directories_are_host_paths_at_the_same_paths() -> None:
         assert mount["volume"]["hostPath"]["path"] == path
         assert not mount.get("readOnly", False)
     assert flags["--plugins-dir"] not in plugin_mounts
-    kubelet_paths = {m for m in _mounts(pod, "agent") if m.startswith("/var/lib/kubelet")}
-    assert kubelet_paths == set()
+    agent_mounts = _mounts(pod, "agent")
+    kubelet_paths = {m for m in agent_mounts if m.startswith("/var/lib/kubelet")}
+    assert kubelet_paths == {"/var/lib/kubelet/pod-resources"}
+    pod_resources = agent_mounts["/var/lib/kubelet/pod-resources"]
+    assert pod_resources["readOnly"] is True
+    assert pod_resources["volume"]["hostPath"]["path"] == "/var/lib/kubelet/pod-resources"
+    args = container(pod, "agent")["args"]
+    assert "--pod-resources-socket=/var/lib/kubelet/pod-resources/kubelet.sock" in args
 
 
 def test_plugin_probes_and_port() -> None:
