@@ -28,6 +28,8 @@ T = TypeVar("T")
 CLAIMS = "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims"
 GPU_CLASS = "gpu.nodeagent.dev"
 DYNAMIC_MIG_CLASS = "dynamic-mig.nodeagent.dev"
+#: Kubelet's start-up wipe of the node's slices is one GET and one DELETE away from its start.
+SETTLE_S = 1.5
 
 
 class FaultStack(Stack):
@@ -73,8 +75,7 @@ def fault_stack() -> Iterator[StartFaultStack]:
         if kubelet:
             stack.start_kubelet()
             stack.plugin.wait_ready()
-        else:
-            stack.wait_slices()
+        settle(stack)
         return stack
 
     yield start
@@ -82,6 +83,30 @@ def fault_stack() -> Iterator[StartFaultStack]:
         stack.close()
     for root in roots:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def slice_uids(stack: Stack) -> dict[str, str]:
+    """The node's slices in the server: name -> UID."""
+    return {s["metadata"]["name"]: s["metadata"]["uid"] for s in stack.slices()}
+
+
+def settle(stack: Stack, quiet_s: float = SETTLE_S, timeout: float = 30) -> dict[str, str]:
+    """Wait until the node's slices are published and unchanged for ``quiet_s``: kubelet
+    wipes them from a goroutine of its own after it starts, which may come after the
+    plugin's first publish (and the plugin's /readyz says in sync until it has seen the
+    deletion). The slices' UIDs by name."""
+    deadline = time.monotonic() + timeout
+    seen, since = slice_uids(stack), time.monotonic()
+    while True:
+        time.sleep(0.1)
+        now = slice_uids(stack)
+        if now != seen or not now:
+            seen, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return now
+        if time.monotonic() > deadline:
+            raise AssertionError(f"slices of {stack.node} not settled in {timeout}s:\n"
+                                 f"{stack.plugin.log()}")
 
 
 # --- claims in the API server ------------------------------------------------------------
