@@ -5,7 +5,8 @@ account's token, and kubelet's DRA manager (the Go harness) registered against t
 ``stack(server, preset, node=...)`` (the ``stack`` fixture of tests/k8s/conftest.py) returns a
 :class:`Stack`; everything it started stops at the end of the test. Nothing here is mocked:
 the plugin talks to the agent over its Unix socket with a ``claims``-scope token, and to the
-API server with only what daemonset/base/rbac.yaml grants.
+API server with only what daemonset/base/rbac.yaml grants, under admissionpolicy.yaml, with
+a ServiceAccount token bound to a Pod on its node (as the DaemonSet's projected token is).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from tests.agent_process import AgentProcess, start_agent
 from tests.k8s.harness import ApiServer, KubeletHarness
@@ -35,20 +35,16 @@ from tests.k8s.objects import DRIVER
 
 ROOT = Path(__file__).resolve().parents[2]
 RBAC = ROOT / "daemonset" / "base" / "rbac.yaml"
+ADMISSION_POLICY = ROOT / "daemonset" / "base" / "admissionpolicy.yaml"
 DEVICE_CLASSES = ROOT / "daemonset" / "base" / "deviceclasses.yaml"
-# The shipped binding names this account; the stack uses the same one so the manifest is
-# applied as shipped (no edited copy to drift from it).
+# The shipped binding and admission policy name this account; the stack uses the same one
+# so the manifests are applied as shipped (no edited copy to drift from them).
 PLUGIN_NAMESPACE = "gpu-node-agent"
 PLUGIN_ACCOUNT = "gpu-node-agent"
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 RESOURCE = "/apis/resource.k8s.io/v1"
 
 Json = dict[str, Any]
-
-
-def manifests(path: Path) -> list[Json]:
-    """The objects of a multi-document YAML file."""
-    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
 def gpu_agent_command() -> list[str]:
@@ -71,12 +67,42 @@ def ensure_namespace(server: ApiServer, name: str) -> None:
         assert status in (201, 409), body
 
 
-def plugin_kubeconfig(server: ApiServer, path: Path) -> Path:
-    """A ServiceAccount token kubeconfig for the plugin under the shipped ClusterRole and
-    binding (applied here; the account in the binding's namespace created if missing)."""
+def plugin_kubeconfig(server: ApiServer, node: str, path: Path) -> Path:
+    """A kubeconfig (mode 0600) for the plugin on ``node``, as the DaemonSet's pod gets it:
+    the shipped ClusterRole, binding and ValidatingAdmissionPolicy applied as they are, and
+    a token of the binding's ServiceAccount bound to a Pod of that account on ``node`` (so
+    the API server names the node in the token's extra info, which the policy checks)."""
     ensure_namespace(server, PLUGIN_NAMESPACE)
     apply_shipped(server, RBAC)
-    return server.service_account_kubeconfig(PLUGIN_NAMESPACE, PLUGIN_ACCOUNT, path)
+    apply_shipped(server, ADMISSION_POLICY)
+    if server.kubectl("get", "serviceaccount", "-n", PLUGIN_NAMESPACE, PLUGIN_ACCOUNT,
+                      check=False).returncode != 0:
+        server.kubectl("create", "serviceaccount", "-n", PLUGIN_NAMESPACE, PLUGIN_ACCOUNT)
+    pod_name = f"kubelet-plugin-{node}"
+    pods = f"/api/v1/namespaces/{PLUGIN_NAMESPACE}/pods"
+    status, body = server.request("GET", f"{pods}/{pod_name}")
+    if status == 404:
+        status, body = server.request("POST", pods, {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": pod_name, "namespace": PLUGIN_NAMESPACE},
+            "spec": {"nodeName": node, "serviceAccountName": PLUGIN_ACCOUNT,
+                     "containers": [{"name": "kubelet-plugin",
+                                     "image": "registry.invalid/gpu-node-agent"}]}})
+    assert status in (200, 201), body
+    token = server.kubectl("create", "token", "-n", PLUGIN_NAMESPACE, PLUGIN_ACCOUNT,
+                           "--bound-object-kind", "Pod", "--bound-object-name", pod_name,
+                           "--bound-object-uid", body["metadata"]["uid"],
+                           "--duration=1h").stdout.strip()
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [{"name": "harness", "cluster": {"server": server.url,
+                                                      "certificate-authority": str(server.ca)}}],
+        "users": [{"name": PLUGIN_ACCOUNT, "user": {"token": token}}],
+        "contexts": [{"name": "plugin", "context": {"cluster": "harness",
+                                                    "user": PLUGIN_ACCOUNT}}],
+        "current-context": "plugin"}))
+    path.chmod(0o600)
+    return path
 
 
 def server_slices(server: ApiServer, node: str) -> list[Json]:
@@ -246,7 +272,8 @@ class Stack:
         self.plugin_token_file.write_text(plugin_token + "\n")
         self.plugin_token_file.chmod(0o600)
         self.server.ensure_node(self.node)
-        self.kubeconfig = plugin_kubeconfig(self.server, self.root / "plugin.kubeconfig")
+        self.kubeconfig = plugin_kubeconfig(self.server, self.node,
+                                            self.root / "plugin.kubeconfig")
 
     # --- the agent -------------------------------------------------------------------------
 
