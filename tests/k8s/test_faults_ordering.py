@@ -19,14 +19,16 @@ from tests.k8s.objects import DRIVER
 __all__ = ["fault_stack"]
 
 HELD_WITHIN_S = 10.0
+IN_FLIGHT = "gpu_agent_plugin_claims_in_flight"
 
 
 async def wait_until_held(stack: FaultStack) -> None:
-    """Until the plugin has sent the API server something the link holds (the claim read)."""
+    """Until the prepare is in the plugin (stamped: a claim call in flight) and the plugin has
+    sent the API server something the link holds (its read of the claim)."""
     assert stack.link is not None
     deadline = time.monotonic() + HELD_WITHIN_S
-    while stack.link.held_bytes == 0:
-        assert time.monotonic() < deadline, "the plugin read nothing from the API server"
+    while stack.link.held_bytes == 0 or stack.plugin.metric(IN_FLIGHT) != 1:
+        assert time.monotonic() < deadline, "the prepare's claim read never reached the link"
         await asyncio.sleep(0.02)
 
 
