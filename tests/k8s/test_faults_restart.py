@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import signal
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -52,6 +53,12 @@ CRASHES = [
 ]
 
 
+def gpu_view(stack: FaultStack, gpu: int) -> dict[str, Any]:
+    reply = stack.agent.request("GET", f"/v1/gpus/{gpu}")
+    assert reply.status == 200, reply.body
+    return dict(reply.body)
+
+
 def assert_holds_exactly(stack: FaultStack, uid: str, device: str) -> None:
     """The agent holds one claim, ``uid``, on exactly ``device``, whose GPU has that one MIG
     instance and one hold."""
@@ -60,7 +67,7 @@ def assert_holds_exactly(stack: FaultStack, uid: str, device: str) -> None:
     assert [d["device_name"] for d in held["devices"]] == [device], held
     gpu = gpu_of(device)
     assert len(mig_devices(stack.agent, gpu)) == 1
-    holds = stack.agent.request("GET", f"/v1/gpus/{gpu}").body["holds"]
+    holds = gpu_view(stack, gpu)["holds"]
     assert [h["claim"] for h in holds] == [uid], holds
 
 
@@ -77,6 +84,8 @@ def test_agent_killed_mid_prepare_kubelet_retry_gets_the_same_answer(
     assert kubelet is not None
     uid, device = allocated_claim(kube_apiserver, node, node, ONE_G)
     gpu = gpu_of(device)
+    mode_before = gpu_view(stack, gpu)["mig_mode"]
+    assert mode_before == {"current": False, "pending": False}  # the prepare switches it on
     if crash.slow:
         set_latency(stack.agent, {CREATE_GI: 20.0})
     else:
@@ -96,13 +105,16 @@ def test_agent_killed_mid_prepare_kubelet_retry_gets_the_same_answer(
 
     stack.start_agent()  # same state dir: recovery rolls the half-made slice back
     assert stack.agent_claims() == []
-    assert mig_devices(stack.agent, gpu) == []
-    assert stack.agent.request("GET", f"/v1/gpus/{gpu}").body["holds"] == []
+    after = gpu_view(stack, gpu)
+    assert after["mig_devices"] == [] and after["holds"] == [], after
+    assert after["mig_mode"] == mode_before, after  # the MIG switch-on rolled back too
+    assert not list(stack.cdi_dir.glob(f"*claim_{uid}*")), sorted(stack.cdi_dir.iterdir())
 
     retry = kubelet.prepare(f"default/{node}")
     assert retry["ok"], f"{retry}\n{stack.plugin.log()}"
     assert retry["containers"]["main"] == [cdi_id(uid, device)]
     assert_holds_exactly(stack, uid, device)
+    assert gpu_view(stack, gpu)["mig_mode"]["current"] is True
     assert sim_calls(stack.agent, CREATE_GI) == 1
 
     assert kubelet.unprepare(f"default/{node}")["ok"]
