@@ -21,8 +21,10 @@ from prometheus_client import CollectorRegistry
 from agent.kubeplugin.agent_client import AgentClient, token_file_usable
 from agent.kubeplugin.dra import DraService
 from agent.kubeplugin.health import HealthServer, Readiness, parse_listen
+from agent.kubeplugin.kube import KubeClient
 from agent.kubeplugin.metrics import PluginMetrics
 from agent.kubeplugin.protocols import ApiServer, ClaimReader, Publisher
+from agent.kubeplugin.publisher import SlicePublisher
 from agent.kubeplugin.servers import PluginServers, RegistrationState, SocketPathError
 
 log = logging.getLogger("agent.kubeplugin")
@@ -89,20 +91,13 @@ Wire = Callable[[PluginSettings, AgentClient, CollectorRegistry], Awaitable[Wiri
 async def wire_kubernetes(settings: PluginSettings, agent: AgentClient,
                           registry: CollectorRegistry) -> Wiring:
     """The real Kubernetes side: the API server client (in-cluster, or ``--kubeconfig``) as
-    claim reader and API probe, and the ResourceSlice publisher on the same client.
-
-    The concrete classes live in ``agent/kubeplugin/kube.py`` and ``publisher.py``; at merge
-    this body becomes::
-
-        kube = await KubeClient.from_environment(settings.kubeconfig)
-        publisher = SlicePublisher(agent, kube, node_name=settings.node_name,
-                                   driver=settings.driver,
-                                   agent_lost_after_s=settings.agent_lost_after_s,
-                                   registry=registry)
-        return Wiring(claims=kube, api=kube, publisher=publisher, close=kube.close)
-    """
-    raise PluginStartError("this build has no Kubernetes client wired in "
-                           "(agent/kubeplugin/process.py: wire_kubernetes)")
+    claim reader and API probe, and the ResourceSlice publisher on the same client."""
+    kube = await KubeClient.from_environment(settings.kubeconfig)
+    publisher = SlicePublisher(agent, kube, node_name=settings.node_name,
+                               driver=settings.driver,
+                               agent_lost_after_s=settings.agent_lost_after_s,
+                               registry=registry)
+    return Wiring(claims=kube, api=kube, publisher=publisher, close=kube.close)
 
 
 @dataclass

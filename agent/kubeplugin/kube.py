@@ -1,0 +1,334 @@
+"""The plugin's Kubernetes API client: the few calls it makes, as raw JSON.
+
+Built on ``kubernetes-asyncio`` because it runs on aiohttp, which the agent already depends
+on: the plugin adds no second HTTP stack, and the library brings what is tedious to get right
+(in-cluster and kubeconfig loading, TLS with client certificates, service-account token
+refresh: the in-cluster loader re-reads the projected token file every minute, so a rotated
+token is used without a restart). ``kubernetes`` (official) would add urllib3 and a thread
+pool, ``lightkube`` httpx and msgspec.
+
+Every call goes through the library's ``ApiClient.call_api`` with the response left unread,
+and bodies stay plain dicts. Its typed models are never used: a model silently drops the
+fields it does not know, so an older client would read back a newer server's slice without
+them (and republish it that way), and the publisher's check for fields the *server* dropped
+would compare against the client's blind spots instead.
+
+Errors are a small hierarchy, by what a caller does about them: :class:`KubeUnavailable`
+(retry with backoff), :class:`KubeConflict` (re-read and re-plan), :class:`KubeNotFound`,
+:class:`KubeForbidden` (RBAC or credentials: an operator must act), :class:`KubeInvalid`
+(the server refused the content), :class:`KubeExpired` (a watch's resourceVersion is too
+old: list again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import aiohttp
+from kubernetes_asyncio.client import ApiClient, Configuration
+from kubernetes_asyncio.config import ConfigException, load_incluster_config, load_kube_config
+from kubernetes_asyncio.config.kube_config import refresh_token
+
+log = logging.getLogger("agent.kubeplugin.kube")
+
+Json = dict[str, Any]
+SLICES_PATH = "/apis/resource.k8s.io/v1/resourceslices"
+#: A plain call's limit; a watch has its own.
+CALL_TIMEOUT_S = 30.0
+#: How long the server keeps one watch open before the client opens the next.
+WATCH_TIMEOUT_S = 290
+
+
+class KubeError(Exception):
+    """An API server call failed; ``status`` is the HTTP status (0: no answer)."""
+
+    def __init__(self, message: str, *, status: int = 0, reason: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+
+
+class KubeUnavailable(KubeError):
+    """No answer, a timeout, 429 or 5xx: try again later (``retry_after_s`` when the server
+    said when)."""
+
+    def __init__(self, message: str, *, status: int = 0, reason: str = "",
+                 retry_after_s: float | None = None) -> None:
+        super().__init__(message, status=status, reason=reason)
+        self.retry_after_s = retry_after_s
+
+
+class KubeConflict(KubeError):
+    """409: the object changed (or exists) since it was read; re-read and decide again."""
+
+
+class KubeNotFound(KubeError):
+    """404: no such object."""
+
+
+class KubeForbidden(KubeError):
+    """401 or 403: the credentials or the RBAC role do not allow the call."""
+
+
+class KubeInvalid(KubeError):
+    """400 or 422: the server refused the request's content."""
+
+
+class KubeExpired(KubeError):
+    """410: the watch's resourceVersion is older than the server keeps; list again."""
+
+
+class KubeConfigMissing(KubeError):
+    """Neither the in-cluster environment nor the kubeconfig gives a usable configuration."""
+
+
+@dataclass(frozen=True)
+class SliceList:
+    """The node's slices of one driver, and the resourceVersion to watch from."""
+
+    resource_version: str
+    items: list[Json]
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """``ADDED``, ``MODIFIED``, ``DELETED`` or ``BOOKMARK``, with the object as sent."""
+
+    type: str
+    object: Json
+
+    @property
+    def resource_version(self) -> str | None:
+        value = self.object.get("metadata", {}).get("resourceVersion")
+        return str(value) if value is not None else None
+
+
+class SliceApi(Protocol):
+    """What the publisher needs from the API server (:class:`KubeClient`, or a fake)."""
+
+    async def server_version(self) -> tuple[int, int]: ...
+
+    async def get_node(self, name: str) -> Json: ...
+
+    async def list_resource_slices(self, *, driver: str, node: str) -> SliceList: ...
+
+    def watch_resource_slices(self, *, driver: str, node: str, resource_version: str,
+                              timeout_s: int = WATCH_TIMEOUT_S) -> AsyncIterator[WatchEvent]: ...
+
+    async def create_resource_slice(self, body: Json) -> Json: ...
+
+    async def update_resource_slice(self, body: Json) -> Json: ...
+
+    async def delete_resource_slice(self, name: str, *, uid: str,
+                                    resource_version: str) -> None: ...
+
+
+def slice_selector(*, driver: str, node: str) -> str:
+    """The field selector of one node's slices of one driver (what kubelet's Go helper
+    watches)."""
+    return f"spec.driver={driver},spec.nodeName={node}"
+
+
+def parse_version(doc: Mapping[str, Any]) -> tuple[int, int]:
+    """(major, minor) of a ``/version`` answer; managed clusters write minors like ``35+``."""
+    try:
+        major = int(re.sub(r"\D", "", str(doc.get("major", ""))))
+        minor = int(re.sub(r"\D", "", str(doc.get("minor", ""))))
+    except ValueError:
+        match = re.match(r"v?(\d+)\.(\d+)", str(doc.get("gitVersion", "")))
+        if match is None:
+            raise KubeInvalid(f"/version answered no version: {dict(doc)!r}") from None
+        return int(match[1]), int(match[2])
+    return major, minor
+
+
+def error_for(status: int, body: Any, *, retry_after: str | None = None) -> KubeError:
+    """The exception for an HTTP error status and its ``Status`` body."""
+    message = reason = ""
+    if isinstance(body, Mapping):
+        message = str(body.get("message", ""))
+        reason = str(body.get("reason", ""))
+    text = f"{status} {reason}: {message}".strip(": ")
+    if status == 404:
+        return KubeNotFound(text, status=status, reason=reason)
+    if status == 409:
+        return KubeConflict(text, status=status, reason=reason)
+    if status == 410:
+        return KubeExpired(text, status=status, reason=reason)
+    if status in (401, 403):
+        return KubeForbidden(text, status=status, reason=reason)
+    if status in (400, 422):
+        return KubeInvalid(text, status=status, reason=reason)
+    if status == 429 or status >= 500:
+        after = None
+        with contextlib.suppress(TypeError, ValueError):
+            after = float(retry_after) if retry_after is not None else None
+        return KubeUnavailable(text, status=status, reason=reason, retry_after_s=after)
+    return KubeError(text, status=status, reason=reason)
+
+
+class KubeClient:
+    """The API server calls of the plugin (:class:`SliceApi` and the claim and node reads)."""
+
+    def __init__(self, api: ApiClient, *, refresher: asyncio.Task[None] | None = None) -> None:
+        self._api = api
+        self._refresher = refresher
+
+    @classmethod
+    async def from_environment(cls, kubeconfig: Path | None) -> KubeClient:
+        """A client from the pod's service account (``kubeconfig`` None) or a kubeconfig file.
+
+        The in-cluster token is re-read from its file as it rotates; a kubeconfig whose user
+        runs an exec plugin gets its token refreshed by a background task ended by
+        :meth:`close`."""
+        config = Configuration()
+        refresher: asyncio.Task[None] | None = None
+        try:
+            if kubeconfig is None:
+                load_incluster_config(  # type: ignore[no-untyped-call]
+                    client_configuration=config)
+            else:
+                loader = await load_kube_config(config_file=str(kubeconfig),
+                                                client_configuration=config,
+                                                persist_config=False)
+                # Returns at once unless the user's token comes from an exec plugin (or
+                # gcp), which it then refreshes every minute.
+                refresher = asyncio.create_task(refresh_token(loader, config))
+        except (ConfigException, OSError) as err:
+            where = "in-cluster environment" if kubeconfig is None else str(kubeconfig)
+            raise KubeConfigMissing(f"no Kubernetes configuration from {where}: {err}") from err
+        return cls.from_configuration(config, refresher=refresher)
+
+    @classmethod
+    def from_configuration(cls, config: Configuration, *,
+                           refresher: asyncio.Task[None] | None = None) -> KubeClient:
+        """A client for an explicit configuration (host, TLS, token): tests use it."""
+        return cls(ApiClient(configuration=config), refresher=refresher)
+
+    async def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresher
+        await self._api.close()
+
+    async def _open(self, method: str, path: str, *,
+                    query: Sequence[tuple[str, str]] = (), body: Json | None = None,
+                    limits: aiohttp.ClientTimeout | None = None) -> aiohttp.ClientResponse:
+        """The response of one call, unread and with a 2xx status (else its exception)."""
+        try:
+            response: aiohttp.ClientResponse = await self._api.call_api(
+                path, method, query_params=list(query),
+                header_params={"Accept": "application/json",
+                               "Content-Type": "application/json"},
+                body=body, auth_settings=["BearerToken"], _preload_content=False,
+                _request_timeout=limits or aiohttp.ClientTimeout(total=CALL_TIMEOUT_S))
+        except (aiohttp.ClientError, OSError, TimeoutError) as err:
+            raise KubeUnavailable(f"{method} {path}: {type(err).__name__}: {err}") from err
+        if 200 <= response.status < 300:
+            return response
+        try:
+            text = await response.text()
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            text = ""
+        finally:
+            response.release()
+        try:
+            status_body: Any = json.loads(text) if text else None
+        except ValueError:
+            status_body = {"message": text[:200]}
+        raise error_for(response.status, status_body,
+                        retry_after=response.headers.get("Retry-After"))
+
+    async def _call(self, method: str, path: str, *,
+                    query: Sequence[tuple[str, str]] = (), body: Json | None = None) -> Json:
+        response = await self._open(method, path, query=query, body=body)
+        try:
+            doc = await response.json(content_type=None)
+        except (aiohttp.ClientError, OSError, TimeoutError) as err:
+            raise KubeUnavailable(f"{method} {path}: reply cut: {err}") from err
+        except ValueError as err:
+            raise KubeUnavailable(f"{method} {path}: reply not JSON: {err}") from err
+        finally:
+            response.release()
+        if not isinstance(doc, dict):
+            raise KubeUnavailable(f"{method} {path}: reply not a JSON object")
+        return doc
+
+    async def server_version(self) -> tuple[int, int]:
+        """The API server's (major, minor)."""
+        return parse_version(await self._call("GET", "/version"))
+
+    async def get_node(self, name: str) -> Json:
+        return await self._call("GET", f"/api/v1/nodes/{name}")
+
+    async def get_resource_claim(self, namespace: str, name: str) -> Json:
+        return await self._call(
+            "GET", f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}")
+
+    async def list_resource_slices(self, *, driver: str, node: str) -> SliceList:
+        doc = await self._call("GET", SLICES_PATH,
+                               query=[("fieldSelector", slice_selector(driver=driver,
+                                                                       node=node))])
+        items = doc.get("items") or []
+        return SliceList(resource_version=str(doc.get("metadata", {}).get("resourceVersion",
+                                                                          "")),
+                         items=[item for item in items if isinstance(item, dict)])
+
+    async def watch_resource_slices(self, *, driver: str, node: str, resource_version: str,
+                                    timeout_s: int = WATCH_TIMEOUT_S
+                                    ) -> AsyncIterator[WatchEvent]:
+        """Events after ``resource_version`` until the server ends the watch (about
+        ``timeout_s``); :class:`KubeExpired` when that version is too old."""
+        query = [("fieldSelector", slice_selector(driver=driver, node=node)),
+                 ("watch", "true"), ("allowWatchBookmarks", "true"),
+                 ("resourceVersion", resource_version), ("timeoutSeconds", str(timeout_s))]
+        # No total limit: the server ends the watch; a silent connection ends by sock_read.
+        limits = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=timeout_s + 30)
+        response = await self._open("GET", SLICES_PATH, query=query, limits=limits)
+        try:
+            while True:
+                try:
+                    line = await response.content.readline()
+                except (aiohttp.ClientError, OSError, TimeoutError) as err:
+                    raise KubeUnavailable(f"watch of {SLICES_PATH} cut: {err}") from err
+                if not line:
+                    return
+                if not line.strip():
+                    continue
+                try:
+                    event = json.loads(line)
+                except ValueError as err:
+                    raise KubeUnavailable(f"watch event not JSON: {line[:200]!r}") from err
+                kind, obj = event.get("type"), event.get("object")
+                if not isinstance(obj, dict):
+                    continue
+                if kind == "ERROR":
+                    raise error_for(int(obj.get("code") or 500), obj)
+                yield WatchEvent(type=str(kind), object=obj)
+        finally:
+            response.release()
+
+    async def create_resource_slice(self, body: Json) -> Json:
+        return await self._call("POST", SLICES_PATH, body=body)
+
+    async def update_resource_slice(self, body: Json) -> Json:
+        """Replace the slice named in ``body``; its ``metadata.resourceVersion`` makes the
+        write fail with :class:`KubeConflict` when the slice changed since it was read."""
+        return await self._call("PUT", f"{SLICES_PATH}/{body['metadata']['name']}", body=body)
+
+    async def delete_resource_slice(self, name: str, *, uid: str,
+                                    resource_version: str) -> None:
+        """Delete the slice only if it is still the object read (same UID and version):
+        :class:`KubeConflict` otherwise, :class:`KubeNotFound` when it is gone."""
+        await self._call("DELETE", f"{SLICES_PATH}/{name}", body={
+            "apiVersion": "v1", "kind": "DeleteOptions",
+            "preconditions": {"uid": uid, "resourceVersion": resource_version}})

@@ -1,0 +1,428 @@
+"""Keeps the API server's ResourceSlices of this node equal to the agent's.
+
+Three loops share one "check the server" flag:
+- the agent follower long-polls ``GET /v1/resourceslices`` with the last ETag (``wait_s`` 30),
+  so a geometry, health or drain change reaches the server within the 2 s goal; when the
+  agent answers nothing for ``agent_lost_after_s`` (a restart plus recovery take less) the
+  desired pool becomes empty, so the scheduler stops placing pods on devices nobody can
+  prepare, and it is published again when the agent answers;
+- the server watcher watches the node's slices (field selector on driver and node) and raises
+  the flag on any change the publisher did not make itself: kubelet deletes every slice of
+  its node when it starts, the garbage collector deletes them with a recreated Node;
+- the reconciler lists the node's slices, plans with :func:`slice_plan.plan`, applies the
+  plan and compares what each write sent with what the server answered: a server whose
+  feature gate is off silently drops the fields it guards (counters, taints, capacity), which
+  :meth:`SlicePublisher.health` and a metric and a log event report.
+
+API server failures are retried with capped exponential backoff and jitter (tenacity); a
+conflict re-lists and re-plans at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception
+from tenacity.wait import wait_base, wait_exponential, wait_random
+
+from agent.kubeplugin.kube import (
+    KubeConflict,
+    KubeError,
+    KubeExpired,
+    KubeForbidden,
+    KubeInvalid,
+    KubeNotFound,
+    KubeUnavailable,
+    SliceApi,
+    WatchEvent,
+)
+from agent.kubeplugin.slice_plan import (
+    InvalidDesired,
+    SlicePlan,
+    Written,
+    digest,
+    dropped_fields,
+    plan,
+)
+
+log = logging.getLogger("agent.kubeplugin.publisher")
+
+Json = dict[str, Any]
+T = TypeVar("T")
+NAMESPACE = "gpu_agent_plugin"
+#: Kubernetes versions whose slice rules the agent knows; others are clamped into the range.
+OLDEST, NEWEST = (1, 34), (1, 37)
+REPUBLISH_CAUSES = ("deleted", "modified", "agent_returned")
+#: The agent is local (a Unix socket): retrying it often is cheap, and once it is back the
+#: pool should be too.
+AGENT_RETRY_MAX_S = 2.0
+CONFLICT_WAIT_S = 0.05
+ERROR_KINDS = ("agent", "unavailable", "conflict", "forbidden", "invalid", "not_found",
+               "other")
+
+
+class SlicesAnswerLike(Protocol):
+    """The agent client's answer (``agent_client.SlicesAnswer``): items None on 304."""
+
+    @property
+    def etag(self) -> str | None: ...
+
+    @property
+    def items(self) -> list[dict[str, Any]] | None: ...
+
+
+class SliceSource(Protocol):
+    """What the publisher needs from the agent client (``AgentClient``); any exception it
+    raises counts as the agent not answering."""
+
+    async def resource_slices(self, kubernetes: str, etag: str | None,
+                              wait_s: float) -> SlicesAnswerLike: ...
+
+
+@dataclass(frozen=True)
+class PublisherHealth:
+    """``in_sync``: the server holds the agent's pool as written; else ``reason`` says why."""
+
+    in_sync: bool
+    reason: str | None
+    dropped_fields: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Retry delays after a failure: exponential from ``initial_s`` to ``max_s``, jittered."""
+
+    initial_s: float = 0.2
+    max_s: float = 10.0
+
+    def waits(self) -> wait_base:
+        return (wait_exponential(multiplier=self.initial_s, max=self.max_s)
+                + wait_random(0, self.initial_s))
+
+
+def kubernetes_version(version: tuple[int, int]) -> str:
+    """The ``kubernetes=`` value for the agent: the server's version within 1.34-1.37."""
+    clamped = min(max(version, OLDEST), NEWEST)
+    return f"{clamped[0]}.{clamped[1]}"
+
+
+class PublisherMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def counter(name: str, text: str, labels: Sequence[str] = ()) -> Counter:
+            return Counter(name, text, labels, namespace=NAMESPACE, registry=registry)
+
+        self.publishes = counter("slice_publishes",
+                                 "Syncs that created or updated ResourceSlices")
+        self.republishes = counter(
+            "slice_republishes", "Syncs that restored slices someone else deleted or changed "
+            "(kubelet deletes a node's slices when it starts), or the pool after the agent "
+            "came back", ["cause"])
+        self.pool_deletions = counter(
+            "slice_pool_deletions", "Times the pool was deleted because the agent stayed "
+            "unreachable longer than --agent-lost-after")
+        self.errors = counter("slice_publisher_errors", "Failed calls of the publisher",
+                              ["kind"])
+        self.dropped = Gauge("slice_dropped_fields", "Fields the API server dropped from "
+                             "the slices written last (a feature gate is off)",
+                             namespace=NAMESPACE, registry=registry)
+        self.last_sync = Gauge("slice_last_sync_timestamp_seconds", "Unix time the server "
+                               "last held the agent's slices", namespace=NAMESPACE,
+                               registry=registry)
+        for cause in REPUBLISH_CAUSES:
+            self.republishes.labels(cause)
+        for kind in ERROR_KINDS:
+            self.errors.labels(kind)
+
+
+def _retried(err: BaseException) -> bool:
+    """API server failures are retried; an expired watch goes back to list again."""
+    return isinstance(err, KubeError) and not isinstance(err, KubeExpired)
+
+
+def error_kind(err: BaseException) -> str:
+    for cls, kind in ((KubeUnavailable, "unavailable"), (KubeConflict, "conflict"),
+                      (KubeForbidden, "forbidden"), (KubeInvalid, "invalid"),
+                      (KubeNotFound, "not_found")):
+        if isinstance(err, cls):
+            return kind
+    return "other"
+
+
+class SlicePublisher:
+    """Publishes the agent's ResourceSlices for this node until cancelled (:meth:`run`)."""
+
+    def __init__(self, agent: SliceSource, kube: SliceApi, *, node_name: str, driver: str,
+                 agent_lost_after_s: float = 60.0, registry: CollectorRegistry,
+                 agent_wait_s: float = 30.0, backoff: Backoff | None = None) -> None:
+        self._agent = agent
+        self._kube = kube
+        self.node_name = node_name
+        self.driver = driver
+        self._lost_after = agent_lost_after_s
+        self._wait_s = agent_wait_s
+        self._backoff = backoff or Backoff()
+        self._waits = self._backoff.waits()
+        self.metrics = PublisherMetrics(registry)
+        self.kubernetes: str | None = None
+        self._dirty = asyncio.Event()
+        self._desired: list[Json] | None = None
+        self._agent_lost = False
+        self._agent_returned = False
+        self._agent_problem: str | None = None
+        self._server_problem: str | None = None
+        self._synced = False
+        self._node_uid: str | None = None
+        self._written: dict[str, Written] = {}
+        self._dropped: tuple[str, ...] = ()
+
+    def health(self) -> PublisherHealth:
+        reasons = []
+        if self._agent_lost:
+            reasons.append(f"agent unreachable for more than {self._lost_after:g}s: pool "
+                           f"deleted ({self._agent_problem})")
+        elif self._agent_problem:
+            reasons.append(self._agent_problem)
+        if self._server_problem:
+            reasons.append(self._server_problem)
+        if self._desired is None and not self._agent_lost:
+            reasons.append("no slices from the agent yet")
+        elif not self._synced and not self._server_problem:
+            reasons.append("slices not published yet")
+        if self._dropped:
+            reasons.append("the API server dropped written fields (a feature gate off?): "
+                           + ", ".join(self._dropped))
+        return PublisherHealth(in_sync=not reasons, reason="; ".join(reasons) or None,
+                               dropped_fields=self._dropped)
+
+    async def run(self) -> None:
+        """Publish until cancelled."""
+        version = await self._retrying("server version", self._kube.server_version)
+        self.kubernetes = kubernetes_version(version)
+        if self.kubernetes != f"{version[0]}.{version[1]}":
+            log.warning("api server version outside the supported range",
+                        extra={"server": f"{version[0]}.{version[1]}",
+                               "rendered_for": self.kubernetes})
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(self._follow_agent(self.kubernetes))
+            tasks.create_task(self._watch_server())
+            tasks.create_task(self._reconcile_forever())
+
+    # --- the agent ---
+
+    async def _follow_agent(self, kubernetes: str) -> None:
+        etag: str | None = None
+        failing_since: float | None = None
+        delay = self._backoff.initial_s
+        while True:
+            try:
+                # A hung agent is a lost agent too: no answer past the long-poll's own limit.
+                async with asyncio.timeout(self._wait_s + 10):
+                    answer = await self._agent.resource_slices(kubernetes, etag, self._wait_s)
+            except Exception as err:  # whatever the client raises: the agent did not answer
+                # The next ask is unconditional: an agent back with the same content would
+                # otherwise hold it for wait_s before saying so.
+                etag = None
+                now = time.monotonic()
+                failing_since = now if failing_since is None else failing_since
+                self._agent_problem = f"agent not answering: {type(err).__name__}: {err}"
+                self.metrics.errors.labels("agent").inc()
+                left = failing_since + self._lost_after - now
+                if not self._agent_lost and left <= 0:
+                    self._agent_lost = True
+                    log.warning("agent lost: deleting the pool",
+                                extra={"after_s": round(now - failing_since, 1),
+                                       "problem": self._agent_problem})
+                    self._dirty.set()
+                await asyncio.sleep(delay if self._agent_lost else min(delay, max(left, 0.0)))
+                delay = min(delay * 2, self._backoff.max_s, AGENT_RETRY_MAX_S)
+                continue
+            failing_since, delay, self._agent_problem = None, self._backoff.initial_s, None
+            if self._agent_lost:
+                self._agent_lost, self._agent_returned = False, True
+                log.info("agent answers again: republishing the pool")
+                self._dirty.set()
+            if answer.items is not None:
+                etag, self._desired = answer.etag, list(answer.items)
+                self._dirty.set()
+
+    # --- the server ---
+
+    async def _watch_server(self) -> None:
+        async def list_and_watch() -> None:
+            """List (whatever happened while not watching is looked at), then watch until
+            the server ends the watch; the next round lists again, which doubles as a
+            periodic resync."""
+            listing = await self._kube.list_resource_slices(driver=self.driver,
+                                                            node=self.node_name)
+            self._dirty.set()
+            async for event in self._kube.watch_resource_slices(
+                    driver=self.driver, node=self.node_name,
+                    resource_version=listing.resource_version):
+                if event.type != "BOOKMARK" and not self._made_here(event):
+                    log.info("resourceslice changed on the server", extra={
+                        "event": event.type,
+                        "slice": event.object.get("metadata", {}).get("name")})
+                    self._dirty.set()
+
+        while True:
+            with contextlib.suppress(KubeExpired):  # too old to resume: list again
+                await self._retrying("watch resourceslices", list_and_watch)
+
+    def _made_here(self, event: WatchEvent) -> bool:
+        """Whether the event reports this publisher's own create or update. Deletions are
+        always looked at: the reconcile that follows finds nothing to do when they were
+        the publisher's own, and a stale record cannot hide someone else's."""
+        if event.type == "DELETED":
+            return False
+        mine = self._written.get(str(event.object.get("metadata", {}).get("name", "")))
+        return mine is not None and mine.resource_version == event.resource_version
+
+    # --- reconciling ---
+
+    async def _reconcile_forever(self) -> None:
+        while True:
+            await self._dirty.wait()
+            await self._retrying("publish resourceslices", self._sync)
+
+    async def _retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        """``call`` until it returns, retried with backoff on API server errors (an expired
+        watch goes back to the caller)."""
+        async for attempt in AsyncRetrying(
+                retry=retry_if_exception(_retried),
+                wait=self._wait_for, before_sleep=self._note_failure(what), reraise=True):
+            with attempt:
+                result = await call()
+                self._server_problem = None
+                return result
+        raise AssertionError("unreachable: tenacity retries forever here")
+
+    def _wait_for(self, state: RetryCallState) -> float:
+        err = state.outcome.exception() if state.outcome else None
+        if isinstance(err, KubeConflict):
+            return CONFLICT_WAIT_S  # someone wrote since the list: read again soon
+        wait = self._waits(state)
+        if isinstance(err, KubeUnavailable) and err.retry_after_s is not None:
+            wait = max(wait, min(err.retry_after_s, self._backoff.max_s))
+        return float(wait)
+
+    def _note_failure(self, what: str) -> Callable[[RetryCallState], None]:
+        def note(state: RetryCallState) -> None:
+            err = state.outcome.exception() if state.outcome else None
+            if err is None:
+                return
+            kind = error_kind(err)
+            self.metrics.errors.labels(kind).inc()
+            if kind != "conflict":
+                self._server_problem = f"{what}: {type(err).__name__}: {err}"
+            log.warning("api server call failed", extra={
+                "call": what, "kind": kind, "error": str(err),
+                "attempt": state.attempt_number})
+        return note
+
+    async def _sync(self) -> None:
+        """One reconcile: list, plan, apply; raises on the first failed call."""
+        self._dirty.clear()
+        if self._desired is None and not self._agent_lost:
+            return  # nothing known yet: leave what the server has (a plugin restart)
+        desired: Sequence[Mapping[str, Any]] = [] if self._agent_lost else (self._desired or [])
+        listing = await self._kube.list_resource_slices(driver=self.driver,
+                                                        node=self.node_name)
+        if desired and self._node_uid is None:
+            self._node_uid = await self._read_node_uid()
+        try:
+            actions = self._plan(desired, listing.items)
+            if actions.writes:
+                # A wipe may come from the garbage collector after the Node was recreated:
+                # owning slices by the old UID would see them deleted again.
+                uid = await self._read_node_uid()
+                if uid != self._node_uid:
+                    self._node_uid = uid
+                    actions = self._plan(desired, listing.items)
+        except InvalidDesired as err:
+            self._server_problem = f"agent slices unusable: {err}"
+            log.error("agent slices unusable", extra={"error": str(err)})
+            return
+        cause = self._cause(actions)
+        await self._apply(actions)
+        if actions.writes:
+            self.metrics.publishes.inc()
+            log.info("resourceslices published", extra={
+                "generation": actions.generation, "slices_created": len(actions.creates),
+                "slices_updated": len(actions.updates), "slices_deleted": len(actions.deletes),
+                "cause": cause or "agent"})
+            if cause is not None:
+                self.metrics.republishes.labels(cause).inc()
+        if self._agent_lost and actions.deletes:
+            self.metrics.pool_deletions.inc()
+            log.warning("pool deleted: the agent is unreachable",
+                        extra={"deleted": len(actions.deletes)})
+        if not self._agent_lost:
+            self._agent_returned = False
+        self._synced = True
+        self.metrics.last_sync.set(time.time())
+
+    def _plan(self, desired: Sequence[Mapping[str, Any]],
+              existing: Sequence[Mapping[str, Any]]) -> SlicePlan:
+        return plan(desired, existing, node_name=self.node_name, node_uid=self._node_uid or "",
+                    driver=self.driver, written=self._written)
+
+    async def _read_node_uid(self) -> str:
+        node = await self._kube.get_node(self.node_name)
+        return str(node["metadata"]["uid"])
+
+    def _cause(self, actions: SlicePlan) -> str | None:
+        """Why a plan restores slices the publisher had already written, if it does."""
+        if not actions.writes:
+            return None
+        if self._agent_returned:
+            return "agent_returned"
+        if any(body["metadata"]["name"] in self._written for body in actions.creates):
+            return "deleted"
+        in_sync = set(actions.in_sync)
+        if any((mine := self._written.get(body["metadata"]["name"])) is not None
+               and mine.resource_version != body["metadata"].get("resourceVersion")
+               and mine.digest == digest(body) and body["metadata"]["name"] not in in_sync
+               for body in actions.updates):
+            return "modified"
+        return None
+
+    async def _apply(self, actions: SlicePlan) -> None:
+        for gone in actions.deletes:
+            with contextlib.suppress(KubeNotFound):  # already gone: what was wanted
+                await self._kube.delete_resource_slice(
+                    gone.name, uid=gone.uid, resource_version=gone.resource_version)
+            self._written.pop(gone.name, None)
+        dropped: set[str] = set()
+        for body, write in ([(b, self._kube.update_resource_slice) for b in actions.updates]
+                            + [(b, self._kube.create_resource_slice) for b in actions.creates]):
+            answer = await write(body)
+            self._remember(body, answer, actions.generation)
+            dropped.update(dropped_fields(body, answer))
+        if actions.writes:
+            self._report_dropped(tuple(sorted(dropped)))
+        elif not self._written:
+            self._report_dropped(())  # nothing of ours on the server: nothing dropped
+
+    def _remember(self, body: Json, answer: Mapping[str, Any], generation: int) -> None:
+        name = str(body["metadata"]["name"])
+        version = str(answer.get("metadata", {}).get("resourceVersion", ""))
+        self._written[name] = Written(resource_version=version, digest=digest(body),
+                                      generation=generation)
+
+    def _report_dropped(self, dropped: tuple[str, ...]) -> None:
+        if dropped != self._dropped:
+            if dropped:
+                log.warning("api server dropped resourceslice fields", extra={
+                    "fields": ",".join(dropped), "kubernetes": self.kubernetes,
+                    "hint": "a feature gate guarding them is off on the API server"})
+            else:
+                log.info("api server keeps every resourceslice field again")
+        self._dropped = dropped
+        self.metrics.dropped.set(len(dropped))
