@@ -55,6 +55,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,7 @@ from agent.kubeplugin.claims import KubeletClaim, agent_body, our_devices
 from agent.kubeplugin.dra import arrival_ns
 from agent.kubeplugin.proto import dra_v1_pb2, dra_v1_pb2_grpc
 from bench.claims import machine, percentile
-from tests.agent_process import AgentProcess, start_agent
+from tests.agent_process import AgentProcess, cpu_seconds, start_agent
 from tests.k8s.harness import NEWEST, ApiServer, KubeletHarness, allocate, allocate_in_cluster
 from tests.k8s.objects import DRIVER, MIG_CLASS, attr, claim, classes, pod, request
 from tests.k8s.published import set_mig, slices_of
@@ -87,6 +88,8 @@ ISOLATION_BATCHES = 4  # of 49 at once, GPU 7 idle and GPU 7 busy
 SLOW_NVML = {"nvmlGpuInstanceDestroy": 0.3, "nvmlDeviceCreateGpuInstanceWithPlacement": 0.3,
              "nvmlGpuInstanceCreateComputeInstance": 0.1, "nvmlComputeInstanceDestroy": 0.1}
 REPUBLISH_REPEATS = 5
+#: XID 48 (double-bit ECC: unhealthy, still answering) and 79 (fallen off the bus: lost).
+XIDS = (48, 79)
 ALLOCATOR_RUNS = 15
 REPUBLISH_GOAL_S = 2.0
 HOP_GOAL_S = 0.001
@@ -132,6 +135,13 @@ class ConcurrencyResult:
     busy_batches: int
     gpu7_busy_s: float
     slow_nvml: dict[str, float]
+    #: CPU seconds per prepare+unprepare cycle in the batches of 56: agent, plugin, client.
+    cpu_per_cycle: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+    @property
+    def cpu_floor_s(self) -> float:
+        """The least wall time 56 cycles' CPU needs on this machine's cores."""
+        return len_claims() * sum(self.cpu_per_cycle) / (os.cpu_count() or 1)
 
     @property
     def ratio(self) -> float:
@@ -145,8 +155,9 @@ class RepublishResult:
 
     geometry: list[float] = field(default_factory=list)
     geometry_after_end: list[float] = field(default_factory=list)
-    xid: list[float] = field(default_factory=list)
-    reset: list[float] = field(default_factory=list)
+    #: per XID: to the unhealthy slice, and from the reset to the healthy one
+    xid: dict[int, list[float]] = field(default_factory=dict)
+    reset: dict[int, list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -384,8 +395,9 @@ KINDS = ("gpu", "mig")
 
 
 def run_prepare(loop: asyncio.AbstractEventLoop, server: ApiServer, agent: Agent, root: Path,
-                stack: _Stack, samples: int) -> PrepareResult:
+                stack: _Stack, *, samples: int) -> PrepareResult:
     """Part 1 (see the module docstring)."""
+    root.mkdir(parents=True, exist_ok=True)
     set_mig(agent.process, 1, SEVEN)
     _post_slices(server, agent.process)
     _apply_classes(server)
@@ -434,12 +446,14 @@ def run_prepare(loop: asyncio.AbstractEventLoop, server: ApiServer, agent: Agent
         how, reader = path.split("-")
         if how == "grpc":
             return loop.run_until_complete(grpc_cycle(reader, obj))
-        return _kubelet_cycle(kubelets[reader], f"default/{obj['metadata']['name']}")
+        return _kubelet_cycle(kubelets[reader], f"default/p1-{kind}-{path}")  # the claim's pod
 
     order = [(k, p) for k in KINDS for p in PATHS]
-    for kind, path in order:  # warm-up: connections, CEL-free first calls, caches
-        cycle(kind, path)
     sent = {reader: 0 for reader in plugins}
+    for kind, path in order:  # warm-up: connections, first calls, caches
+        cycle(kind, path)
+        if path != "rest":
+            sent[path.split("-")[1]] += 1
     times: dict[tuple[str, str], list[float]] = {key: [] for key in order}
     for i in range(samples):
         shift = i % len(order)  # rotate so no path always follows the same one
@@ -449,7 +463,6 @@ def run_prepare(loop: asyncio.AbstractEventLoop, server: ApiServer, agent: Agent
                 sent[path.split("-")[1]] += 1
     result = PrepareResult(rows={key: Stats.of(v) for key, v in times.items()})
     for reader, plugin in plugins.items():
-        # The warm-up reached each plugin too: 2 kinds x (gRPC + kubelet).
         result.reached[reader] = (sent[reader], plugin.prepares_seen() - before[reader])
     for g in grpcs.values():
         loop.run_until_complete(g.close())
@@ -473,6 +486,10 @@ def _wait_transition(agent: AgentProcess, location: str, timeout: float = 120) -
     raise AssertionError(f"transition {location} did not end in {timeout}s")
 
 
+def len_claims() -> int:
+    return GPUS * len(SEVEN)
+
+
 def _mig_names(agent: AgentProcess) -> dict[int, list[str]]:
     """Each GPU's MIG device names as the slices publish them."""
     out: dict[int, list[str]] = {}
@@ -488,6 +505,7 @@ def run_concurrency(loop: asyncio.AbstractEventLoop, agent: Agent, root: Path, s
                     *, single_rounds: int, batches: int,
                     isolation_batches: int) -> ConcurrencyResult:
     """Part 2 (see the module docstring), through the in-memory plugin."""
+    root.mkdir(parents=True, exist_ok=True)
     for gpu in range(GPUS):
         set_mig(agent.process, gpu, SEVEN)
     names = _mig_names(agent.process)
@@ -518,11 +536,18 @@ def run_concurrency(loop: asyncio.AbstractEventLoop, agent: Agent, root: Path, s
     loop.run_until_complete(at_once(every))  # warm-up
     single: list[float] = []
     concurrent: list[float] = []
+    cpu = [0.0, 0.0, 0.0]
     for _ in range(max(single_rounds, batches)):  # interleaved
         if len(single) < single_rounds * len(every):
             single += loop.run_until_complete(one_at_a_time(every))
         if len(concurrent) < batches * len(every):
+            before = (cpu_seconds(agent.process.proc.pid), cpu_seconds(plugin.proc.pid),
+                      time.process_time())
             concurrent += loop.run_until_complete(at_once(every))
+            after = (cpu_seconds(agent.process.proc.pid), cpu_seconds(plugin.proc.pid),
+                     time.process_time())
+            cpu = [c + b - a for c, a, b in zip(cpu, before, after, strict=True)]
+    cycles = max(len(concurrent), 1)
 
     idle: list[float] = []
     busy: list[float] = []
@@ -551,7 +576,8 @@ def run_concurrency(loop: asyncio.AbstractEventLoop, agent: Agent, root: Path, s
     return ConcurrencyResult(
         single=Stats.of(single), concurrent=Stats.of(concurrent), idle=Stats.of(idle),
         busy=Stats.of(busy) if busy else Stats(0, 0.0, 0.0, 0.0), busy_batches=busy_batches,
-        gpu7_busy_s=statistics.median(busy_s) if busy_s else 0.0, slow_nvml=dict(SLOW_NVML))
+        gpu7_busy_s=statistics.median(busy_s) if busy_s else 0.0, slow_nvml=dict(SLOW_NVML),
+        cpu_per_cycle=(cpu[0] / cycles, cpu[1] / cycles, cpu[2] / cycles))
 
 
 # --- part 3: republish -----------------------------------------------------------------------
@@ -566,7 +592,7 @@ class SliceWatch:
         self.events: list[tuple[float, str, str, str]] = []  # (at, type, name, spec json)
         self._lock = threading.Lock()
         self._conn: http.client.HTTPSConnection | None = None
-        self._stopping = False
+        self._stopping = threading.Event()
         status, body = server.request(
             "GET", f"{SLICES_PATH}?fieldSelector=spec.nodeName={NODE}")
         assert status == 200, body
@@ -579,7 +605,7 @@ class SliceWatch:
     def _run(self) -> None:
         host, port = self._server.url.removeprefix("https://").rsplit(":", 1)
         context = ssl.create_default_context(cafile=str(self._server.ca))
-        while not self._stopping:
+        while not self._stopping.is_set():
             conn = http.client.HTTPSConnection(host, int(port), context=context, timeout=600)
             self._conn = conn
             try:
@@ -598,7 +624,7 @@ class SliceWatch:
                         self.events.append((at, event["type"], meta.get("name", ""),
                                             json.dumps(obj.get("spec"), sort_keys=True)))
             except (OSError, ValueError, http.client.HTTPException):
-                if self._stopping:
+                if self._stopping.is_set():
                     return
                 time.sleep(0.1)
             finally:
@@ -641,7 +667,7 @@ class SliceWatch:
             time.sleep(0.1)
 
     def stop(self) -> None:
-        self._stopping = True
+        self._stopping.set()
         if self._conn is not None and self._conn.sock is not None:
             with contextlib.suppress(OSError):
                 self._conn.sock.shutdown(2)
@@ -682,17 +708,18 @@ def run_republish(server: ApiServer, agent: Agent, root: Path, stack: _Stack,
         result.geometry.append(seen - started)
         watch.settle()
     sick = 5
-    for _ in range(repeats):
-        started = time.time()
-        reply = agent.process.request("POST", "/v1/sim/xid", {"gpu": str(sick), "xid": 79})
-        assert reply.status == 202, reply.body
-        result.xid.append(watch.changed_after(started) - started)
-        watch.settle()
-        started = time.time()
-        reply = agent.process.request("POST", "/v1/sim/reset", {"gpu": str(sick)})
-        assert reply.status == 204, reply.body
-        result.reset.append(watch.changed_after(started) - started)
-        watch.settle()
+    for xid in XIDS:
+        for _ in range(repeats):
+            started = time.time()
+            reply = agent.process.request("POST", "/v1/sim/xid", {"gpu": str(sick), "xid": xid})
+            assert reply.status == 202, reply.body
+            result.xid.setdefault(xid, []).append(watch.changed_after(started) - started)
+            watch.settle()
+            started = time.time()
+            reply = agent.process.request("POST", "/v1/sim/reset", {"gpu": str(sick)})
+            assert reply.status == 204, reply.body
+            result.reset.setdefault(xid, []).append(watch.changed_after(started) - started)
+            watch.settle()
     watch.stop()
     plugin.stop()
     return result
@@ -714,7 +741,7 @@ def run_allocator(root: Path, stack: _Stack, runs: int,
     for what, dynamic, split, wanted in cases:
         started = start_node_agent(root / f"alloc-{len(out)}" / "state",
                                    extra=["--dynamic-mig"] if dynamic else [])
-        stack.add(lambda a=started: a.process.stop(signal.SIGKILL))
+        stack.add(partial(started.process.stop, signal.SIGKILL))
         if split:
             for gpu in range(GPUS):
                 set_mig(started.process, gpu, SEVEN)
@@ -744,6 +771,7 @@ def run(*, samples: int = SAMPLES, single_rounds: int = SINGLE_ROUNDS, batches: 
     result = DraResult()
     stack = _Stack()
     loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)  # grpc.aio channels bind to the current loop when made
     with _short_dir() as root:
         try:
             server = ApiServer.start(NEWEST, root / "apiserver")
@@ -754,7 +782,7 @@ def run(*, samples: int = SAMPLES, single_rounds: int = SINGLE_ROUNDS, batches: 
                 stack.add(lambda: agent.process.stop(signal.SIGKILL))
                 if "prepare" in parts:
                     result.prepare = run_prepare(loop, server, agent, root / "p1", stack,
-                                                 samples)
+                                                 samples=samples)
                 if "concurrency" in parts:
                     result.concurrency = run_concurrency(
                         loop, agent, root / "p2", stack, single_rounds=single_rounds,
@@ -770,6 +798,7 @@ def run(*, samples: int = SAMPLES, single_rounds: int = SINGLE_ROUNDS, batches: 
                 result.allocator = run_allocator(root / "p4", stack, allocator_runs)
         finally:
             stack.close()
+            asyncio.set_event_loop(None)
             loop.close()
     return result
 
@@ -813,7 +842,7 @@ def report(result: DraResult) -> list[str]:
                             f"{_yes(hop <= HOP_GOAL_S)}")
                 row(f"prepare {KIND_LABELS[kind]}: {PATH_LABELS[path]}", p.rows[(kind, path)],
                     goal)
-        reached = ", ".join(f"{reader} plugin {seen} of {sent} (+4 warm-up)"
+        reached = ", ".join(f"{reader} plugin {seen} of {sent} sent"
                             for reader, (sent, seen) in p.reached.items())
         lines.append(f"  prepares that reached the plugin (its own count): {reached}")
     c = result.concurrency
@@ -822,6 +851,10 @@ def report(result: DraResult) -> list[str]:
         row("56 MIG claims, all 56 prepares at once (one call each)", c.concurrent,
             f"p99 {c.ratio:.2f}x one at a time <= 3x: {_yes(c.ratio <= 3)}; max "
             f"{_ms(c.concurrent.max)} ms vs NVIDIA's 10 s lock timeout", worst=False)
+        agent_cpu, plugin_cpu, client_cpu = c.cpu_per_cycle
+        lines.append(f"  CPU per prepare+unprepare at 56 at once: agent {_ms(agent_cpu)} ms, "
+                     f"plugin {_ms(plugin_cpu)} ms, client {_ms(client_cpu)} ms: 56 need "
+                     f">= {_ms(c.cpu_floor_s)} ms of the {os.cpu_count()} cores")
         row("49 claims of GPUs 0-6 at once, GPU 7 idle", c.idle)
         busy_ratio = c.busy.p99 / c.idle.p99 if c.busy.n and c.idle.p99 else float("nan")
         row(f"49 claims of GPUs 0-6 at once, GPU 7 re-partitioning ({c.gpu7_busy_s:.1f} s)",
@@ -831,13 +864,15 @@ def report(result: DraResult) -> list[str]:
         lines.append(f"  GPU 7's NVML mutations slowed by the simulator: {slow}")
     r = result.republish
     if r is not None:
-        for label, values in (
-                ("republish: MIG geometry change, PUT -> slice in the API server",
-                 r.geometry),
-                ("republish: MIG geometry change, transition end -> slice",
-                 r.geometry_after_end),
-                ("republish: XID 79 (GPU unhealthy) -> slice", r.xid),
-                ("republish: GPU reset (healthy again) -> slice", r.reset)):
+        changes = [("republish: MIG geometry change, PUT -> slice in the API server",
+                    r.geometry),
+                   ("republish: MIG geometry change, transition end -> slice",
+                    r.geometry_after_end)]
+        for xid in sorted(r.xid):
+            changes += [(f"republish: XID {xid} (GPU unhealthy) -> slice", r.xid[xid]),
+                        (f"republish: reset after XID {xid} (healthy) -> slice",
+                         r.reset.get(xid, []))]
+        for label, values in changes:
             if values:
                 stats = Stats.of(values)
                 row(f"{label} (median, max)", stats,

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from agent.cli import kubelet_plugin
 from agent.cli.main import parser
 from agent.kubeplugin.agent_client import AgentClient
+from agent.kubeplugin.kube import KubeClient
 from agent.kubeplugin.process import PluginSettings, Wiring, wire_kubernetes
 
 READER_ENV = "BENCH_DRA_READER"
@@ -61,8 +62,6 @@ async def bench_wire(settings: PluginSettings, agent: AgentClient,
         claims = FileClaims(Path(reader.removeprefix("file:")))
         return Wiring(claims=claims, api=claims)
     if reader == "kube":
-        from agent.kubeplugin.kube import KubeClient  # noqa: PLC0415 - merged with the publisher
-
         kube = await KubeClient.from_environment(settings.kubeconfig)
         return Wiring(claims=kube, api=kube, close=kube.close)
     return await wire_kubernetes(settings, agent, registry)
