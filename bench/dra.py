@@ -583,6 +583,26 @@ def run_concurrency(loop: asyncio.AbstractEventLoop, agent: Agent, root: Path, s
 # --- part 3: republish -----------------------------------------------------------------------
 
 
+def _device_names(state: dict[str, str]) -> set[str]:
+    """Every device name of these slice specs (JSON)."""
+    return {d["name"] for spec in state.values()
+            for d in (json.loads(spec) or {}).get("devices") or []}
+
+
+def _of_gpu(names: set[str], gpu: int) -> set[str]:
+    return {n for n in names if n == f"gpu-{gpu}" or n.startswith(f"gpu-{gpu}-")}
+
+
+def _gpu_shows(names: set[str], *, gpu: int, wanted: set[str]) -> bool:
+    """Whether the published ``names`` of GPU ``gpu`` are exactly ``wanted``."""
+    return _of_gpu(names, gpu) == wanted
+
+
+def _agent_names(agent: AgentProcess) -> set[str]:
+    return {d["name"] for s in slices_of(agent, SLICE_RULES)
+            for d in s["spec"].get("devices") or []}
+
+
 class SliceWatch:
     """A watch on the node's ResourceSlices in a thread: every event with the wall time it was
     read (``time.time()``, the clock of the agent's transition stamps)."""
@@ -630,25 +650,37 @@ class SliceWatch:
             finally:
                 conn.close()
 
-    def changed_after(self, since: float, timeout: float = 30) -> float:
-        """Wall time of the first event read after ``since`` that changes a slice's spec (or
-        adds or deletes one); raises past ``timeout``."""
+    def mark(self) -> tuple[int, dict[str, str]]:
+        """Where the stream is now: the events so far and the slices they add up to."""
+        with self._lock:
+            seen = len(self.events)
+            state = dict(self.current)
+            for _, kind, name, spec in self.events:
+                if kind == "DELETED":
+                    state.pop(name, None)
+                else:
+                    state[name] = spec
+        return seen, state
+
+    def first_match(self, mark: tuple[int, dict[str, str]],
+                    done: Callable[[set[str]], bool], timeout: float = 30) -> float:
+        """Wall time of the first event after ``mark`` from which the node's published device
+        names satisfy ``done``; raises past ``timeout``."""
+        seen, state = mark[0], dict(mark[1])
         deadline = time.monotonic() + timeout
-        seen = 0
         while time.monotonic() < deadline:
             with self._lock:
                 fresh = self.events[seen:]
-                seen = len(self.events)
+            seen += len(fresh)
             for at, kind, name, spec in fresh:
-                before = self.current.get(name)
                 if kind == "DELETED":
-                    self.current.pop(name, None)
+                    state.pop(name, None)
                 else:
-                    self.current[name] = spec
-                if at >= since and (kind == "DELETED" or before != spec):
+                    state[name] = spec
+                if done(_device_names(state)):
                     return at
             time.sleep(0.005)
-        raise AssertionError(f"no slice change within {timeout}s")
+        raise AssertionError(f"the published slices did not match within {timeout}s")
 
     def settle(self, quiet_s: float = 1.0, timeout: float = 30) -> None:
         """Return once no event has arrived for ``quiet_s`` (the publisher is done)."""
@@ -656,12 +688,6 @@ class SliceWatch:
         while time.monotonic() < deadline:
             with self._lock:
                 last = self.events[-1][0] if self.events else 0.0
-                for _, kind, name, spec in self.events:
-                    if kind == "DELETED":
-                        self.current.pop(name, None)
-                    else:
-                        self.current[name] = spec
-                self.events.clear()
             if time.time() - last >= quiet_s:
                 return
             time.sleep(0.1)
@@ -696,29 +722,41 @@ def run_republish(server: ApiServer, agent: Agent, root: Path, stack: _Stack,
     gpu = 3
     geometries = (["3g.40gb", "2g.20gb", ONE_G, ONE_G], SEVEN)
     for i in range(repeats):
+        mark = watch.mark()
         started = time.time()
         reply = agent.process.request("PUT", f"/v1/gpus/{gpu}/mig", {
             "profiles": geometries[i % 2], "mig_enabled": True})
         assert reply.status in (200, 202), reply.body
-        seen = watch.changed_after(started)
+        ended = started
         if reply.status == 202:
             done = _wait_transition(agent.process, reply.headers["location"])
             assert done["state"] == "succeeded", done
-            result.geometry_after_end.append(seen - float(done["finished_at"]))
+            ended = float(done["finished_at"])
+        # The slices the agent publishes for the new geometry, once in the API server (the
+        # transition's drain marks republish earlier; those are steps, not the result).
+        target = _of_gpu(_agent_names(agent.process), gpu)
+        seen = watch.first_match(mark, partial(_gpu_shows, gpu=gpu, wanted=target))
         result.geometry.append(seen - started)
+        result.geometry_after_end.append(seen - ended)
         watch.settle()
     sick = 5
+    healthy = _of_gpu(_agent_names(agent.process), sick)
+    assert healthy, "GPU 5 publishes no device"
     for xid in XIDS:
         for _ in range(repeats):
+            mark = watch.mark()
             started = time.time()
             reply = agent.process.request("POST", "/v1/sim/xid", {"gpu": str(sick), "xid": xid})
             assert reply.status == 202, reply.body
-            result.xid.setdefault(xid, []).append(watch.changed_after(started) - started)
+            seen = watch.first_match(mark, partial(_gpu_shows, gpu=sick, wanted=set()))
+            result.xid.setdefault(xid, []).append(seen - started)
             watch.settle()
+            mark = watch.mark()
             started = time.time()
             reply = agent.process.request("POST", "/v1/sim/reset", {"gpu": str(sick)})
             assert reply.status == 204, reply.body
-            result.reset.setdefault(xid, []).append(watch.changed_after(started) - started)
+            seen = watch.first_match(mark, partial(_gpu_shows, gpu=sick, wanted=healthy))
+            result.reset.setdefault(xid, []).append(seen - started)
             watch.settle()
     watch.stop()
     plugin.stop()

@@ -27,7 +27,7 @@ def test_dra_bench_runs_every_part_and_every_prepare_reaches_the_plugin() -> Non
     # Kubelet's cache never answered for the plugin: it counted every prepare sent to it.
     assert set(p.reached) == {"memory", "apiserver"}
     for sent, seen in p.reached.values():
-        assert sent == seen == 2 * (2 + 2)  # (warm-up + samples) x kinds, gRPC and kubelet
+        assert sent == seen == 2 * 2 * (1 + 2)  # kinds x (gRPC, kubelet) x (warm-up + samples)
 
     c = result.concurrency
     assert c is not None
