@@ -6,6 +6,7 @@ import argparse
 
 from bench import (
     claims,
+    dra,
     load,
     metrics_scrape,
     mig_disruption,
@@ -16,7 +17,7 @@ from bench import (
 )
 
 BENCHMARKS = ("startup", "mig-disruption", "mig-transition", "topology-select", "metrics-scrape",
-              "claims", "packing", "load")
+              "claims", "packing", "load", "dra")
 
 
 def main() -> None:
@@ -58,6 +59,10 @@ def main() -> None:
         print()
     if args.only in (None, "load"):
         load.main([])
+    if args.only is None:
+        print()
+    if args.only in (None, "dra"):
+        dra.main()
 
 
 if __name__ == "__main__":
