@@ -60,6 +60,7 @@ class SliceService:
         self._changes = asyncio.Condition()
         self._ticks = 0  # counts the watcher's observed changes
         self._latest: tuple[GpuFacts, ...] | None = None
+        self._marks: tuple[tuple[str | None, tuple[str, ...]], ...] = ()
         self._waiters = 0
         self._watcher: asyncio.Task[None] | None = None
         self._released = False
@@ -174,14 +175,19 @@ class SliceService:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self._poll_s)
             self._wake.clear()
-            if self._stale or loop.time() - refreshed >= self._refresh_s:
+            fresh = self._stale or loop.time() - refreshed >= self._refresh_s
+            if fresh:
                 self._stale = False
                 refreshed = loop.time()
-                try:
-                    await self._inventory.refresh()
-                except AgentError as err:  # the waiters still see the in-memory changes
-                    log.warning("inventory refresh for resourceslices failed",
-                                extra={"error": err.detail})
+                await self._refresh_inventory()
+            marks = tuple(self._ledger.health_marks(g.uuid) for g in self._inventory.gpus)
+            if not fresh and marks != self._marks:
+                # A GPU was lost, reset or its XID cleared: read the GPUs afresh, or a
+                # snapshot taken while a GPU was lost keeps it out of the slices until the
+                # next refresh (its own health says lost, in the very words of the mark).
+                refreshed = loop.time()
+                await self._refresh_inventory()
+            self._marks = marks
             facts = tuple(self.facts())
             if first or facts != self._latest:
                 first = False
@@ -189,6 +195,13 @@ class SliceService:
                 async with self._changes:
                     self._ticks += 1
                     self._changes.notify_all()
+
+    async def _refresh_inventory(self) -> None:
+        try:
+            await self._inventory.refresh()
+        except AgentError as err:  # the waiters still see the in-memory changes
+            log.warning("inventory refresh for resourceslices failed",
+                        extra={"error": err.detail})
 
     def _options(self, kubernetes: tuple[int, int], *, generation: int) -> RenderOptions:
         return RenderOptions(driver=self.driver, node_name=self.node_name,

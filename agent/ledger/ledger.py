@@ -220,6 +220,12 @@ class NodeLedger:
 
     # -- availability ------------------------------------------------------------------------
 
+    def health_marks(self, gpu_uuid: str) -> tuple[str | None, tuple[str, ...]]:
+        """The GPU's live marks, besides what the inventory last read: why it is lost, if
+        it is, and its XID reasons. They change the moment a GPU is lost, reset or
+        cleared, before any inventory read shows it."""
+        return self._lost_reason(gpu_uuid), tuple(self._xid_reasons(gpu_uuid))
+
     def condition(self, gpu: Gpu) -> tuple[str, ...]:
         """Why nothing on this GPU may be handed out: lost, unhealthy (the XID), quarantined."""
         reasons: list[str] = []

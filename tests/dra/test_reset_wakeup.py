@@ -43,10 +43,6 @@ def _until(agent: AgentProcess, etag: str, done: Any, within_s: float) -> tuple[
                 return reply.body, time.monotonic() - started
 
 
-@pytest.mark.xfail(strict=True, reason="the reset clears the lost mark, but the inventory "
-                   "snapshot read while the GPU was lost keeps 'GPU is lost' until "
-                   "SliceService's 10 s refresh, so a publisher already waiting gets gpu-5 "
-                   "back only then (bench/dra.py: 5-10 s; docs/benchmarks.md)")
 def test_a_reset_after_xid_79_wakes_a_waiting_request_with_the_gpu_within_2s(
         agent: AgentProcess) -> None:
     """After XID 79 takes GPU 5 off the slices, POST /v1/sim/reset brings gpu-5 back to a
