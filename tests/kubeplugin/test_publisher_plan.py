@@ -152,8 +152,8 @@ def test_updates_carry_the_resource_version_read() -> None:
 
 def test_own_write_as_answered_is_in_sync() -> None:
     """A slice that is still the object this publisher wrote is in sync even where the
-    server rewrote values (a canonical quantity); the same object without that record is
-    rewritten."""
+    server rewrote values; without that record (a restarted plugin) a quantity the server
+    made canonical (1024Mi as 1Gi) is in sync too, and another value is rewritten."""
     body = desired_slices(_gen(3, A), node_name=NODE, node_uid=UID, driver=DRIVER,
                           generation=3)[0]
     body["spec"]["devices"][0]["capacity"] = {"memory": {"value": "1024Mi"}}
@@ -164,6 +164,8 @@ def test_own_write_as_answered_is_in_sync() -> None:
     record = {"s-0": Written(answer["metadata"]["resourceVersion"], digest(body), 3)}
     assert plan(agent, [answer], node_name=NODE, node_uid=UID, driver=DRIVER,
                 written=record).empty
+    assert plan(agent, [answer], node_name=NODE, node_uid=UID, driver=DRIVER).empty
+    answer["spec"]["devices"][0]["capacity"]["memory"]["value"] = "1000Mi"
     assert not plan(agent, [answer], node_name=NODE, node_uid=UID, driver=DRIVER).empty
 
 
