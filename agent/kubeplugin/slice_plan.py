@@ -115,10 +115,12 @@ def _omitted(value: Any) -> bool:
 
 
 # A Kubernetes quantity: a decimal number, then a binary or decimal suffix or an exponent.
-_QUANTITY = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+))(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?\d+)?$")
-_SUFFIX = {"": 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50,
-           "Ei": 2**60, "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"),
-           "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
+_QUANTITY = re.compile(
+    r"^([+-]?(?:\d+\.?\d*|\.\d+))(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?\d+)?$")
+_SUFFIX: dict[str, int | Decimal] = {
+    "": 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+    "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"),
+    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
 #: Keys whose string values are quantities in a slice (capacity and counter ``value``, a
 #: capacity's ``requestPolicy``); attributes never use them (``string``, ``int``, ...).
 QUANTITY_KEYS = frozenset({"value", "default", "min", "max", "step"})
@@ -133,7 +135,7 @@ def quantity_value(text: str) -> Decimal | None:
     suffix = match[2] or ""
     if suffix[:1] in ("e", "E") and len(suffix) > 1:
         return Decimal(match[1]) * Decimal(10) ** int(suffix[1:])
-    return Decimal(match[1]) * Decimal(_SUFFIX[suffix])
+    return Decimal(match[1]) * _SUFFIX[suffix]
 
 
 def same_value(wanted: Any, actual: Any, key: str | None = None) -> bool:

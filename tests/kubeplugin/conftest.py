@@ -245,3 +245,44 @@ async def kubelet(short_dir: Path, agent: Agent) -> AsyncIterator[Kubelet]:
     running = await open_kubelet(settings_for(short_dir, agent))
     yield running
     await close_kubelet(running)
+
+
+class NodeAgents:
+    """Simulated agents for named nodes (each with the plugin's ``claims`` token), stopped at
+    the end of the test; one may be stopped and started again on its state."""
+
+    def __init__(self, root: Path) -> None:
+        self._root = root
+        self._running: list[Agent] = []
+
+    def start(self, node: str, *, preset: str = "dgx-h100", dynamic_mig: bool = False,
+              extra: tuple[str, ...] = ()) -> Agent:
+        state = self._root / f"a{len(self._running)}" / "state"
+        agent = start_with_plugin_token(state, node=node, preset=preset,
+                                        extra=["--driver-name", DRIVER,
+                                               *(["--dynamic-mig"] if dynamic_mig else []),
+                                               *extra])
+        self._running.append(agent)
+        return agent
+
+    def restart(self, agent: Agent) -> Agent:
+        """The same agent (command line, state, tokens) started again after a stop."""
+        args = agent.process.args
+        # start_agent's own part: python -m agent serve --state-dir S --listen T --listen U
+        assert args[3] == "serve" and args[8] == "--listen", args
+        process = start_agent(agent.process.state_dir, preset=None, extra=args[10:])
+        process.token = agent.process.token
+        again = Agent(process, agent.plugin_token, agent.token_file)
+        self._running.append(again)
+        return again
+
+    def stop_all(self) -> None:
+        for agent in self._running:
+            agent.process.stop(signal.SIGKILL)
+
+
+@pytest.fixture
+def node_agent(short_dir: Path) -> Iterator[NodeAgents]:
+    agents = NodeAgents(short_dir)
+    yield agents
+    agents.stop_all()

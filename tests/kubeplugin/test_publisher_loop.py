@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from agent.dra.rules import quantity
-from agent.kubeplugin.publisher import kubernetes_version
+from agent.kubeplugin.publisher import SlicePublisher, kubernetes_version
 from tests.k8s.fixtures import StartApiServer
 from tests.k8s.harness import ApiServer
-from tests.kubeplugin.conftest import DRIVER, Agent, start_with_plugin_token
+from tests.kubeplugin.conftest import DRIVER, Agent, NodeAgents
 from tests.kubeplugin.publishing import (
     GOAL_S,
     Cluster,
@@ -32,27 +30,6 @@ from tests.kubeplugin.publishing import (
     versions,
 )
 
-StartNodeAgent = Callable[..., Agent]
-
-
-@pytest.fixture
-def node_agent(short_dir: Path) -> Iterator[StartNodeAgent]:
-    """``start(node, preset="dgx-h100", dynamic_mig=False)``: a simulated agent for
-    ``node``."""
-    started: list[Agent] = []
-
-    def start(node: str, *, preset: str = "dgx-h100", dynamic_mig: bool = False) -> Agent:
-        agent = start_with_plugin_token(short_dir / f"a{len(started)}", node=node,
-                                        preset=preset,
-                                        extra=["--driver-name", DRIVER,
-                                               *(["--dynamic-mig"] if dynamic_mig else [])])
-        started.append(agent)
-        return agent
-
-    yield start
-    for agent in started:
-        agent.process.stop(signal.SIGKILL)
-
 
 def by_value(value: Any) -> Any:
     """A slice compared as the server means it: quantities by value (it writes them
@@ -64,6 +41,10 @@ def by_value(value: Any) -> Any:
     if isinstance(value, list):
         return [by_value(v) for v in value]
     return value
+
+
+def publisher_in_sync(publisher: SlicePublisher) -> Callable[[], bool]:
+    return lambda: publisher.health().in_sync
 
 
 def served(agent: Agent, kubernetes: str) -> list[dict[str, Any]]:
@@ -90,7 +71,7 @@ def test_kubernetes_version_is_clamped(server: tuple[int, int], asked: str) -> N
 
 
 async def test_publishes_the_agents_pool_above_the_existing_generation(
-        kube_apiserver: ApiServer, node_agent: StartNodeAgent) -> None:
+        kube_apiserver: ApiServer, node_agent: NodeAgents) -> None:
     """The server gets the agent's slices for its own version, owned by the Node (controller,
     its UID), pooled under the node's name with the slice count, at a generation above the
     highest already there; the obsolete slice is deleted; health says in sync."""
@@ -98,7 +79,7 @@ async def test_publishes_the_agents_pool_above_the_existing_generation(
     cluster = Cluster(kube_apiserver, node)
     uid = await asyncio.to_thread(cluster.node_uid)
     await asyncio.to_thread(cluster.create, stale_slice(node, 7))
-    agent = node_agent(node, dynamic_mig=True)
+    agent = node_agent.start(node, dynamic_mig=True)
     kube = await kube_client(kube_apiserver.kubeconfig)
     publisher, registry, client = make_publisher(agent, kube, node=node)
     try:
@@ -123,13 +104,13 @@ async def test_publishes_the_agents_pool_above_the_existing_generation(
 
 @pytest.mark.parametrize("cause", ["deleted", "modified"])
 async def test_slices_changed_by_someone_else_are_restored(
-        cause: str, kube_apiserver: ApiServer, node_agent: StartNodeAgent) -> None:
+        cause: str, kube_apiserver: ApiServer, node_agent: NodeAgents) -> None:
     """Slices deleted (kubelet at its start) or changed behind the publisher's back are
     written again within the 2 s goal, counted by cause, above the generation seen."""
     node = f"pub-{cause}"
     cluster = Cluster(kube_apiserver, node)
     await asyncio.to_thread(cluster.node_uid)
-    agent = node_agent(node)
+    agent = node_agent.start(node)
     kube = await kube_client(kube_apiserver.kubeconfig)
     publisher, registry, client = make_publisher(agent, kube, node=node)
     try:
@@ -157,13 +138,13 @@ async def test_slices_changed_by_someone_else_are_restored(
 
 
 async def test_a_restarted_publisher_rewrites_nothing(kube_apiserver: ApiServer,
-                                                      node_agent: StartNodeAgent) -> None:
+                                                      node_agent: NodeAgents) -> None:
     """A second publisher (the plugin restarted) finds the pool the server holds in sync,
     quantities the server rewrote canonically included, and writes nothing."""
     node = "pub-restart"
     cluster = Cluster(kube_apiserver, node)
     await asyncio.to_thread(cluster.node_uid)
-    agent = node_agent(node, preset="a100-pcie-bridged")
+    agent = node_agent.start(node, preset="a100-pcie-bridged")
     written = [d["capacity"]["memory"]["value"] for s in served(agent, kube_apiserver.version)
                for d in s["spec"].get("devices", ())]
     assert "81920Mi" in written  # the server stores it as 80Gi
@@ -173,7 +154,7 @@ async def test_a_restarted_publisher_rewrites_nothing(kube_apiserver: ApiServer,
             publisher, registry, client = make_publisher(agent, kube, node=node)
             try:
                 async with running(publisher) as task:
-                    await eventually(lambda: publisher.health().in_sync, task=task)
+                    await eventually(publisher_in_sync(publisher), task=task)
                     await asyncio.sleep(0.3)  # a write would show by now
             finally:
                 await client.close()
@@ -186,13 +167,13 @@ async def test_a_restarted_publisher_rewrites_nothing(kube_apiserver: ApiServer,
 
 
 async def test_recreated_node_gets_slices_owned_by_its_new_uid(
-        kube_apiserver: ApiServer, node_agent: StartNodeAgent) -> None:
+        kube_apiserver: ApiServer, node_agent: NodeAgents) -> None:
     """When the Node is recreated and its slices deleted (the garbage collector's part), the
     slices are written again owned by the new Node's UID."""
     node = "pub-renode"
     cluster = Cluster(kube_apiserver, node)
     await asyncio.to_thread(cluster.node_uid)
-    agent = node_agent(node)
+    agent = node_agent.start(node)
     kube = await kube_client(kube_apiserver.kubeconfig)
     publisher, _, client = make_publisher(agent, kube, node=node)
     try:
@@ -209,7 +190,7 @@ async def test_recreated_node_gets_slices_owned_by_its_new_uid(
 
 
 async def test_dropped_fields_are_reported(kube_apiservers: StartApiServer,
-                                           node_agent: StartNodeAgent,
+                                           node_agent: NodeAgents,
                                            caplog: pytest.LogCaptureFixture) -> None:
     """A 1.34 server with DRAPartitionableDevices off accepts dynamic-MIG slices and drops
     their counters: the publisher reports it in health (not in sync, naming the fields), a
@@ -218,7 +199,7 @@ async def test_dropped_fields_are_reported(kube_apiservers: StartApiServer,
     node = "pub-dropped"
     cluster = Cluster(server, node)
     await asyncio.to_thread(cluster.node_uid)
-    agent = node_agent(node, dynamic_mig=True)
+    agent = node_agent.start(node, dynamic_mig=True)
     kube = await kube_client(server.kubeconfig)
     publisher, registry, client = make_publisher(agent, kube, node=node)
     dropped = ("spec.devices[].consumesCounters", "spec.sharedCounters")
