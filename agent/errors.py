@@ -137,6 +137,40 @@ class DeviceBusy(Conflict):
         return {**super()._fields(), "device": self.device, "holders": list(self.holders)}
 
 
+class MigNotEnabled(Conflict):
+    """A MIG slice was asked for, but no GPU it may go on has MIG enabled (and none can switch
+    it on for this request): ``profile`` is the slice, ``mig_off`` the indices of the
+    MIG-capable GPUs with MIG off (enabling MIG on one, or asking for a whole GPU, helps)."""
+
+    def __init__(self, detail: str, *, profile: str, mig_off: Sequence[int] = (),
+                 gpu: str | None = None) -> None:
+        super().__init__(detail, gpu=gpu)
+        self.profile = profile
+        self.mig_off = tuple(mig_off)
+
+    def _fields(self) -> dict[str, Any]:
+        return {**super()._fields(), "profile": self.profile, "mig_off": list(self.mig_off)}
+
+
+class NoSliceRoom(Conflict):
+    """Every MIG-enabled GPU a slice may go on is full for it (no free placement, or the
+    profile's instance limit): ``profile`` and ``start`` are what was asked, ``gpus`` the
+    MIG-enabled GPUs tried, ``mig_off`` the MIG-capable GPUs with MIG off."""
+
+    def __init__(self, detail: str, *, profile: str, start: int | None = None,
+                 gpus: Sequence[int] = (), mig_off: Sequence[int] = (),
+                 gpu: str | None = None) -> None:
+        super().__init__(detail, gpu=gpu)
+        self.profile = profile
+        self.start = start
+        self.gpus = tuple(gpus)
+        self.mig_off = tuple(mig_off)
+
+    def _fields(self) -> dict[str, Any]:
+        return {**super()._fields(), "profile": self.profile, "start": self.start,
+                "gpus": list(self.gpus), "mig_off": list(self.mig_off)}
+
+
 class DeviceUnavailable(Conflict):
     """A device or GPU that cannot be used at all right now, whoever asks: unhealthy (the
     reason names the XID), quarantined, lost, or draining. ``reason`` says which, in words."""

@@ -306,15 +306,15 @@ def run_http(directory: Path, clients: Sequence[int] = CLIENTS,
                         extra=["--cdi-dir", str(spec_dir or directory / "agent-cdi")])
     try:
         agent.request("PUT", "/v1/sim/latency", {})
-        rows = _http_rows(agent, "gpu", [{"request": "gpu", "device": str(i)}
+        rows = _http_rows(agent, "gpu", [{"kind": "gpu", "device": str(i)}
                                          for i in range(GPUS)], clients, cycles)
         _set_all_mig(agent, {"profiles": [ONE_G] * SLICE_SLOTS})
-        mig = [{"request": "gpu", "device": d["uuid"]}
+        mig = [{"kind": "gpu", "device": d["uuid"]}
                for g in agent.request("GET", "/v1/gpus").body["gpus"]
                for d in g["mig_devices"]]
         rows += _http_rows(agent, "mig", mig, clients, cycles)
         _set_all_mig(agent, {"profiles": []})
-        rows += _http_rows(agent, "slice", [{"request": "slice", "profile": ONE_G}]
+        rows += _http_rows(agent, "slice", [{"kind": "slice", "profile": ONE_G}]
                            * (GPUS * SLICE_SLOTS), clients, cycles)
     finally:
         agent.stop()

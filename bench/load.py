@@ -3,7 +3,7 @@
 A real ``gpu-agent serve --simulate dgx-h100`` process (simulated NVML latencies off, so what
 is measured is the agent). Layout of the node:
 
-* GPUs 0-1: MIG off, whole-GPU claims (``{"request": "gpu", "device": "<index>"}``);
+* GPUs 0-1: MIG off, whole-GPU claims (``{"kind": "gpu", "device": "<index>"}``);
 * GPUs 2-4: MIG on, 7 x 1g.10gb existing devices, claimed by MIG UUID;
 * GPUs 5-6: MIG on and empty, on-demand ``1g.10gb`` slices (``"gpu"`` pins them there;
   7 slots each);
@@ -137,12 +137,12 @@ class Load:
 
     def pool(self) -> None:
         gpus = {str(g["index"]): g for g in self.agent.request("GET", "/v1/gpus").body["gpus"]}
-        whole = [{"request": "gpu", "device": gpu} for gpu in WHOLE_GPUS]
-        mig = [{"request": "gpu", "device": d["uuid"]}
+        whole = [{"kind": "gpu", "device": gpu} for gpu in WHOLE_GPUS]
+        mig = [{"kind": "gpu", "device": d["uuid"]}
                for gpu in MIG_GPUS for d in gpus[gpu]["mig_devices"]]
         if len(mig) != 7 * len(MIG_GPUS):
             raise AssertionError(f"expected {7 * len(MIG_GPUS)} MIG devices, got {len(mig)}")
-        slices = [{"request": "slice", "profile": ONE_G, "gpu": gpu}
+        slices = [{"kind": "slice", "profile": ONE_G, "gpu": gpu}
                   for gpu in SLICE_GPUS for _ in range(7)]
         # every target equally likely: 2 whole GPUs, 21 MIG devices, 14 slice slots; with more
         # clients than targets, prepares collide (409) on all three kinds
@@ -183,7 +183,7 @@ class Load:
     async def client(self, http: aiohttp.ClientSession) -> None:
         while self._take():
             device = self.rng.choice(self.devices)
-            kind = "slice" if device["request"] == "slice" else (
+            kind = "slice" if device["kind"] == "slice" else (
                 "mig" if device["device"].startswith("MIG-") else "gpu")
             self.serial += 1
             uid = f"load-{self.serial}"

@@ -173,7 +173,7 @@ class _Driver:
     def claim_cycle(self, gpu: str) -> None:
         self.uid += 1
         uid = f"soak-{gpu}-{self.uid}"
-        self.call("PUT", f"/v1/claims/{uid}", {"devices": [{"request": "gpu", "device": gpu}]},
+        self.call("PUT", f"/v1/claims/{uid}", {"devices": [{"kind": "gpu", "device": gpu}]},
                   expect=(200, 201), label="claim")
         self.call("DELETE", f"/v1/claims/{uid}", expect=(204,), label="unclaim")
         if self.uid % 10 == 0:  # a kubelet retry: unprepare is idempotent

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import re
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from aiohttp import web
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from agent.api.body import parse_body
 from agent.api.context import AGENT
@@ -27,16 +27,29 @@ class PlacementStart(Strict):
     start: int = Field(ge=0, le=7)
 
 
+#: The device field that names what kind of device is asked for, and its old spelling (it
+#: clashed with DRA's request names, which are ``name`` here).
+KIND_FIELD, OLD_KIND_FIELD = "kind", "request"
+
+
 class DeviceRequestIn(Strict):
-    """``{"request": "gpu", "device": ...}`` for an existing GPU or MIG device;
-    ``{"request": "slice", "profile": ..., "gpu"?, "placement"?}`` or
-    ``{"request": "slice", "device": <dynamic device name>}`` for a slice made on demand.
-    ``name`` is the DRA request name the result echoes (defaults to ``request``).
+    """``{"kind": "gpu", "device": ...}`` for an existing GPU or MIG device;
+    ``{"kind": "slice", "profile": ..., "gpu"?, "placement"?}`` or
+    ``{"kind": "slice", "device": <dynamic device name>}`` for a slice made on demand.
+    ``kind`` was called ``request`` before; the old spelling is still accepted (an entry
+    giving both is refused, 422 naming ``request``).
+    ``name`` is the DRA request name the result echoes (defaults to ``kind``).
     ``admin_access`` (DRA adminAccess, for monitoring tools; existing devices only): the
     device is held without taking it from its holder, and blocks no other claim and no
     geometry change."""
 
-    request: Literal["gpu", "slice"]
+    kind: Literal["gpu", "slice"] = Field(
+        description="What is asked for: 'gpu' (an existing GPU or MIG device) or 'slice' (a "
+        "MIG slice made on demand). Formerly 'request', still accepted alone.")
+    request: Literal["gpu", "slice"] | None = Field(
+        default=None, json_schema_extra={"deprecated": True},
+        description="Deprecated spelling of 'kind' (accepted when 'kind' is absent; giving "
+        "both is refused)")
     name: str | None = Field(default=None, max_length=63)
     device: str | None = Field(default=None, min_length=1, max_length=96)
     profile: str | None = Field(default=None, max_length=32)
@@ -44,24 +57,42 @@ class DeviceRequestIn(Strict):
     placement: PlacementStart | None = None
     admin_access: bool = False
 
+    @model_validator(mode="before")
+    @classmethod
+    def _old_spelling(cls, data: Any) -> Any:
+        # The old spelling alone becomes ``kind``; with both, ``request`` stays for its own
+        # validator to refuse under its name.
+        if isinstance(data, dict) and OLD_KIND_FIELD in data and KIND_FIELD not in data:
+            data = {KIND_FIELD if key == OLD_KIND_FIELD else key: value
+                    for key, value in data.items()}
+        return data
+
+    @field_validator("request")
+    @classmethod
+    def _not_both(cls, value: str | None) -> str | None:
+        if value is not None:
+            raise ValueError("give 'kind' only: 'request' is its old spelling, and both were "
+                             "given")
+        return value
+
     @model_validator(mode="after")
     def _shape(self) -> DeviceRequestIn:
-        if self.admin_access and self.request != "gpu":
-            raise ValueError("admin_access is for existing devices ('gpu' requests), not "
+        if self.admin_access and self.kind != "gpu":
+            raise ValueError("admin_access is for existing devices (kind 'gpu'), not "
                              "slices made on demand")
-        if self.request == "gpu":
+        if self.kind == "gpu":
             if self.device is None or self.profile or self.gpu or self.placement:
-                raise ValueError("a 'gpu' request names one existing device and nothing else")
+                raise ValueError("kind 'gpu' names one existing device and nothing else")
         elif (self.device is None) == (self.profile is None):
-            raise ValueError("a 'slice' request gives a profile or a device name, not both")
+            raise ValueError("kind 'slice' gives a profile or a device name, not both")
         elif self.device is not None and (self.gpu or self.placement):
             raise ValueError("a slice device name already fixes GPU and placement")
         return self
 
     def value(self) -> DeviceRequest:
         return DeviceRequest(
-            request=self.name or self.request,
-            kind="gpu" if self.request == "gpu" else "slice", device=self.device,
+            request=self.name or self.kind,
+            kind="gpu" if self.kind == "gpu" else "slice", device=self.device,
             profile=self.profile, gpu=self.gpu,
             start=self.placement.start if self.placement else None,
             admin_access=self.admin_access)

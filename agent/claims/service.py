@@ -48,6 +48,8 @@ from agent.errors import (
     DeviceNodesMissing,
     DeviceUnavailable,
     InvalidRequest,
+    MigNotEnabled,
+    NoSliceRoom,
     NotFound,
 )
 from agent.events import EventLog, Severity
@@ -430,7 +432,7 @@ class ClaimService:
         if request.admin_access:  # a slice made for a monitor would be a device nobody else has
             raise InvalidRequest("devices: admin_access is for existing devices, not slices made "
                                  "on demand", [{"field": "devices.admin_access",
-                                                "reason": "only with request 'gpu'"}])
+                                                "reason": "only with kind 'gpu'"}])
         if request.device is not None:  # a dynamic ResourceSlice device name fixes all three
             parsed = parse_device_name(request.device)
             if parsed is None or parsed.profile_id is None:
@@ -458,12 +460,17 @@ class ClaimService:
         if gpu_ref is not None:
             self._ledger.check_usable(candidates[0])  # a pinned GPU says why it cannot serve
         # A device the scheduler allocated from --dynamic-mig slices may switch MIG on.
-        usable = [g for g in candidates if slice_ready(g, allocated=request.device is not None)
-                  and not self._ledger.condition(g)]
+        ready = [g for g in candidates if slice_ready(g, allocated=request.device is not None)]
+        usable = [g for g in ready if not self._ledger.condition(g)]
+        mig_off = [g.index for g in candidates if g not in ready]
+        if not ready:
+            raise _mig_not_enabled(profile, candidates, pinned=gpu_ref is not None)
         if not usable:
-            raise DeviceBusy("no healthy GPU with MIG enabled to make a slice on"
-                             + (f" (GPU {gpu_ref})" if gpu_ref else "")
-                             + "; enable MIG with PUT /v1/gpus/{gpu}/mig first")
+            raise DeviceUnavailable(
+                f"no MIG-enabled GPU can take a {profile} slice now: " + "; ".join(
+                    f"GPU {g.index}: {', '.join(self._ledger.condition(g))}" for g in ready),
+                gpu=ready[0].uuid if gpu_ref is not None else None,
+                reason="; ".join(r for g in ready for r in self._ledger.condition(g)))
         # Choose on a fresh walk, reserve the choice in the ledger (counted by every later
         # choice, so concurrent prepares spread over free placements), then make it under
         # the GPU's mutation lock after checking it still holds; retry if not. No lock is
@@ -501,9 +508,7 @@ class ClaimService:
         if gpu_ref is not None and busy[0] is not None:
             raise DeviceBusy(f"GPU {usable[0].index} is busy with MIG transition {busy[0]}",
                              gpu=usable[0].uuid, transition=busy[0])
-        raise DeviceBusy(f"no room for a {profile} slice"
-                         + (f" starting at memory slice {start}" if start is not None else "")
-                         + " on the eligible GPUs")
+        raise _no_room(profile, start, usable, mig_off, pinned=gpu_ref is not None)
 
     async def _walk(self, gpu: Gpu) -> Geometry:
         """The GPU's geometry from a fresh NVML walk (read pool)."""
@@ -888,3 +893,38 @@ def _claim_details(record: ClaimRecord) -> dict[str, object]:
     """An event's details for a claim: its uid and the GPUs (UUIDs) it holds, so the event's
     log line names them."""
     return {"claim": record.uid, "gpus": sorted({d.gpu for d in record.devices})}
+
+
+def _gpu_list(indices: Sequence[int]) -> str:
+    return ", ".join(str(i) for i in indices)
+
+
+def _mig_not_enabled(profile: str, candidates: Sequence[Gpu], *, pinned: bool) -> MigNotEnabled:
+    """The refusal of a slice where no GPU it may go on has MIG on, saying what to do."""
+    off = [g.index for g in candidates]
+    if pinned:
+        detail = (f"GPU {off[0]} has MIG off, so no {profile} slice can be made on it: enable "
+                  f"MIG on it (PUT /v1/gpus/{off[0]}/mig) or request the whole GPU")
+    else:
+        detail = (f"no GPU has MIG enabled, so no {profile} slice can be made (MIG off on GPU "
+                  f"{_gpu_list(off)}): enable MIG on one (PUT /v1/gpus/{{gpu}}/mig) or "
+                  "request a whole GPU")
+    return MigNotEnabled(detail, profile=profile, mig_off=off,
+                         gpu=candidates[0].uuid if pinned else None)
+
+
+def _no_room(profile: str, start: int | None, usable: Sequence[Gpu], mig_off: Sequence[int],
+             *, pinned: bool) -> NoSliceRoom:
+    """The refusal of a slice no MIG-enabled GPU has room for, saying what would make room."""
+    at = f" at memory slice {start}" if start is not None else ""
+    tried = [g.index for g in usable]
+    detail = (f"GPU {tried[0]} has no room for {profile}{at}: " if pinned else
+              f"no MIG-enabled GPU ({_gpu_list(tried)}) has room for {profile}{at}: ")
+    if mig_off:
+        detail += (f"{len(mig_off)} GPU{'s' if len(mig_off) != 1 else ''} "
+                   f"({_gpu_list(mig_off)}) {'have' if len(mig_off) != 1 else 'has'} MIG off; "
+                   "enable MIG on one (PUT /v1/gpus/{gpu}/mig), ")
+    detail += ("release a slice or change the geometry (GET /v1/gpus/{gpu}/mig shows what is "
+               "held)" if start is None else "release the slice there or ask for another start")
+    return NoSliceRoom(detail, profile=profile, start=start, gpus=tried, mig_off=mig_off,
+                       gpu=usable[0].uuid if pinned else None)

@@ -202,8 +202,8 @@ def parse_slice(text: str) -> dict[str, Any]:
     """``PROFILE[@GPU][:START]`` or a dynamic device name → a ``slice`` device request."""
     parsed = parse_device_name(text)
     if parsed is not None and parsed.profile is not None:
-        return {"request": "slice", "device": text}
-    request: dict[str, Any] = {"request": "slice"}
+        return {"kind": "slice", "device": text}
+    request: dict[str, Any] = {"kind": "slice"}
     rest, colon, start = text.rpartition(":")
     if colon:
         if ascii_integer(start) is None:
@@ -224,7 +224,7 @@ def parse_slice(text: str) -> dict[str, Any]:
 
 def prepare_body(args: argparse.Namespace) -> dict[str, Any]:
     """The ``PUT /v1/claims/{uid}`` body of ``claims prepare``."""
-    devices: list[dict[str, Any]] = [{"request": "gpu", "device": d} for d in args.gpus]
+    devices: list[dict[str, Any]] = [{"kind": "gpu", "device": d} for d in args.gpus]
     devices += [parse_slice(s) for s in args.slices]
     if not devices:
         raise ClientError("claims prepare: give at least one --gpu DEVICE or --slice PROFILE")

@@ -109,7 +109,7 @@ def agent_body(obj: Mapping[str, Any], devices: Sequence[Allocated], issued_at_n
     and resourceVersion; and when kubelet's call arrived (``issued_at_ns``, CLOCK_BOOTTIME)."""
     entries: list[dict[str, Any]] = []
     for device in devices:
-        entry: dict[str, Any] = {"request": "slice" if device.device in on_demand else "gpu",
+        entry: dict[str, Any] = {"kind": "slice" if device.device in on_demand else "gpu",
                                  "device": device.device}
         if len(device.requests[0]) <= MAX_AGENT_REQUEST_NAME:
             entry["name"] = device.requests[0]

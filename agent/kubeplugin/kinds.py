@@ -1,6 +1,6 @@
 """Which allocated MIG devices the agent makes on demand: with ``--dynamic-mig`` the agent
 publishes every MIG profile and placement as a partitionable device (one that consumes its
-GPU's counters), and a claim of one is a slice to create (``{"request": "slice", "device":
+GPU's counters), and a claim of one is a slice to create (``{"kind": "slice", "device":
 name}``), not an existing device to hand out. The plugin learns which names those are from
 the agent's own ResourceSlices, the same list the scheduler allocated from.
 

@@ -50,6 +50,7 @@ from agent.mig.geometry import (
     Instance,
     Plan,
 )
+from agent.mig.history import HISTORY, TransitionHistory
 from agent.mig.journal import ALL_GPUS, JournalEntry, TransitionJournal, new_entry
 from agent.mig.planner import plan as make_plan
 from agent.mig.transition import (
@@ -61,7 +62,6 @@ from agent.mig.transition import (
 )
 
 log = logging.getLogger("agent.mig")
-HISTORY = 500
 DRAIN_POLL_S = 0.1
 # Architectures where a MIG mode change means a GPU reset (and can wedge a VM's GPU), so the
 # agent changes the mode there only when the caller asks for it in so many words.
@@ -112,12 +112,16 @@ class MigService:
         self.desired = DurableMap(state_dir / "mig" / "desired.json",
                                   format="gpu-agent-mig-desired")
         self._active: dict[str, Transition] = {}
-        self._history: OrderedDict[str, Transition] = OrderedDict()
+        self._history = TransitionHistory(state_dir / "mig" / "transitions.json")
         self._drift: dict[str, str] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.applies: OrderedDict[str, ApplyRecord] = OrderedDict()
         if self.desired.problem:
             events.append("mig.state_unreadable", self.desired.problem, severity=Severity.ERROR)
+        if self._history.problem:
+            # Only the record of past transitions is lost: nothing is decided from it.
+            events.append("mig.history_unreadable", f"{self._history.problem}; the transition "
+                          "history starts empty", severity=Severity.WARNING)
 
     # -- what other parts of the agent ask ------------------------------------------------
 
@@ -133,14 +137,15 @@ class MigService:
         return self._drift.get(gpu)
 
     def transitions(self) -> list[Transition]:
-        """Newest first."""
-        return list(reversed(self._history.values()))
+        """Newest first: the running ones and the last finished ones, those from before a
+        restart included (agent/mig/history.py)."""
+        return self._history.newest_first()
 
     def transition(self, transition_id: str) -> Transition:
-        try:
-            return self._history[transition_id]
-        except KeyError:
-            raise NotFound(f"no transition {transition_id!r}", transition=transition_id) from None
+        found = self._history.get(transition_id)
+        if found is None:
+            raise NotFound(f"no transition {transition_id!r}", transition=transition_id)
+        return found
 
     def active(self, gpu: str) -> Transition | None:
         return self._active.get(gpu)
@@ -278,9 +283,7 @@ class MigService:
             self.applies.popitem(last=False)
 
     def _remember_transition(self, transition: Transition) -> None:
-        self._history[transition.id] = transition
-        while len(self._history) > HISTORY:
-            self._history.popitem(last=False)
+        self._history.remember(transition)
 
     def _plan(self, gpu: Gpu, current: Geometry, desired: Desired) -> Plan:
         """The plan to ``desired`` that keeps the claims' slices besides; when they cannot
@@ -499,6 +502,7 @@ class MigService:
     def _finish(self, t: Transition) -> None:
         result = t.state.value
         if t.state.terminal:
+            self._history.finished(t)
             self._metrics.mig_transitions.labels(result).inc()
             if t.duration_s is not None:
                 self._metrics.mig_transition_duration.observe(t.duration_s)
@@ -682,6 +686,7 @@ class MigService:
         for task in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await self._history.close()
 
 
 def _restore(mutator: GpuMutator, old: Geometry, ci_profiles: dict[str, list[int]]) -> str:

@@ -40,7 +40,7 @@ class Api:
 
     async def prepare(self, uid: str, device: str = "0", stamp: int | None = None, *,
                       admin: bool = False, **extra: Any) -> tuple[int, Any, dict[str, str]]:
-        body: dict[str, Any] = {"devices": [{"request": "gpu", "device": device,
+        body: dict[str, Any] = {"devices": [{"kind": "gpu", "device": device,
                                              **({"admin_access": True} if admin else {})}],
                                 **extra}
         if stamp is not None:
@@ -172,7 +172,7 @@ async def test_bad_stamps_are_422_naming_the_field(api: Api, method: str,
                                                    field: str) -> None:
     """A stamp that is not a non-negative integer of this boot's clock, or an over-long
     resource_version, is a 422 naming the field, and changes nothing."""
-    body = {"devices": [{"request": "gpu", "device": "0"}], **(extra or {})} \
+    body = {"devices": [{"kind": "gpu", "device": "0"}], **(extra or {})} \
         if method == "PUT" else None
     status, problem, _ = await api.call(method, "/v1/claims/c1", body, params=params)
     assert status == 422, problem
@@ -216,7 +216,7 @@ async def test_admin_access_shares_the_device_with_its_holder(api: Api) -> None:
 async def test_admin_access_is_not_for_slices(api: Api) -> None:
     """admin_access on a slice made on demand is a 422 naming the device request."""
     status, problem, _ = await api.call("PUT", "/v1/claims/m", {"devices": [
-        {"request": "slice", "profile": "1g.10gb", "admin_access": True}]})
+        {"kind": "slice", "profile": "1g.10gb", "admin_access": True}]})
     assert status == 422 and problem["errors"][0]["field"].startswith("devices")
 
 
@@ -297,7 +297,7 @@ async def test_slice_whose_gpu_node_is_absent_is_destroyed_again(make_api: ApiMa
     await api.node.mig_to(1, [])
     _node(api, "dev/nvidia1").unlink()
     status, problem, _ = await api.call("PUT", "/v1/claims/s1", {"devices": [
-        {"request": "slice", "profile": "1g.10gb", "gpu": "1"}]})
+        {"kind": "slice", "profile": "1g.10gb", "gpu": "1"}]})
     assert status == 503 and problem["type"].endswith("/device-nodes-missing")
     assert problem["missing"] == ["/dev/nvidia1"]
     assert (await api.node.gpu(1)).mig_devices == ()
@@ -312,7 +312,7 @@ async def test_absent_capability_nodes_do_not_hold_a_slice_back(make_api: ApiMak
     for cap in _node(api, "dev/nvidia-caps").iterdir():
         cap.unlink()
     status, claim, _ = await api.call("PUT", "/v1/claims/s1", {"devices": [
-        {"request": "slice", "profile": "1g.10gb", "gpu": "1"}]})
+        {"kind": "slice", "profile": "1g.10gb", "gpu": "1"}]})
     assert status == 200, claim
     assert len((await api.node.gpu(1)).mig_devices) == 1
 

@@ -20,6 +20,7 @@ from agent.errors import (
     DeviceBusy,
     DeviceUnavailable,
     InvalidRequest,
+    NoSliceRoom,
 )
 from agent.gpu.inventory import GpuInventory
 from agent.mig.geometry import DesiredDisabled, DesiredProfiles
@@ -259,7 +260,7 @@ async def test_concurrent_slices_spread_instead_of_colliding(node: ServiceNode) 
     placements = {(d.gpu, d.slice.start) for r in results if not isinstance(r, BaseException)
                   for d in r.devices if d.slice is not None}
     assert len(placements) == 14
-    with pytest.raises(DeviceBusy, match="no room"):
+    with pytest.raises(NoSliceRoom, match=r"no MIG-enabled GPU \(0, 1\) has room for 1g\.10gb"):
         await node.claims.prepare("s-extra", [slice_("1g.10gb")], {})
 
 

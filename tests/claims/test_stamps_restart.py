@@ -15,7 +15,7 @@ BASE = time.clock_gettime_ns(time.CLOCK_BOOTTIME) - 10**12
 
 def _prepare(agent: AgentProcess, uid: str, device: str, stamp: int) -> int:
     return agent.request("PUT", f"/v1/claims/{uid}", {
-        "devices": [{"request": "gpu", "device": device}], "issued_at_ns": BASE + stamp,
+        "devices": [{"kind": "gpu", "device": device}], "issued_at_ns": BASE + stamp,
         "metadata": {"resource_version": f"rv-{stamp}"}}).status
 
 
@@ -39,7 +39,7 @@ def test_stamps_and_stamped_tombstones_survive_a_kill(tmp_path: Path) -> None:
         agent.stop(signal.SIGKILL)
         agent = start_agent(state)
         late = agent.request("PUT", "/v1/claims/gone", {
-            "devices": [{"request": "gpu", "device": "0"}], "issued_at_ns": BASE + 15})
+            "devices": [{"kind": "gpu", "device": "0"}], "issued_at_ns": BASE + 15})
         assert late.status == 409 and late.body["type"].endswith("/claim-unprepared")
         assert _prepare(agent, "gone", "0", 25) == 200  # sent after the unprepare
         assert _unprepare(agent, "kept", 29) == 204  # sent before the prepare: ignored

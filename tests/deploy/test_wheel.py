@@ -66,12 +66,18 @@ def test_wheel_installs_with_constraints_and_serves(tmp_path: Path) -> None:
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
     pip = [str(env_dir / "bin" / "python"), "-m", "pip", "install", "-q"]
-    subprocess.run([*pip, "--constraint", str(CONSTRAINTS), str(wheel)], check=True,
-                   timeout=300)
+    # As the image installs it: with the kubelet plugin's extra.
+    subprocess.run([*pip, "--constraint", str(CONSTRAINTS), f"{wheel}[kubernetes]"],
+                   check=True, timeout=300)
     gpu_agent = env_dir / "bin" / "gpu-agent"
     version = subprocess.run([str(gpu_agent), "--version"], capture_output=True, text=True,
                              check=True, timeout=30)
     assert version.stdout.strip() == f"gpu-agent {agent.__version__}"
+    # The plugin's generated stubs load against the pinned grpcio and protobuf.
+    stubs = subprocess.run([str(env_dir / "bin" / "python"), "-c",
+                            "import agent.kubeplugin.process"], capture_output=True, text=True,
+                           timeout=60, cwd=tmp_path, check=False)
+    assert stubs.returncode == 0, stubs.stderr
     # Only the pinned versions were installed.
     frozen = subprocess.run([str(env_dir / "bin" / "python"), "-m", "pip", "freeze"],
                             capture_output=True, text=True, check=True, timeout=60).stdout

@@ -29,7 +29,7 @@ def _mig(agent: AgentProcess, gpu: int) -> tuple[bool, list[str]]:
 
 def _claim(agent: AgentProcess, uid: str, device: str) -> int:
     return agent.request("PUT", f"/v1/claims/{uid}",
-                         {"devices": [{"request": "slice", "device": device}]}).status
+                         {"devices": [{"kind": "slice", "device": device}]}).status
 
 
 def test_hopper_switches_mig_on_for_the_first_slice_and_off_after_the_last(

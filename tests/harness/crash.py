@@ -192,7 +192,7 @@ class Harness:
             uid = self._uid()
             try:
                 self._req("PUT", f"/v1/claims/{uid}", {"devices": [
-                    {"request": "slice", "profile": self._profile(), "gpu": gpu}]})
+                    {"kind": "slice", "profile": self._profile(), "gpu": gpu}]})
             except OSError:
                 self._await_death()
             else:  # refused before any mutation (no room): kill it anyway
@@ -234,10 +234,10 @@ class Harness:
         for _ in range(self.rng.randrange(2, 8)):
             choice = self.rng.random()
             if choice < 0.3:
-                ops.append(("prepare", [{"request": "gpu",
+                ops.append(("prepare", [{"kind": "gpu",
                                          "device": self.rng.choice(FULL_GPUS)}]))
             elif choice < 0.7:
-                ops.append(("prepare", [{"request": "slice",
+                ops.append(("prepare", [{"kind": "slice",
                                          "profile": self._profile(),
                                          "gpu": self.rng.choice(SLICE_GPUS)}]))
             elif self.acknowledged:
@@ -282,10 +282,10 @@ class Harness:
         kind = n % 6
         if kind == 0:
             return Call("PUT", f"/v1/claims/{self._uid()}", {"devices": [
-                {"request": "gpu", "device": self.early_rng.choice(FULL_GPUS)}]})
+                {"kind": "gpu", "device": self.early_rng.choice(FULL_GPUS)}]})
         if kind == 1:
             return Call("PUT", f"/v1/claims/{self._uid()}", {"devices": [
-                {"request": "slice", "profile": "1g.10gb",
+                {"kind": "slice", "profile": "1g.10gb",
                  "gpu": self.early_rng.choice(SLICE_GPUS)}]})
         if kind == 2:
             return Call("DELETE", f"/v1/claims/never-{n}")

@@ -30,11 +30,11 @@ def prepare(agent: AgentProcess, uid: str, *devices: dict[str, Any]) -> Reply:
 
 
 def gpu_request(device: str) -> dict[str, Any]:
-    return {"request": "gpu", "device": device}
+    return {"kind": "gpu", "device": device}
 
 
 def slice_request(profile: str = "1g.10gb", gpu: str | None = None) -> dict[str, Any]:
-    return {"request": "slice", "profile": profile, **({"gpu": gpu} if gpu else {})}
+    return {"kind": "slice", "profile": profile, **({"gpu": gpu} if gpu else {})}
 
 
 def wait_transition(agent: AgentProcess, location: str, timeout: float = 30) -> dict[str, Any]:

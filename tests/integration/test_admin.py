@@ -114,7 +114,7 @@ def test_corrupt_checkpoint_restored_or_accepted_without_restart(tmp_path: Path)
         assert status["corrupt"] and not status["ready"]
         kept = status["kept"][-1]
         frozen = agent.request("PUT", "/v1/claims/c1", {"devices": [
-            {"request": "slice", "profile": "1g.10gb"}]})
+            {"kind": "slice", "profile": "1g.10gb"}]})
         assert frozen.status == 503, frozen.body
         still = agent.request("POST", "/v1/admin/claims-checkpoint",
                               {"action": "restore", "file": kept})

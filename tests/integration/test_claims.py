@@ -41,10 +41,10 @@ def agent(tmp_path: Path) -> Any:
 
 def test_full_gpu_and_mig_claims_pass_the_reference_library(agent: AgentProcess,
                                                              cdi_checker: Checker) -> None:
-    full = prepare(agent, "claim-full", [{"request": "gpu", "device": "gpu-2"}])
+    full = prepare(agent, "claim-full", [{"kind": "gpu", "device": "gpu-2"}])
     assert full.status == 200, full.body
     wait_mig(agent, "5", ["3g.40gb"])
-    sliced = prepare(agent, "claim-mig", [{"request": "slice", "profile": "1g.10gb",
+    sliced = prepare(agent, "claim-mig", [{"kind": "slice", "profile": "1g.10gb",
                                            "gpu": "5"}])
     assert sliced.status == 200, sliced.body
     cdi_dir = agent.state_dir / "cdi"
@@ -79,7 +79,7 @@ def test_two_concurrent_prepares_of_one_device(agent: AgentProcess) -> None:
     replies: list[Reply] = []
 
     def run(uid: str) -> None:
-        replies.append(prepare(agent, uid, [{"request": "gpu", "device": "1"}]))
+        replies.append(prepare(agent, uid, [{"kind": "gpu", "device": "1"}]))
 
     threads = [threading.Thread(target=run, args=(f"race-{i}",)) for i in range(2)]
     for t in threads:
@@ -101,12 +101,12 @@ def _checkpoint_writes(agent: AgentProcess) -> float:
 
 def test_stale_retry_after_unprepare_is_refused(agent: AgentProcess) -> None:
     writes = _checkpoint_writes(agent)
-    assert prepare(agent, "c1", [{"request": "gpu", "device": "0"}]).status == 200
+    assert prepare(agent, "c1", [{"kind": "gpu", "device": "0"}]).status == 200
     assert agent.request("DELETE", "/v1/claims/c1").status == 204
     # One durable checkpoint write each, counted where an SRE can see them.
     assert _checkpoint_writes(agent) == writes + 2
     assert agent.request("DELETE", "/v1/claims/c1").status == 204
-    late = prepare(agent, "c1", [{"request": "gpu", "device": "0"}])
+    late = prepare(agent, "c1", [{"kind": "gpu", "device": "0"}])
     assert late.status == 409
     assert late.body["type"].endswith("/claim-unprepared")
     assert agent.request("GET", "/v1/claims/c1", token=None).status == 404
@@ -114,10 +114,10 @@ def test_stale_retry_after_unprepare_is_refused(agent: AgentProcess) -> None:
 
 @pytest.mark.parametrize(("body", "status", "field"), [
     ({"devices": []}, 422, "devices"),
-    ({"devices": [{"request": "gpu"}]}, 422, "devices.0"),
-    ({"devices": [{"request": "slice", "profile": "1g.10gb", "device": "x"}]}, 422, "devices.0"),
-    ({"devices": [{"request": "gpu", "device": "nope"}]}, 422, "devices.device"),
-    ({"devices": [{"request": "gpu", "device": "0"}], "extra": 1}, 422, "extra"),
+    ({"devices": [{"kind": "gpu"}]}, 422, "devices.0"),
+    ({"devices": [{"kind": "slice", "profile": "1g.10gb", "device": "x"}]}, 422, "devices.0"),
+    ({"devices": [{"kind": "gpu", "device": "nope"}]}, 422, "devices.device"),
+    ({"devices": [{"kind": "gpu", "device": "0"}], "extra": 1}, 422, "extra"),
 ])
 def test_bad_claims_are_4xx_and_change_nothing(agent: AgentProcess, body: dict[str, Any],
                                                status: int, field: str) -> None:
@@ -139,8 +139,8 @@ def test_sigkill_in_a_burst_keeps_every_acknowledged_claim(tmp_path: Path) -> No
     def client(n: int) -> None:
         for i in range(6):
             uid = f"b{n}-{i}"
-            devices = [{"request": "slice", "profile": "1g.10gb"}] if n % 2 else \
-                [{"request": "gpu", "device": str(n)}]
+            devices = [{"kind": "slice", "profile": "1g.10gb"}] if n % 2 else \
+                [{"kind": "gpu", "device": str(n)}]
             try:
                 reply = prepare(agent, uid, devices)
             except OSError:
@@ -186,7 +186,7 @@ def test_sigkill_in_a_burst_keeps_every_acknowledged_claim(tmp_path: Path) -> No
 def test_corrupt_checkpoint_is_kept_reported_and_freezes_claims(tmp_path: Path) -> None:
     state = tmp_path / "state"
     agent = start_agent(state)
-    assert prepare(agent, "c1", [{"request": "gpu", "device": "0"}]).status == 200
+    assert prepare(agent, "c1", [{"kind": "gpu", "device": "0"}]).status == 200
     agent.stop()
     path = state / "claims.checkpoint"
     path.write_bytes(path.read_bytes()[:-20])  # torn
@@ -200,7 +200,7 @@ def test_corrupt_checkpoint_is_kept_reported_and_freezes_claims(tmp_path: Path) 
         assert ready.status == 503
         assert "kept aside" in ready.body["reason"]
         assert list(state.glob("claims.checkpoint.corrupt-*"))
-        refused = prepare(agent, "c2", [{"request": "gpu", "device": "1"}])
+        refused = prepare(agent, "c2", [{"kind": "gpu", "device": "1"}])
         assert refused.status == 503 and refused.body["type"].endswith("/checkpoint-corrupt")
         assert agent.request("GET", "/v1/gpus", token=None).status == 200
     finally:

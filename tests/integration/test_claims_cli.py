@@ -194,12 +194,12 @@ def test_cdi_generate_refuses_a_state_dir_a_running_agent_holds(h100: AgentProce
 
 
 @pytest.mark.parametrize("text, body", [
-    ("1g.10gb", {"request": "slice", "profile": "1g.10gb"}),
-    ("3g.40gb@2", {"request": "slice", "profile": "3g.40gb", "gpu": "2"}),
-    ("1g.10gb@GPU-1a2b:5", {"request": "slice", "profile": "1g.10gb", "gpu": "GPU-1a2b",
+    ("1g.10gb", {"kind": "slice", "profile": "1g.10gb"}),
+    ("3g.40gb@2", {"kind": "slice", "profile": "3g.40gb", "gpu": "2"}),
+    ("1g.10gb@GPU-1a2b:5", {"kind": "slice", "profile": "1g.10gb", "gpu": "GPU-1a2b",
                             "placement": {"start": 5}}),
-    ("2g.20gb:4", {"request": "slice", "profile": "2g.20gb", "placement": {"start": 4}}),
-    ("gpu-1-mig-1g10gb-19-0", {"request": "slice", "device": "gpu-1-mig-1g10gb-19-0"}),
+    ("2g.20gb:4", {"kind": "slice", "profile": "2g.20gb", "placement": {"start": 4}}),
+    ("gpu-1-mig-1g10gb-19-0", {"kind": "slice", "device": "gpu-1-mig-1g10gb-19-0"}),
 ])
 def test_slice_arguments(text: str, body: dict[str, Any]) -> None:
     assert parse_slice(text) == body

@@ -107,7 +107,7 @@ def test_claim_events_carry_their_gpus(agent: AgentProcess) -> None:
     log line, never ``gpu=-``."""
     uuid = agent.request("GET", "/v1/gpus/3").body["uuid"]
     done = agent.request("PUT", "/v1/claims/first-day", {"devices": [
-        {"request": "gpu", "device": "gpu-3"}]})
+        {"kind": "gpu", "device": "gpu-3"}]})
     assert done.status == 200, done.body
     assert agent.request("DELETE", "/v1/claims/first-day").status == 204
     events = [e for e in agent.request("GET", "/v1/events").body["events"]

@@ -174,7 +174,7 @@ def test_nesting_up_to_the_bound_is_read(agent: AgentProcess) -> None:
 
 def test_a_claim_uid_ending_in_a_newline_is_a_422(agent: AgentProcess) -> None:
     """``a%0A`` is not a claim UID (``$`` let it through to the CDI name check)."""
-    body = json.dumps({"devices": [{"request": "gpu", "device": "gpu-0"}]}).encode()
+    body = json.dumps({"devices": [{"kind": "gpu", "device": "gpu-0"}]}).encode()
     for path in ("/v1/claims/a%0A", "/v1/claims/a%0A%0A", "/v1/claims/%0A"):
         for method in ("PUT", "DELETE", "GET"):
             reply, _ = send(agent, method, path, body=body, headers=bearer())
@@ -261,7 +261,7 @@ def test_every_route_refuses_an_unknown_query_parameter(agent: AgentProcess) -> 
     ("PUT", "/v1/gpus/2/mig?dry_run=true",
      {"instances": [{"profile": "3g.40gb", "placement": {"start": "0", "size": 4}}]},
      "instances.0.placement.start"),
-    ("PUT", "/v1/claims/strict", {"devices": [{"request": "gpu", "device": 3}]},
+    ("PUT", "/v1/claims/strict", {"devices": [{"kind": "gpu", "device": 3}]},
      "devices.0.device"),
 ])
 def test_strict_types_are_not_coerced(agent: AgentProcess, method: str, path: str,
@@ -287,7 +287,7 @@ def test_one_spelling_per_device_name(agent: AgentProcess, device: str) -> None:
     """Only ``gpu-2`` (or index ``2``) names GPU 2: Arabic digits, a leading zero or a
     trailing newline are a 422 and prepare nothing."""
     uid = f"spelling-{abs(hash(device)) % 10_000}"
-    body = json.dumps({"devices": [{"request": "gpu", "device": device}]}).encode()
+    body = json.dumps({"devices": [{"kind": "gpu", "device": device}]}).encode()
     reply, _ = send(agent, "PUT", f"/v1/claims/{uid}", body=body, headers=bearer())
     assert_problem(reply, 422, "device")
     assert agent.request("GET", f"/v1/claims/{uid}").status == 404
@@ -323,7 +323,7 @@ def test_the_bearer_scheme_is_case_insensitive(agent: AgentProcess, scheme: str)
 
 def _prepare(agent: AgentProcess, uid: str, device: str) -> Reply:
     return agent.request("PUT", f"/v1/claims/{uid}",
-                         {"devices": [{"request": "gpu", "device": device}]})
+                         {"devices": [{"kind": "gpu", "device": device}]})
 
 
 def test_a_second_agent_on_one_cdi_dir_is_refused_and_removes_nothing(tmp_path: Path) -> None:

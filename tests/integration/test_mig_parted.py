@@ -237,7 +237,7 @@ def test_allow_reset_never_resets_a_gpu_a_claim_holds(a100: tuple[AgentProcess, 
     agent, log = a100
     held, free = _uuids(agent, 2, 3)
     claim = agent.request("PUT", "/v1/claims/held-gpu",
-                          {"devices": [{"request": "gpu", "device": held}]})
+                          {"devices": [{"kind": "gpu", "device": held}]})
     assert claim.status in (200, 201), claim.body
     text = one_label("pair", [{"devices": [2, 3], "mig-enabled": True,
                                "mig-devices": A100_BALANCED}])

@@ -136,7 +136,7 @@ def test_early_prepares_with_slice_claims_do_not_crash_the_agent(tmp_path: Path)
             return Call("DELETE", f"/v1/claims/slice-{n % 5}")
         pinned = {"gpu": ("6", "7")[n % 2]} if n % 3 else {}
         return Call("PUT", f"/v1/claims/{uid}",
-                    {"devices": [{"request": "slice", "profile": "1g.10gb", **pinned}]})
+                    {"devices": [{"kind": "slice", "profile": "1g.10gb", **pinned}]})
 
     for _ in range(3):
         again, result = restart_from_bind(state, token, nth)

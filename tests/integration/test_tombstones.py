@@ -17,13 +17,13 @@ def test_unprepares_of_unknown_claims_leave_the_checkpoint_as_it_was(tmp_path: P
     agent = start_agent(state)
     try:
         assert agent.request("PUT", "/v1/claims/kept", {
-            "devices": [{"request": "gpu", "device": "0"}]}).status == 200
+            "devices": [{"kind": "gpu", "device": "0"}]}).status == 200
         before = (state / "claims.checkpoint").read_bytes()
         for i in range(2000):
             assert agent.request("DELETE", f"/v1/claims/never-{i}").status == 204
         assert (state / "claims.checkpoint").read_bytes() == before
         late = agent.request("PUT", "/v1/claims/never-7", {
-            "devices": [{"request": "gpu", "device": "1"}]})
+            "devices": [{"kind": "gpu", "device": "1"}]})
         assert late.status == 409 and late.body["type"].endswith("/claim-unprepared")
     finally:
         agent.stop()
@@ -35,7 +35,7 @@ def test_tombstones_of_prepared_claims_are_durable_and_bounded(tmp_path: Path) -
     state = tmp_path / "state"
     agent = start_agent(state)
     try:
-        device = {"devices": [{"request": "gpu", "device": "0"}]}
+        device = {"devices": [{"kind": "gpu", "device": "0"}]}
         assert agent.request("PUT", "/v1/claims/once", device).status == 200
         assert agent.request("DELETE", "/v1/claims/once").status == 204
         agent.stop()

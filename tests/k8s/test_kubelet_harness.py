@@ -85,10 +85,10 @@ def test_allocated_claim_reaches_kubelet_and_stops_at_the_missing_driver(
 
 # (what, claim devices, MIG geometry applied first: gpu -> profiles)
 CDI_CASES: list[tuple[str, list[dict[str, str]], dict[int, list[str]]]] = [
-    ("whole-GPU", [{"request": "gpu", "device": "gpu-2"}], {}),
-    ("two-GPUs", [{"request": "gpu", "device": "gpu-0"}, {"request": "gpu", "device": "gpu-5"}],
+    ("whole-GPU", [{"kind": "gpu", "device": "gpu-2"}], {}),
+    ("two-GPUs", [{"kind": "gpu", "device": "gpu-0"}, {"kind": "gpu", "device": "gpu-5"}],
      {}),
-    ("static-MIG", [{"request": "gpu", "device": "gpu-1-mig-1g10gb-19-0"}],
+    ("static-MIG", [{"kind": "gpu", "device": "gpu-1-mig-1g10gb-19-0"}],
      {1: ["1g.10gb"] * 7}),
 ]
 

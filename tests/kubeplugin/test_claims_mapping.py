@@ -70,10 +70,10 @@ def test_the_agent_gets_slice_names_request_names_metadata_and_the_stamp() -> No
                Allocated("gpu-2-mig-1g10gb-19-0", NODE, ("mon",), True),
                Allocated("gpu-3", NODE, ("r" * 64 + "/s",), False)]
     assert agent_body(obj, devices, 1234) == {
-        "devices": [{"request": "gpu", "device": "gpu-1", "name": "main"},
-                    {"request": "gpu", "device": "gpu-2-mig-1g10gb-19-0", "name": "mon",
+        "devices": [{"kind": "gpu", "device": "gpu-1", "name": "main"},
+                    {"kind": "gpu", "device": "gpu-2-mig-1g10gb-19-0", "name": "mon",
                      "admin_access": True},
-                    {"request": "gpu", "device": "gpu-3"}],
+                    {"kind": "gpu", "device": "gpu-3"}],
         "metadata": {"namespace": "ns", "name": "c", "resource_version": "42",
                      "pod": "trainer-0"},
         "issued_at_ns": 1234}
@@ -86,8 +86,8 @@ def test_partitionable_devices_are_slices_to_make() -> None:
                Allocated("gpu-2", NODE, ("g",), False)]
     body = agent_body(claim_with([]), devices, 1, on_demand={"gpu-1-mig-1g10gb-19-2"})
     assert body["devices"] == [
-        {"request": "slice", "device": "gpu-1-mig-1g10gb-19-2", "name": "s"},
-        {"request": "gpu", "device": "gpu-2", "name": "g"}]
+        {"kind": "slice", "device": "gpu-1-mig-1g10gb-19-2", "name": "s"},
+        {"kind": "gpu", "device": "gpu-2", "name": "g"}]
 
 
 def test_kubelet_gets_each_device_with_the_agents_cdi_names() -> None:

@@ -121,20 +121,20 @@ def _typed(rng: random.Random) -> bytes:
         f'{{"mig_enabled": true, "drain": {{"policy": "wait", "timeout_s": {num}}}}}',
         f'{{"profiles": ["3g.40gb", {num}]}}',
         f'{{"instances": [{{"profile": "1g.10gb", "placement": {{"start": {num}, "size": 1}}}}]}}',
-        f'{{"devices": [{{"request": "gpu", "device": {num}}}]}}',
-        '{"devices": [{"request": "gpu", "device": "gpu-\u0662"}]}',
-        '{"devices": [{"request": "gpu", "device": "gpu-2\\n"}]}',
-        '{"devices": [{"request": "gpu", "device": "gpu-02"}]}',
-        '{"devices": [{"request": "gpu", "device": "gpu-1"}], "devices": []}',
+        f'{{"devices": [{{"kind": "gpu", "device": {num}}}]}}',
+        '{"devices": [{"kind": "gpu", "device": "gpu-\u0662"}]}',
+        '{"devices": [{"kind": "gpu", "device": "gpu-2\\n"}]}',
+        '{"devices": [{"kind": "gpu", "device": "gpu-02"}]}',
+        '{"devices": [{"kind": "gpu", "device": "gpu-1"}], "devices": []}',
         '{"count": 1, "count": 2}',
         '{"config": {"version": "v1", "version": "v1"}, "label": "x"}',
         '{"restore": "../../etc/passwd"}',
         f'{{"label": "x", "config": {{"version": "v1", "mig-configs": {{"x": [{{"devices": '
         f'"all", "mig-enabled": {num}}}]}}}}}}',
-        '{"devices": [{"request": "gpu", "device": "' + "x" * 100_000 + '"}]}',
+        '{"devices": [{"kind": "gpu", "device": "' + "x" * 100_000 + '"}]}',
         '{"' + "k" * 50_000 + '": 1}',
         '{"a": "\\ud800"}',
-        '{"devices": [' + ",".join(['{"request": "gpu", "device": "gpu-0"}'] * 40) + "]}",
+        '{"devices": [' + ",".join(['{"kind": "gpu", "device": "gpu-0"}'] * 40) + "]}",
     ]
     return rng.choice(bodies).encode()
 
@@ -165,8 +165,8 @@ def _valid(rng: random.Random) -> bytes:
     """A well-formed body of one of the routes (so some requests do mutate)."""
     gpu = rng.randrange(8)
     return json.dumps(rng.choice([
-        {"devices": [{"request": "gpu", "device": f"gpu-{gpu}"}]},
-        {"devices": [{"request": "slice", "profile": "1g.10gb"}]},
+        {"devices": [{"kind": "gpu", "device": f"gpu-{gpu}"}]},
+        {"devices": [{"kind": "slice", "profile": "1g.10gb"}]},
         {"profiles": ["3g.40gb", "3g.40gb"]}, {"mig_enabled": False}, {"mig_enabled": True},
         {"count": rng.randrange(1, 9)}, {"label": "all-disabled", "config": {
             "version": "v1", "mig-configs": {"all-disabled": [

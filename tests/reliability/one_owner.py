@@ -335,23 +335,23 @@ class Rig:
 
     def whole_body(self, form: str) -> dict[str, Any]:
         name = {"index": GPU, "uuid": self.gpu_uuid, "device-name": "gpu-0"}[form]
-        return {"devices": [{"request": "gpu", "device": name}]}
+        return {"devices": [{"kind": "gpu", "device": name}]}
 
     def mig_body(self, pick: float, form: str) -> tuple[dict[str, Any], str | None]:
         """A claim of an existing MIG device (``pick`` in [0, 1) chooses which) and the UUID it
         names; one that is not there when GPU 0 has no MIG devices."""
         devices = sorted(self._mig_devices(), key=lambda d: d["index"])
         if not devices:
-            return {"devices": [{"request": "gpu", "device": "gpu-0-mig-1g10gb-19-6"}]}, None
+            return {"devices": [{"kind": "gpu", "device": "gpu-0-mig-1g10gb-19-6"}]}, None
         d = devices[int(pick * len(devices)) % len(devices)]
         name = {"index": f"{GPU}:{d['index']}", "uuid": d["uuid"],
                 "device-name": mig_device_name(0, d["profile"], self.profile_id[d["profile"]],
                                                d["placement"]["start"])}[form]
-        return {"devices": [{"request": "gpu", "device": name}]}, d["uuid"]
+        return {"devices": [{"kind": "gpu", "device": name}]}, d["uuid"]
 
     @staticmethod
     def slice_body(profile: str) -> dict[str, Any]:
-        return {"devices": [{"request": "slice", "profile": profile, "gpu": GPU}]}
+        return {"devices": [{"kind": "slice", "profile": profile, "gpu": GPU}]}
 
     def claim_body(self, kind: str, rng: random.Random) -> tuple[dict[str, Any], str | None]:
         if kind == "whole":
@@ -681,7 +681,7 @@ class Rig:
             if kind == "whole":
                 body = self.whole_body(rng.choice(NAME_FORMS))
             elif kind == "mig" and known:  # by UUID: a read of the inventory is not needed
-                body = {"devices": [{"request": "gpu", "device": rng.choice(known)}]}
+                body = {"devices": [{"kind": "gpu", "device": rng.choice(known)}]}
             else:
                 body = self.slice_body(rng.choice(SLICE_PROFILES))
             method, path = "PUT", f"/v1/claims/{uid}"

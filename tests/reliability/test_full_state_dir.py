@@ -86,7 +86,7 @@ def _readyz_until(agent: AgentProcess, status: int, timeout: float = 45) -> Repl
 
 def _prepared_agent(state: Path, tmp_path: Path) -> AgentProcess:
     agent = start_agent(state, extra=["--cdi-dir", str(tmp_path / "cdi")])
-    body = {"devices": [{"request": "gpu", "device": "0"}]}
+    body = {"devices": [{"kind": "gpu", "device": "0"}]}
     assert agent.request("PUT", "/v1/claims/c1", body).status == 200
     agent.stop()
     return agent
@@ -104,7 +104,7 @@ def test_agent_on_a_full_state_dir_serves_reads_and_refuses_writes_with_507(
         for path in READS:
             assert agent.request("GET", path, unix=True).status == 200, path
         for method, path, body in (
-                ("PUT", "/v1/claims/c2", {"devices": [{"request": "gpu", "device": "2"}]}),
+                ("PUT", "/v1/claims/c2", {"devices": [{"kind": "gpu", "device": "2"}]}),
                 ("DELETE", "/v1/claims/c1", None)):
             refused = agent.request(method, path, body, unix=True)
             assert refused.status == 507, (method, path, refused.body)
