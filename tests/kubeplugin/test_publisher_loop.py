@@ -5,6 +5,7 @@ changes, a restarted publisher, a recreated Node, and a server that drops fields
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -120,7 +121,7 @@ async def test_slices_changed_by_someone_else_are_restored(
             if cause == "deleted":
                 assert await asyncio.to_thread(cluster.wipe) == len(before)
             else:
-                tampered = before[-1]
+                tampered = copy.deepcopy(before[-1])
                 tampered["spec"]["devices"] = tampered["spec"]["devices"][:1]
                 await asyncio.to_thread(cluster.replace, tampered)
             took = await eventually(on_server(cluster, lambda now: specs(now) == specs(before)),
