@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 
 Json = dict[str, Any]
@@ -112,19 +114,55 @@ def _omitted(value: Any) -> bool:
     return value is None or value == "" or value is False or value == 0 or value in ({}, [])
 
 
-def holds(wanted: Any, actual: Any) -> bool:
+# A Kubernetes quantity: a decimal number, then a binary or decimal suffix or an exponent.
+_QUANTITY = re.compile(
+    r"^([+-]?(?:\d+\.?\d*|\.\d+))(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?\d+)?$")
+_SUFFIX: dict[str, int | Decimal] = {
+    "": 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+    "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"),
+    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
+#: Keys whose string values are quantities in a slice (capacity and counter ``value``, a
+#: capacity's ``requestPolicy``); attributes never use them (``string``, ``int``, ...).
+QUANTITY_KEYS = frozenset({"value", "default", "min", "max", "step"})
+
+
+def quantity_value(text: str) -> Decimal | None:
+    """The number a quantity string means (``80Gi`` and ``81920Mi`` alike), None if it is
+    not one."""
+    match = _QUANTITY.match(text.strip())
+    if match is None:
+        return None
+    suffix = match[2] or ""
+    if suffix[:1] in ("e", "E") and len(suffix) > 1:
+        return Decimal(match[1]) * Decimal(10) ** int(suffix[1:])
+    return Decimal(match[1]) * _SUFFIX[suffix]
+
+
+def same_value(wanted: Any, actual: Any, key: str | None = None) -> bool:
+    """Equal, or, under a quantity key, the same quantity: the API server writes quantities
+    canonically (``81920Mi`` reads back as ``80Gi``)."""
+    if wanted == actual:
+        return True
+    if key in QUANTITY_KEYS and isinstance(wanted, str) and isinstance(actual, str):
+        number = quantity_value(wanted)
+        return number is not None and number == quantity_value(actual)
+    return False
+
+
+def holds(wanted: Any, actual: Any, key: str | None = None) -> bool:
     """Whether ``actual`` has every field of ``wanted`` with its value (fields the server
-    added, such as defaults, are allowed; lists must match item by item)."""
+    added, such as defaults, are allowed; lists must match item by item; quantities are
+    compared by value)."""
     if isinstance(wanted, Mapping):
         if not isinstance(actual, Mapping):
             return False
-        return all((key in actual and holds(value, actual[key]))
-                   or (key not in actual and _omitted(value))
-                   for key, value in wanted.items())
+        return all((name in actual and holds(value, actual[name], str(name)))
+                   or (name not in actual and _omitted(value))
+                   for name, value in wanted.items())
     if isinstance(wanted, list):
         return (isinstance(actual, list) and len(wanted) == len(actual)
-                and all(holds(w, a) for w, a in zip(wanted, actual, strict=True)))
-    return bool(wanted == actual)
+                and all(holds(w, a, key) for w, a in zip(wanted, actual, strict=True)))
+    return same_value(wanted, actual, key)
 
 
 def dropped_fields(written: Any, read: Any, path: str = "") -> tuple[str, ...]:

@@ -1,71 +1,290 @@
-"""The RBAC the issue gives the kubelet plugin, checked by a real kube-apiserver (RBAC
-authorizer) through a ServiceAccount token minted with ``kubectl create token``."""
+"""The shipped RBAC (daemonset/base/rbac.yaml) and admission policy (admissionpolicy.yaml) on
+a real kube-apiserver (RBAC authorizer, ValidatingAdmissionPolicy), with the plugin's own
+credential: a ServiceAccount token bound to a Pod on a node, as the DaemonSet's projected
+token is. The publisher can do all it needs under them; it cannot write another node's
+slices; anything beyond the role is 403.
+
+Each version gets its own API server for this module: the policy refuses every unbound token
+of the plugin's account, which other tests' shared servers hand out."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
+from prometheus_client import CollectorRegistry
 
+from agent.kubeplugin.agent_client import AgentClient
+from agent.kubeplugin.kube import KubeClient
+from agent.kubeplugin.publisher import Backoff, SlicePublisher
 from tests.k8s.conftest import StartAgent
-from tests.k8s.fixtures import StartApiServer
-from tests.k8s.harness import SLICE_RULES, VERSIONS
+from tests.k8s.fixtures import DRA_GATES
+from tests.k8s.harness import ROOT, SLICE_RULES, VERSIONS, ApiServer
+from tests.k8s.objects import DRIVER
 from tests.k8s.published import slices_of
 
+BASE = ROOT / "daemonset" / "base"
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
+CLAIMS = "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims"
+NAMESPACE = ACCOUNT = "gpu-node-agent"  # the shipped binding's and policy's account
+NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
+Json = dict[str, Any]
 
-# resourceslices: CRUD and watch; resourceclaims: get; nodes: get (issue 14, Deploy).
-RULES = [
-    {"apiGroups": ["resource.k8s.io"], "resources": ["resourceslices"],
-     "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]},
-    {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["get"]},
-    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
+
+def shipped(name: str) -> list[Json]:
+    return [doc for doc in yaml.safe_load_all((BASE / name).read_text()) if doc]
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], ApiServer]]:
+    """``server(version)``: an API server of its own with the shipped namespace, account,
+    ClusterRole and binding, and admission policy and binding applied as they are."""
+    running: dict[str, ApiServer] = {}
+
+    def server(version: str) -> ApiServer:
+        if version not in running:
+            started = ApiServer.start(version, tmp_path_factory.mktemp(f"guarded-{version}"),
+                                      feature_gates=DRA_GATES[version])
+            running[version] = started
+            started.apply([*shipped("namespace.yaml"), *shipped("serviceaccount.yaml"),
+                           *shipped("rbac.yaml"), *shipped("admissionpolicy.yaml")])
+        return running[version]
+
+    yield server
+    for started in running.values():
+        started.stop()
+
+
+@dataclass(frozen=True)
+class Credential:
+    token: str
+    kubeconfig: Path
+
+
+def kubeconfig_for(server: ApiServer, token: str, path: Path) -> Path:
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "plugin",
+        "clusters": [{"name": "c", "cluster": {"server": server.url,
+                                                "certificate-authority": str(server.ca)}}],
+        "users": [{"name": "plugin", "user": {"token": token}}],
+        "contexts": [{"name": "plugin", "context": {"cluster": "c", "user": "plugin"}}]}))
+    path.chmod(0o600)
+    return path
+
+
+def plugin_credential(server: ApiServer, node: str, directory: Path) -> Credential:
+    """The plugin's token as the DaemonSet's pod gets it: bound to a Pod of the account that
+    runs on ``node`` (the server records the node in the token)."""
+    server.ensure_node(node)
+    pod = f"gpu-node-agent-{node}"
+    server.apply([{"apiVersion": "v1", "kind": "Pod",
+                   "metadata": {"name": pod, "namespace": NAMESPACE},
+                   "spec": {"nodeName": node, "serviceAccountName": ACCOUNT,
+                            "automountServiceAccountToken": False,
+                            "containers": [{"name": "plugin",
+                                            "image": "registry.invalid/none"}]}}])
+    token = server.kubectl("create", "token", "-n", NAMESPACE, ACCOUNT, "--duration=1h",
+                           "--bound-object-kind", "Pod", "--bound-object-name",
+                           pod).stdout.strip()
+    return Credential(token, kubeconfig_for(server, token, directory / f"{node}.kubeconfig"))
+
+
+def whoami(server: ApiServer, token: str) -> Json:
+    status, review = server.request("POST", "/apis/authentication.k8s.io/v1/selfsubjectreviews",
+                                    {"apiVersion": "authentication.k8s.io/v1",
+                                     "kind": "SelfSubjectReview"}, token=token)
+    assert status == 201, review
+    return dict(review["status"]["userInfo"])
+
+
+def a_slice(node: str, name: str, *, driver: str = DRIVER) -> Json:
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+            "metadata": {"name": name},
+            "spec": {"driver": driver, "nodeName": node,
+                     "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+                     "devices": [{"name": "gpu-0"}]}}
+
+
+def refused_by_policy(server: ApiServer, token: str, node: str) -> tuple[int, Any]:
+    """Wait until the admission policy is in force (its binding is loaded a moment after it
+    is created): a slice for ``node`` written with ``token`` is refused; the answer."""
+    deadline = time.monotonic() + 30
+    while True:
+        status, answer = server.request("POST", SLICES, a_slice(node, f"{node}-probe"),
+                                        token=token)
+        if status != 201:
+            return status, answer
+        server.request("DELETE", f"{SLICES}/{node}-probe")
+        assert time.monotonic() < deadline, "the admission policy never refused a write"
+        time.sleep(0.2)
+
+
+async def until(check: Callable[[], bool], task: asyncio.Task[None],
+                within_s: float = 20) -> None:
+    deadline = time.monotonic() + within_s
+    while not check():
+        if task.done():
+            task.result()
+            raise AssertionError("the publisher stopped")
+        assert time.monotonic() < deadline, f"not within {within_s}s"
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_token_names_its_pods_node(version: str, guarded: Callable[[str], ApiServer],
+                                       tmp_path: Path) -> None:
+    """A token bound to a Pod on a node authenticates as the plugin's account with that node
+    in its extra (ServiceAccountTokenPodNodeInfo), which the admission policy reads; an
+    unbound token names no node."""
+    server = guarded(version)
+    node = f"who-v{version}".replace(".", "-")
+    user = whoami(server, plugin_credential(server, node, tmp_path).token)
+    assert user["username"] == f"system:serviceaccount:{NAMESPACE}:{ACCOUNT}"
+    assert user["extra"][NODE_NAME_EXTRA] == [node]
+    unbound = server.kubectl("create", "token", "-n", NAMESPACE, ACCOUNT).stdout.strip()
+    assert NODE_NAME_EXTRA not in whoami(server, unbound).get("extra", {})
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_shipped_role_lets_the_publisher_do_its_work(
+        version: str, guarded: Callable[[str], ApiServer], agent_node: StartAgent,
+        tmp_path: Path) -> None:
+    """The publisher, with the plugin's bound token under the shipped role and policy, reads
+    its Node, lists and watches its slices, creates them, deletes an obsolete one, updates
+    one someone changed, and reads a ResourceClaim: no call refused."""
+    server = guarded(version)
+    node = f"pub-v{version}".replace(".", "-")
+    credential = plugin_credential(server, node, tmp_path)
+    agent = agent_node("l40s", node_name=node)
+    stale = a_slice(node, f"{node}-stale")
+    stale["spec"]["pool"]["generation"] = 3
+    assert server.request("POST", SLICES, stale)[0] == 201
+    claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+             "metadata": {"name": f"claim-{node}"},
+             "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                 "deviceClassName": "gpu.nodeagent.dev"}}]}}}
+    assert server.request("POST", CLAIMS, claim)[0] == 201
+
+    selector = f"{SLICES}?fieldSelector=spec.nodeName={node}"
+
+    def held() -> list[Json]:
+        return sorted(server.request("GET", selector)[1]["items"],
+                      key=lambda s: s["metadata"]["name"])
+
+    async def scenario() -> tuple[list[Json], float]:
+        kube = await KubeClient.from_environment(credential.kubeconfig)
+        client = AgentClient(agent.socket_path, agent.state_dir / "tokens")
+        registry = CollectorRegistry()
+        publisher = SlicePublisher(client, kube, node_name=node, driver=DRIVER,
+                                   registry=registry, backoff=Backoff(0.01, 0.05))
+        task = asyncio.create_task(publisher.run())
+        try:
+            await until(lambda: publisher.health().in_sync, task)
+            first = await asyncio.to_thread(held)
+            tampered = first[0]
+            tampered["spec"]["devices"] = tampered["spec"]["devices"][:1]
+            status, _ = await asyncio.to_thread(server.request, "PUT",
+                                                f"{SLICES}/{tampered['metadata']['name']}",
+                                                tampered)
+            assert status == 200
+            await until(lambda: registry.get_sample_value(
+                "gpu_agent_plugin_slice_republishes_total", {"cause": "modified"}) == 1, task)
+            got = await kube.get_resource_claim("default", f"claim-{node}")
+            assert got["metadata"]["name"] == f"claim-{node}"
+            forbidden = registry.get_sample_value("gpu_agent_plugin_slice_publisher_errors_total",
+                                                  {"kind": "forbidden"})
+            return await asyncio.to_thread(held), forbidden or 0.0
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await client.close()
+            await kube.close()
+
+    slices, forbidden = asyncio.run(scenario())
+    want = slices_of(agent, SLICE_RULES[version])
+    assert [s["metadata"]["name"] for s in slices] == sorted(s["metadata"]["name"]
+                                                            for s in want)
+    assert {s["spec"]["pool"]["generation"] for s in slices} == {5}  # 3, +1, +1 after tamper
+    assert forbidden == 0
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_policy_keeps_the_plugin_to_its_own_node(
+        version: str, guarded: Callable[[str], ApiServer], tmp_path: Path) -> None:
+    """With the plugin's token for node A, a slice is written for A only: creating one for
+    B, updating or deleting B's, another driver's slice, and any write with an unbound token
+    (no node) are refused by the shipped policy, naming why (422, the policy's reason);
+    moving A's slice to B the server refuses itself."""
+    server = guarded(version)
+    mine, theirs = (f"{n}-v{version}".replace(".", "-") for n in ("node-a", "node-b"))
+    token = plugin_credential(server, mine, tmp_path).token
+    status, answer = refused_by_policy(server, token, theirs)
+    assert status == 422 and "may write only ResourceSlices whose spec.nodeName is " \
+        f"{mine}" in answer["message"], answer
+
+    own = a_slice(mine, f"{mine}-own")
+    status, stored = server.request("POST", SLICES, own, token=token)
+    assert status == 201, stored
+    status, foreign = server.request("POST", SLICES, a_slice(theirs, f"{theirs}-theirs"))
+    assert status == 201, foreign  # the administrator's write: not the plugin's
+
+    moved = {**stored, "spec": {**stored["spec"], "nodeName": theirs}}
+    changed = {**foreign, "spec": {**foreign["spec"], "devices": []}}
+    policy = "ValidatingAdmissionPolicy 'gpu-node-agent-resourceslices'"
+    for what, (method, path, body, why) in {
+        "update another node's slice": ("PUT", f"{SLICES}/{theirs}-theirs", changed, policy),
+        "delete another node's slice": ("DELETE", f"{SLICES}/{theirs}-theirs", None, policy),
+        "another driver's slice": ("POST", SLICES, a_slice(mine, f"{mine}-other",
+                                                           driver="other.example.com"),
+                                   "only ResourceSlices of driver gpu.nodeagent.dev"),
+        # The server's own validation refuses this one before the policy looks.
+        "move its slice to another node": ("PUT", f"{SLICES}/{mine}-own", moved,
+                                           "field is immutable"),
+    }.items():
+        status, answer = server.request(method, path, body, token=token)
+        assert status == 422 and why in answer["message"], (what, answer)
+
+    unbound = server.kubectl("create", "token", "-n", NAMESPACE, ACCOUNT).stdout.strip()
+    status, answer = server.request("POST", SLICES, a_slice(mine, f"{mine}-unbound"),
+                                    token=unbound)
+    assert status == 422 and "names no node" in answer["message"], answer
+    assert server.request("DELETE", f"{SLICES}/{mine}-own", token=token)[0] == 200
+
+
+# Calls the publisher and the claim reader never make: the role grants none of them.
+BEYOND = [
+    ("GET", f"{SLICES}/{{node}}-x", None),  # no get: the publisher lists and watches
+    ("PATCH", f"{SLICES}/{{node}}-x", {}),
+    ("DELETE", f"{SLICES}?fieldSelector=spec.nodeName={{node}}", None),  # deletecollection
+    ("GET", "/api/v1/nodes", None),
+    ("PUT", "/api/v1/nodes/{node}", {}),
+    ("PATCH", "/api/v1/nodes/{node}/status", {}),
+    ("GET", "/api/v1/namespaces/gpu-node-agent/secrets", None),
+    ("GET", "/api/v1/pods", None),
+    ("GET", CLAIMS, None),
+    ("PUT", f"{CLAIMS}/x/status", {}),
+    ("POST", "/api/v1/namespaces/default/events", {}),
+    ("POST", "/apis/resource.k8s.io/v1/deviceclasses", {}),
 ]
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-def test_plugin_role_publishes_slices_and_nothing_more(
-        version: str, kube_apiservers: StartApiServer, agent_node: StartAgent,
-        tmp_path: Path) -> None:
-    """With only the plugin's ClusterRole, a ServiceAccount token creates, lists, updates and
-    deletes the agent's slices, reads claims and its Node, and is refused (403) writing
-    Nodes, reading Secrets and writing claim status."""
-    server = kube_apiservers(version)
-    name = f"rbac-v{version}".replace(".", "-")
-    server.apply([
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-         "metadata": {"name": name}, "rules": RULES},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-         "metadata": {"name": name},
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                     "name": name},
-         "subjects": [{"kind": "ServiceAccount", "namespace": "default", "name": name}]},
-    ])
-    kubeconfig = server.service_account_kubeconfig("default", name, tmp_path / "sa.kubeconfig")
-    token = json.loads(kubeconfig.read_text())["users"][0]["user"]["token"]
-    server.ensure_node(name)
-    agent = agent_node("l40s", node_name=name)
-    item = slices_of(agent, SLICE_RULES[version])[0]
-    path = f"{SLICES}/{item['metadata']['name']}"
+def test_anything_beyond_the_role_is_forbidden(version: str,
+                                               guarded: Callable[[str], ApiServer],
+                                               tmp_path: Path) -> None:
+    """Every call outside the shipped role is refused with 403, with the plugin's token."""
+    server = guarded(version)
+    node = f"beyond-v{version}".replace(".", "-")
+    token = plugin_credential(server, node, tmp_path).token
+    answers = {f"{method} {path.format(node=node)}":
+               server.request(method, path.format(node=node), body, token=token)[0]
+               for method, path, body in BEYOND}
+    assert answers == dict.fromkeys(answers, 403)
 
-    assert server.request("POST", SLICES, item, token=token)[0] == 201
-    status, stored = server.request("GET", path, token=token)
-    assert status == 200
-    assert server.request("PUT", path, stored, token=token)[0] == 200
-    assert server.request("GET", f"{SLICES}?fieldSelector=spec.nodeName={name}",
-                          token=token)[0] == 200
-    assert server.request("GET", f"/api/v1/nodes/{name}", token=token)[0] == 200
-    assert server.request("GET", "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/x",
-                          token=token)[0] == 404
-    assert server.request("DELETE", path, token=token)[0] == 200
-    for method, denied in (("DELETE", f"/api/v1/nodes/{name}"),
-                           ("GET", "/api/v1/namespaces/default/secrets"),
-                           ("PUT", "/apis/resource.k8s.io/v1/namespaces/default/"
-                                   "resourceclaims/x/status")):
-        assert server.request(method, denied, {} if method == "PUT" else None,
-                              token=token)[0] == 403, (method, denied)
-    assert kubeconfig.stat().st_mode & 0o777 == 0o600
-    assert server.kubectl("get", "resourceslices", kubeconfig=kubeconfig).returncode == 0
-    refused = server.kubectl("get", "secrets", kubeconfig=kubeconfig, check=False)
-    assert refused.returncode != 0 and "forbidden" in refused.stderr.lower()

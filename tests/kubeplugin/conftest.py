@@ -1,7 +1,8 @@
 """A real agent process (``--simulate dgx-h100``) and the kubelet plugin in this test's event
 loop, driven by kubelet's side of the protocol: a grpc.aio channel on the plugin's Unix sockets
 with the generated stubs. ResourceClaims come from an in-memory :class:`FakeClaims` (a real
-API server replaces it in the Kubernetes harness tests)."""
+API server replaces it in the Kubernetes harness tests). The publisher's tests meet the real
+kube-apiserver of tests/k8s (``kube_apiserver``, ``kube_apiservers``)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ from agent.kubeplugin.proto import (
     registration_pb2_grpc,
 )
 from tests.agent_process import AgentProcess, start_agent
+from tests.k8s.fixtures import kube_apiserver, kube_apiservers
+
+__all__ = ["kube_apiserver", "kube_apiservers"]
 
 DRIVER = "gpu.nodeagent.dev"
 NODE = "node-a"
@@ -186,13 +190,14 @@ class Agent:
     token_file: Path
 
 
-def start_with_plugin_token(state: Path, **kwargs: Any) -> Agent:
-    """Start an agent whose token file has an admin token (the tests' own, first line) and a
-    ``plugin`` token of the ``claims`` scope only, as the DaemonSet gives the plugin."""
+def start_with_plugin_token(state: Path, *, node: str = NODE, **kwargs: Any) -> Agent:
+    """Start an agent for ``node`` whose token file has an admin token (the tests' own, first
+    line) and a ``plugin`` token of the ``claims`` scope only, as the DaemonSet gives the
+    plugin."""
     state.mkdir(parents=True, exist_ok=True)
     admin, plugin = secrets.token_hex(16), secrets.token_hex(16)
     write_private(state / "tokens", f"admin:{admin}\nplugin:{plugin}:claims\n")
-    process = start_agent(state, extra=["--node-name", NODE,
+    process = start_agent(state, extra=["--node-name", node,
                                         "--token-file", str(state / "tokens"),
                                         *kwargs.pop("extra", [])], **kwargs)
     process.token = admin  # start_agent reads only a one-line token file right
@@ -240,3 +245,44 @@ async def kubelet(short_dir: Path, agent: Agent) -> AsyncIterator[Kubelet]:
     running = await open_kubelet(settings_for(short_dir, agent))
     yield running
     await close_kubelet(running)
+
+
+class NodeAgents:
+    """Simulated agents for named nodes (each with the plugin's ``claims`` token), stopped at
+    the end of the test; one may be stopped and started again on its state."""
+
+    def __init__(self, root: Path) -> None:
+        self._root = root
+        self._running: list[Agent] = []
+
+    def start(self, node: str, *, preset: str = "dgx-h100", dynamic_mig: bool = False,
+              extra: tuple[str, ...] = ()) -> Agent:
+        state = self._root / f"a{len(self._running)}" / "state"
+        agent = start_with_plugin_token(state, node=node, preset=preset,
+                                        extra=["--driver-name", DRIVER,
+                                               *(["--dynamic-mig"] if dynamic_mig else []),
+                                               *extra])
+        self._running.append(agent)
+        return agent
+
+    def restart(self, agent: Agent) -> Agent:
+        """The same agent (command line, state, tokens) started again after a stop."""
+        args = agent.process.args
+        # start_agent's own part: python -m agent serve --state-dir S --listen T --listen U
+        assert args[3] == "serve" and args[8] == "--listen", args
+        process = start_agent(agent.process.state_dir, preset=None, extra=args[10:])
+        process.token = agent.process.token
+        again = Agent(process, agent.plugin_token, agent.token_file)
+        self._running.append(again)
+        return again
+
+    def stop_all(self) -> None:
+        for agent in self._running:
+            agent.process.stop(signal.SIGKILL)
+
+
+@pytest.fixture
+def node_agent(short_dir: Path) -> Iterator[NodeAgents]:
+    agents = NodeAgents(short_dir)
+    yield agents
+    agents.stop_all()

@@ -1,93 +1,111 @@
-"""Running a SlicePublisher in a test: a scripted agent, the publisher as a task, and waiting
-for a condition. The API server side is any SliceApi: the in-memory one now, a real
-kube-apiserver (tests/k8s) by passing its client instead."""
+"""Running a SlicePublisher in a test between real parts: a real agent process (the plugin's
+own ``AgentClient`` on its Unix socket, with the ``claims`` token) and a real kube-apiserver
+from tests/k8s (the plugin's own ``KubeClient`` from a kubeconfig). The test reads and
+changes the server's slices as an administrator would, over HTTPS."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
+import inspect
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from agent.kubeplugin.kube import SliceApi
+from agent.kubeplugin.agent_client import AgentClient
+from agent.kubeplugin.kube import SLICES_PATH, KubeClient
 from agent.kubeplugin.publisher import Backoff, SlicePublisher
+from tests.k8s.harness import ApiServer
+from tests.kubeplugin.conftest import DRIVER, Agent
 
-NODE, DRIVER = "node-a", "gpu.nodeagent.dev"
 #: Fast retries: a test's outage lasts tenths of a second.
 FAST = Backoff(initial_s=0.01, max_s=0.05)
+#: The republish goal of issue 14 (a geometry or health change, a wipe).
+GOAL_S = 2.0
 Json = dict[str, Any]
 
 
-@dataclass(frozen=True)
-class Answer:
-    etag: str | None
-    items: list[Json] | None
+@dataclass
+class Cluster:
+    """One node's view of a real API server: its slices of this driver, read and changed with
+    the administrator's token (blocking calls: run them with :func:`asyncio.to_thread`)."""
+
+    server: ApiServer
+    node: str
+
+    @property
+    def selector(self) -> str:
+        return f"fieldSelector=spec.driver={DRIVER},spec.nodeName={self.node}"
+
+    def slices(self) -> list[Json]:
+        """The node's slices on the server, by name."""
+        status, listing = self.server.request("GET", f"{SLICES_PATH}?{self.selector}")
+        assert status == 200, listing
+        return sorted(listing["items"], key=lambda s: s["metadata"]["name"])
+
+    def wipe(self) -> int:
+        """Delete every slice of the node in one call, as kubelet does when it starts; how
+        many went."""
+        status, gone = self.server.request("DELETE", f"{SLICES_PATH}?{self.selector}")
+        assert status == 200, gone
+        return len(gone.get("items") or [])
+
+    def create(self, body: Json) -> Json:
+        status, stored = self.server.request("POST", SLICES_PATH, body)
+        assert status == 201, stored
+        return dict(stored)
+
+    def replace(self, body: Json) -> Json:
+        status, stored = self.server.request("PUT", f"{SLICES_PATH}/{body['metadata']['name']}",
+                                             body)
+        assert status == 200, stored
+        return dict(stored)
+
+    def node_uid(self) -> str:
+        return str(self.server.ensure_node(self.node)["metadata"]["uid"])
+
+    def recreate_node(self) -> str:
+        """Delete the Node and create it again (a new UID); the new UID."""
+        status, answer = self.server.request("DELETE", f"/api/v1/nodes/{self.node}")
+        assert status == 200, answer
+        return self.node_uid()
 
 
-class ScriptedAgent:
-    """An agent's ``GET /v1/resourceslices`` long-poll, with content and outages set by the
-    test."""
-
-    def __init__(self, items: list[Json]) -> None:
-        self.items = items
-        self.version = 1
-        self.down = False
-        self.asked: list[str] = []
-        self._changed = asyncio.Event()
-
-    def set(self, items: list[Json]) -> None:
-        self.items, self.version = items, self.version + 1
-        self._wake()
-
-    def go_down(self) -> None:
-        """Refuse every call from now on, ending a held long-poll; the content stays, so
-        an agent back up answers the old ETag with "unchanged"."""
-        self.down = True
-        self._wake()
-
-    def _wake(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    async def resource_slices(self, kubernetes: str, etag: str | None,
-                              wait_s: float) -> Answer:
-        self.asked.append(kubernetes)
-        if self.down:
-            raise ConnectionRefusedError("agent socket refused")
-        if etag == str(self.version):
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(wait_s):  # not wait_for: it can lose a cancel
-                    await self._changed.wait()
-            if self.down:
-                raise ConnectionResetError("agent went away")
-            if etag == str(self.version):
-                return Answer(etag, None)
-        return Answer(str(self.version), copy.deepcopy(self.items))
+def names(items: list[Json]) -> list[str]:
+    return [s["metadata"]["name"] for s in items]
 
 
-def agent_slice(name: str, *devices: str, generation: int = 1,
-                extra: Json | None = None) -> Json:
-    """A slice as the agent renders it."""
-    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
-            "metadata": {"name": name},
-            "spec": {"driver": DRIVER, "nodeName": NODE,
-                     "pool": {"name": NODE, "generation": generation, "resourceSliceCount": 1},
-                     "devices": [{"name": d, "attributes": {"type": {"string": "gpu"}},
-                                  **(extra or {})} for d in devices]}}
+def specs(items: list[Json]) -> list[Json]:
+    """Slices as (name, spec) with the pool aside: what the agent decides."""
+    out = []
+    for item in items:
+        spec = {k: v for k, v in item["spec"].items() if k != "pool"}
+        out.append({"name": item["metadata"]["name"], "spec": spec})
+    return out
 
 
-def make_publisher(agent: Any, api: SliceApi, *, lost_after_s: float = 60.0,
-                   node: str = NODE) -> tuple[SlicePublisher, CollectorRegistry]:
-    """A publisher with fast retries, and the registry of its metrics."""
+def versions(items: list[Json]) -> dict[str, str]:
+    """Each slice's resourceVersion: unchanged means not written."""
+    return {s["metadata"]["name"]: s["metadata"]["resourceVersion"] for s in items}
+
+
+async def kube_client(kubeconfig: Path) -> KubeClient:
+    return await KubeClient.from_environment(kubeconfig)
+
+
+def make_publisher(agent: Agent, kube: KubeClient, *, node: str, lost_after_s: float = 60.0
+                   ) -> tuple[SlicePublisher, CollectorRegistry, AgentClient]:
+    """A publisher with fast retries on the plugin's own clients; its metrics' registry and
+    the agent client (close it after)."""
     registry = CollectorRegistry()
-    return SlicePublisher(agent, api, node_name=node, driver=DRIVER,
+    client = AgentClient(agent.process.socket_path, agent.token_file)
+    return SlicePublisher(client, kube, node_name=node, driver=DRIVER,
                           agent_lost_after_s=lost_after_s, registry=registry,
-                          backoff=FAST), registry
+                          backoff=FAST), registry, client
 
 
 def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
@@ -108,16 +126,30 @@ async def running(publisher: SlicePublisher) -> AsyncIterator[asyncio.Task[None]
             await task
 
 
-async def eventually(check: Callable[[], bool], *, within_s: float = 5.0,
-                     task: asyncio.Task[None] | None = None) -> float:
-    """Wait until ``check()`` holds; the seconds it took (AssertionError past ``within_s``,
-    or the task's own exception if it died)."""
+Check = Callable[[], bool | Awaitable[bool]]
+
+
+async def eventually(check: Check, *, within_s: float = 10.0,
+                     task: asyncio.Task[None] | None = None, every_s: float = 0.02) -> float:
+    """Wait until ``check()`` (sync, or async) holds; the seconds it took (AssertionError
+    past ``within_s``, or the task's own exception if it died)."""
     start = time.monotonic()
-    while not check():
+    while True:
+        result = check()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return time.monotonic() - start
         if task is not None and task.done():
             task.result()
             raise AssertionError("the publisher stopped")
         if time.monotonic() - start > within_s:
             raise AssertionError(f"not within {within_s}s")
-        await asyncio.sleep(0.005)
-    return time.monotonic() - start
+        await asyncio.sleep(every_s)
+
+
+def on_server(cluster: Cluster, want: Callable[[list[Json]], bool]) -> Check:
+    """A check of the server's slices, read off the event loop."""
+    async def check() -> bool:
+        return want(await asyncio.to_thread(cluster.slices))
+    return check

@@ -19,6 +19,7 @@ from agent.kubeplugin.slice_plan import (
     digest,
     dropped_fields,
     plan,
+    same_value,
 )
 
 NODE, UID, DRIVER = "node-a", "uid-a", "gpu.nodeagent.dev"
@@ -152,8 +153,8 @@ def test_updates_carry_the_resource_version_read() -> None:
 
 def test_own_write_as_answered_is_in_sync() -> None:
     """A slice that is still the object this publisher wrote is in sync even where the
-    server rewrote values (a canonical quantity); the same object without that record is
-    rewritten."""
+    server rewrote values; without that record (a restarted plugin) a quantity the server
+    made canonical (1024Mi as 1Gi) is in sync too, and another value is rewritten."""
     body = desired_slices(_gen(3, A), node_name=NODE, node_uid=UID, driver=DRIVER,
                           generation=3)[0]
     body["spec"]["devices"][0]["capacity"] = {"memory": {"value": "1024Mi"}}
@@ -164,6 +165,8 @@ def test_own_write_as_answered_is_in_sync() -> None:
     record = {"s-0": Written(answer["metadata"]["resourceVersion"], digest(body), 3)}
     assert plan(agent, [answer], node_name=NODE, node_uid=UID, driver=DRIVER,
                 written=record).empty
+    assert plan(agent, [answer], node_name=NODE, node_uid=UID, driver=DRIVER).empty
+    answer["spec"]["devices"][0]["capacity"]["memory"]["value"] = "1000Mi"
     assert not plan(agent, [answer], node_name=NODE, node_uid=UID, driver=DRIVER).empty
 
 
@@ -283,3 +286,21 @@ def test_dropped_fields(edit: Any, expected: tuple[str, ...]) -> None:
     """Fields written but missing from the read-back are named by path; rewritten values,
     omitted empties and added fields are not."""
     assert dropped_fields(WRITTEN, _read(edit)) == expected
+
+
+@pytest.mark.parametrize(("key", "wanted", "actual", "same"), [
+    ("value", "81920Mi", "80Gi", True),
+    ("value", "1024Mi", "1Gi", True),
+    ("value", "1500m", "1.5", True),
+    ("value", "1k", "1000", True),
+    ("value", "2e3", "2k", True),
+    ("value", "1000Mi", "1Gi", False),
+    ("value", "80G", "80Gi", False),
+    ("string", "1024Mi", "1Gi", False),  # an attribute's string is compared as written
+    ("value", "not-a-quantity", "not-a-quantity", True),
+    ("value", "x", "y", False),
+])
+def test_quantities_compare_by_value(key: str, wanted: str, actual: str, same: bool) -> None:
+    """Under a quantity key, a quantity the server wrote canonically is the same value; any
+    other string is compared as it is."""
+    assert same_value(wanted, actual, key) is same

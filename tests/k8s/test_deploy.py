@@ -1,0 +1,201 @@
+"""The shipped DeviceClasses (daemonset/base/deviceclasses.yaml) and the worked examples of
+docs/kubernetes.md (daemonset/examples/) as an SRE applies them: accepted by a real
+kube-apiserver, and each example's claim allocated by the scheduler's allocator from the
+slices a real agent publishes for the node the example targets (and refused where the
+example says it must be)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.agent_process import AgentProcess
+from tests.k8s.conftest import StartAgent
+from tests.k8s.fixtures import DRA_GATES, StartApiServer
+from tests.k8s.harness import ROOT, SLICE_RULES, VERSIONS, ApiServer, allocate
+from tests.k8s.objects import DRIVER, RESOURCE, devices_of
+from tests.k8s.published import set_mig, slices_of
+
+CLASSES = ROOT / "daemonset" / "base" / "deviceclasses.yaml"
+EXAMPLES = ROOT / "daemonset" / "examples"
+NODE = "deploy-node"
+NAMESPACE = "deploy-examples"
+Json = dict[str, Any]
+
+
+def documents(path: Path) -> list[Json]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def template(example: str) -> Json:
+    """The example's ResourceClaimTemplate."""
+    return next(d for d in documents(EXAMPLES / example) if d["kind"] == "ResourceClaimTemplate")
+
+
+def ensure_namespace(server: ApiServer, namespace: str) -> None:
+    if server.kubectl("get", "namespace", namespace, check=False).returncode != 0:
+        server.kubectl("create", "namespace", namespace)
+
+
+def claim_of(server: ApiServer, example: str) -> Json:
+    """The ResourceClaim the example's pod gets: its template as the server stored it after
+    `kubectl apply` (with the API's defaults, such as allocationMode ExactCount)."""
+    ensure_namespace(server, NAMESPACE)
+    server.kubectl("apply", "-n", NAMESPACE, "-f", str(EXAMPLES / example))
+    name = template(example)["metadata"]["name"]
+    status, stored = server.request(
+        "GET", f"/apis/resource.k8s.io/v1/namespaces/{NAMESPACE}/resourceclaimtemplates/{name}")
+    assert status == 200, stored
+    return {"apiVersion": RESOURCE, "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": NAMESPACE, "uid": str(uuid.uuid4())},
+            "spec": stored["spec"]["spec"]}
+
+
+def attribute(device: Json, name: str) -> Any:
+    value = device.get("attributes", {}).get(name)
+    return None if value is None else next(iter(value.values()))
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_shipped_classes_and_examples_are_accepted(version: str,
+                                                   kube_apiservers: StartApiServer) -> None:
+    """`kubectl apply` of the DeviceClasses and of every example succeeds on the real
+    server (its validation compiles each CEL selector), and each example's pod names the
+    claim template that came with it."""
+    server = kube_apiservers(version)
+    namespace = NAMESPACE
+    ensure_namespace(server, namespace)
+    server.kubectl("apply", "-f", str(CLASSES))
+    applied = {path.name: server.kubectl("apply", "-n", namespace, "-f", str(path)).stdout
+               for path in sorted(EXAMPLES.glob("*.yaml"))}
+    assert set(applied) == {"dynamic-mig.yaml", "full-gpu.yaml", "mig-1g10gb.yaml",
+                            "tensor-parallel-4gpu.yaml"}
+    classes = {d["metadata"]["name"] for d in documents(CLASSES)}
+    status, listing = server.request("GET", "/apis/resource.k8s.io/v1/deviceclasses")
+    assert status == 200 and classes <= {c["metadata"]["name"] for c in listing["items"]}
+    for name in applied:
+        made = template(name)
+        pod = next(d for d in documents(EXAMPLES / name) if d["kind"] == "Pod")
+        status, stored = server.request(
+            "GET", f"/api/v1/namespaces/{namespace}/pods/{pod['metadata']['name']}")
+        assert status == 200, stored
+        assert [c["resourceClaimTemplateName"] for c in stored["spec"]["resourceClaims"]] == [
+            made["metadata"]["name"]]
+        for request in made["spec"]["spec"]["devices"]["requests"]:
+            assert request["exactly"]["deviceClassName"] in classes
+
+
+Check = Callable[[list[Json], AgentProcess], None]
+
+
+@dataclass(frozen=True)
+class Example:
+    """One example's claim on one kind of node: the devices it must get (``expect`` checks
+    the allocated devices), or None where the allocator must refuse it."""
+
+    file: str
+    preset: str
+    expect: Check | None
+    dynamic_mig: bool = False
+    geometry: tuple[tuple[int, tuple[str, ...]], ...] = ()
+
+    @property
+    def id(self) -> str:
+        return "-".join([self.file.removesuffix(".yaml"), self.preset,
+                         *(["dynamic"] if self.dynamic_mig else []),
+                         *(["mig"] if self.geometry else []),
+                         "fits" if self.expect else "refused"])
+
+
+def whole_h100(devices: list[Json], agent: AgentProcess) -> None:
+    """The first whole GPU: an H100 of 80 GB."""
+    assert [d["name"] for d in devices] == ["gpu-0"]
+    assert attribute(devices[0], "productName").startswith("NVIDIA H100")
+
+
+def existing_1g10gb(devices: list[Json], agent: AgentProcess) -> None:
+    """One MIG device that exists (it has a UUID), of profile 1g.10gb, on GPU 0."""
+    (device,) = devices
+    assert attribute(device, "profile") == "1g.10gb" and attribute(device, "uuid")
+    assert device["name"].startswith("gpu-0-mig-1g10gb")
+
+
+def placement_3g40gb(devices: list[Json], agent: AgentProcess) -> None:
+    """A 3g.40gb placement to be created at prepare (no UUID yet) on the first GPU."""
+    (device,) = devices
+    assert attribute(device, "profile") == "3g.40gb" and attribute(device, "uuid") is None
+    assert attribute(device, "parentUUID") == agent.request("GET", "/v1/gpus/0").body["uuid"]
+
+
+def one_island(devices: list[Json], agent: AgentProcess) -> None:
+    """Four whole GPUs sharing one nvlinkIsland value."""
+    assert [d["name"] for d in devices] == ["gpu-0", "gpu-1", "gpu-2", "gpu-3"]
+    assert len({attribute(d, "nvlinkIsland") for d in devices}) == 1
+
+
+CASES = [
+    Example("full-gpu.yaml", "dgx-h100", whole_h100),
+    Example("full-gpu.yaml", "a100-pcie-bridged", None),  # not an H100
+    Example("full-gpu.yaml", "l40s", None),
+    Example("full-gpu.yaml", "hgx-h200", None),  # 141 GB, but an H200
+    Example("mig-1g10gb.yaml", "dgx-h100", existing_1g10gb,
+            geometry=((0, ("3g.40gb", "1g.10gb")),)),
+    Example("mig-1g10gb.yaml", "dgx-h100", None),  # no MIG geometry set
+    Example("mig-1g10gb.yaml", "dgx-h100", None, dynamic_mig=True),  # placements only
+    Example("dynamic-mig.yaml", "dgx-h100", placement_3g40gb, dynamic_mig=True),
+    Example("dynamic-mig.yaml", "dgx-h100", None),  # no --dynamic-mig: no placements
+    Example("tensor-parallel-4gpu.yaml", "dgx-h100", one_island),
+    Example("tensor-parallel-4gpu.yaml", "a100-pcie-bridged", None),  # pairs only
+]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_example_claims_are_allocated_where_they_fit(version: str, case: Example,
+                                                     kube_apiservers: StartApiServer,
+                                                     agent_node: StartAgent) -> None:
+    """Each example's claim, with the shipped DeviceClasses, is allocated by the scheduler's
+    allocator on the node kind it targets, with the devices the docs promise; on a node
+    that cannot satisfy it, nothing is allocated. The claim is the template as the real
+    server stored it."""
+    agent = agent_node(case.preset, node_name=NODE, dynamic_mig=case.dynamic_mig)
+    for gpu, profiles in case.geometry:
+        set_mig(agent, gpu, list(profiles))
+    slices = slices_of(agent, SLICE_RULES[version])
+    answer = allocate(version, node=NODE, slices=slices, classes=documents(CLASSES),
+                      claims=[claim_of(kube_apiservers(version), case.file)],
+                      feature_gates=DRA_GATES[version])
+    if case.expect is None:
+        assert not answer.allocated, answer.results
+        return
+    assert answer.allocated, answer.reason
+    results = answer.results[0]["allocation"]["devices"]["results"]
+    assert {(r["driver"], r["pool"]) for r in results} == {(DRIVER, NODE)}
+    offered = devices_of(slices)
+    case.expect([offered[name] for name in answer.devices()], agent)
+
+
+@pytest.mark.parametrize(("least", "fits"), [("80G", True), ("79Gi", True), ("80Gi", False),
+                                             ("90G", False)])
+def test_full_gpu_example_selects_on_memory(least: str, fits: bool,
+                                            kube_apiservers: StartApiServer,
+                                            agent_node: StartAgent) -> None:
+    """The full-GPU example's memory clause is live: an H100 80GB HBM3 (81,559 MiB) has at
+    least 80G and 79Gi, not 80Gi or 90G."""
+    version = VERSIONS[-1]
+    agent = agent_node("dgx-h100", node_name=NODE)
+    claim = claim_of(kube_apiservers(version), "full-gpu.yaml")
+    (selector,) = claim["spec"]["devices"]["requests"][0]["exactly"]["selectors"]
+    assert 'quantity("80G")' in selector["cel"]["expression"]
+    selector["cel"]["expression"] = selector["cel"]["expression"].replace(
+        'quantity("80G")', f'quantity("{least}")')
+    answer = allocate(version, node=NODE, slices=slices_of(agent, SLICE_RULES[version]),
+                      classes=documents(CLASSES), claims=[claim],
+                      feature_gates=DRA_GATES[version])
+    assert answer.allocated is fits, answer.reason
