@@ -220,13 +220,13 @@ def test_the_policy_keeps_the_plugin_to_its_own_node(
         version: str, guarded: Callable[[str], ApiServer], tmp_path: Path) -> None:
     """With the plugin's token for node A, a slice is written for A only: creating one for
     B, updating or deleting B's, another driver's slice, and any write with an unbound token
-    (no node) are refused by the shipped policy, naming why (422, the policy's reason);
-    moving A's slice to B the server refuses itself."""
+    (no node) are refused by the shipped policy, naming why (403: reason Forbidden); moving
+    A's slice to B the server refuses itself (422, invalid)."""
     server = guarded(version)
     mine, theirs = (f"{n}-v{version}".replace(".", "-") for n in ("node-a", "node-b"))
     token = plugin_credential(server, mine, tmp_path).token
     status, answer = refused_by_policy(server, token, theirs)
-    assert status == 422 and "may write only ResourceSlices whose spec.nodeName is " \
+    assert status == 403 and "may write only ResourceSlices whose spec.nodeName is " \
         f"{mine}" in answer["message"], answer
 
     own = a_slice(mine, f"{mine}-own")
@@ -238,23 +238,25 @@ def test_the_policy_keeps_the_plugin_to_its_own_node(
     moved = {**stored, "spec": {**stored["spec"], "nodeName": theirs}}
     changed = {**foreign, "spec": {**foreign["spec"], "devices": []}}
     policy = "ValidatingAdmissionPolicy 'gpu-node-agent-resourceslices'"
-    for what, (method, path, body, why) in {
-        "update another node's slice": ("PUT", f"{SLICES}/{theirs}-theirs", changed, policy),
-        "delete another node's slice": ("DELETE", f"{SLICES}/{theirs}-theirs", None, policy),
+    for what, (method, path, body, code, why) in {
+        "update another node's slice": ("PUT", f"{SLICES}/{theirs}-theirs", changed, 403,
+                                        policy),
+        "delete another node's slice": ("DELETE", f"{SLICES}/{theirs}-theirs", None, 403,
+                                        policy),
         "another driver's slice": ("POST", SLICES, a_slice(mine, f"{mine}-other",
                                                            driver="other.example.com"),
-                                   "only ResourceSlices of driver gpu.nodeagent.dev"),
+                                   403, "only ResourceSlices of driver gpu.nodeagent.dev"),
         # The server's own validation refuses this one before the policy looks.
-        "move its slice to another node": ("PUT", f"{SLICES}/{mine}-own", moved,
+        "move its slice to another node": ("PUT", f"{SLICES}/{mine}-own", moved, 422,
                                            "field is immutable"),
     }.items():
         status, answer = server.request(method, path, body, token=token)
-        assert status == 422 and why in answer["message"], (what, answer)
+        assert status == code and why in answer["message"], (what, answer)
 
     unbound = server.kubectl("create", "token", "-n", NAMESPACE, ACCOUNT).stdout.strip()
     status, answer = server.request("POST", SLICES, a_slice(mine, f"{mine}-unbound"),
                                     token=unbound)
-    assert status == 422 and "names no node" in answer["message"], answer
+    assert status == 403 and "names no node" in answer["message"], answer
     assert server.request("DELETE", f"{SLICES}/{mine}-own", token=token)[0] == 200
 
 
