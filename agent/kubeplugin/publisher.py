@@ -44,12 +44,14 @@ from agent.kubeplugin.kube import (
     WatchEvent,
 )
 from agent.kubeplugin.slice_plan import (
+    COUNTER_FIELDS,
     InvalidDesired,
     SlicePlan,
     Written,
     digest,
     dropped_fields,
     plan,
+    without_counters,
 )
 
 log = logging.getLogger("agent.kubeplugin.publisher")
@@ -181,6 +183,9 @@ class SlicePublisher:
         self._node_uid: str | None = None
         self._written: dict[str, Written] = {}
         self._dropped: tuple[str, ...] = ()
+        #: The server dropped counters once: devices that consume them stay withdrawn until
+        #: the plugin restarts (a server does not turn a feature gate on while it runs).
+        self._counters_dropped = False
 
     def health(self) -> PublisherHealth:
         reasons = []
@@ -197,7 +202,9 @@ class SlicePublisher:
             reasons.append("slices not published yet")
         if self._dropped:
             reasons.append("the API server dropped written fields (a feature gate off?): "
-                           + ", ".join(self._dropped))
+                           + ", ".join(self._dropped)
+                           + ("; devices that consume counters are withdrawn"
+                              if self._counters_dropped else ""))
         return PublisherHealth(in_sync=not reasons, reason="; ".join(reasons) or None,
                                dropped_fields=self._dropped)
 
@@ -332,6 +339,8 @@ class SlicePublisher:
         if self._desired is None and not self._agent_lost:
             return  # nothing known yet: leave what the server has (a plugin restart)
         desired: Sequence[Mapping[str, Any]] = [] if self._agent_lost else (self._desired or [])
+        if self._counters_dropped:
+            desired = without_counters(desired)
         listing = await self._kube.list_resource_slices(driver=self.driver,
                                                         node=self.node_name)
         if desired and self._node_uid is None:
@@ -417,6 +426,18 @@ class SlicePublisher:
                                       generation=generation)
 
     def _report_dropped(self, dropped: tuple[str, ...]) -> None:
+        if not self._counters_dropped and any(f in dropped for f in COUNTER_FIELDS):
+            # Fail closed: placements without counters would let the scheduler book two
+            # overlapping MIG devices, so withdraw them now (the next sync writes the pool
+            # without them) and keep reporting why.
+            self._counters_dropped = True
+            self._dirty.set()
+            log.error("api server keeps no counters: partitionable devices withdrawn "
+                      "(enable DRAPartitionableDevices or run without --dynamic-mig)",
+                      extra={"fields": ",".join(dropped), "kubernetes": self.kubernetes})
+        if self._counters_dropped:
+            dropped = tuple(sorted(set(dropped) | {f for f in COUNTER_FIELDS
+                                                   if f in self._dropped or f in dropped}))
         if dropped != self._dropped:
             if dropped:
                 log.warning("api server dropped resourceslice fields", extra={

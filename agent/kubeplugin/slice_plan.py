@@ -194,6 +194,28 @@ def _collect_dropped(written: Any, read: Any, path: str, found: set[str]) -> Non
             _collect_dropped(w, r, f"{path}[]", found)
 
 
+#: Fields a server drops when partitionable devices are off: without them the scheduler
+#: would book placements that overlap, so the devices that consume counters are withdrawn.
+COUNTER_FIELDS = ("spec.devices[].consumesCounters", "spec.sharedCounters")
+
+
+def without_counters(agent_items: Sequence[Mapping[str, Any]]) -> list[Json]:
+    """The agent's pool without counter sets and without every device that consumes them
+    (dynamic MIG placements, and the whole GPU that shares their counters): what is safe to
+    publish where the server cannot keep counters. Slices left empty go, but one remains."""
+    kept: list[Json] = []
+    for item in agent_items:
+        spec = {k: v for k, v in item.get("spec", {}).items() if k != "sharedCounters"}
+        devices = [d for d in spec.get("devices") or [] if not d.get("consumesCounters")]
+        if devices:
+            kept.append({**item, "spec": {**spec, "devices": devices}})
+    if not kept and agent_items:
+        first = agent_items[0]
+        spec = {k: v for k, v in first.get("spec", {}).items() if k != "sharedCounters"}
+        kept.append({**first, "spec": {**spec, "devices": []}})
+    return kept
+
+
 def desired_slices(agent_items: Sequence[Mapping[str, Any]], *, node_name: str,
                    node_uid: str, driver: str, generation: int) -> list[Json]:
     """The agent's slices as the publisher writes them: its owner reference, pool and

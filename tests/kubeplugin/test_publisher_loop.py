@@ -190,12 +190,13 @@ async def test_recreated_node_gets_slices_owned_by_its_new_uid(
         await kube.close()
 
 
-async def test_dropped_fields_are_reported(kube_apiservers: StartApiServer,
-                                           node_agent: NodeAgents,
-                                           caplog: pytest.LogCaptureFixture) -> None:
+async def test_dropped_counters_withdraw_the_devices_that_consume_them(
+        kube_apiservers: StartApiServer, node_agent: NodeAgents,
+        caplog: pytest.LogCaptureFixture) -> None:
     """A 1.34 server with DRAPartitionableDevices off accepts dynamic-MIG slices and drops
     their counters: the publisher reports it in health (not in sync, naming the fields), a
-    metric and one log event, and does not rewrite the slices in a loop."""
+    metric and a log event, and fails closed: it rewrites the pool once without the devices
+    that consume counters (the scheduler could book overlapping placements), then leaves it."""
     server = kube_apiservers("1.34", feature_gates="")
     node = "pub-dropped"
     cluster = Cluster(server, node)
@@ -204,21 +205,30 @@ async def test_dropped_fields_are_reported(kube_apiservers: StartApiServer,
     kube = await kube_client(server.kubeconfig)
     publisher, registry, client = make_publisher(agent, kube, node=node)
     dropped = ("spec.devices[].consumesCounters", "spec.sharedCounters")
+
+    def partitionable(slices: list[dict[str, Any]]) -> list[str]:
+        return [d["name"] for s in slices for d in s["spec"].get("devices") or []
+                if "-mig-" in d["name"] or s["spec"].get("sharedCounters")]
+
     try:
         with caplog.at_level(logging.INFO, logger="agent.kubeplugin.publisher"):
             async with running(publisher) as task:
                 await eventually(lambda: publisher.health().dropped_fields != (), task=task)
-                first = versions(await asyncio.to_thread(cluster.slices))
+                await eventually(lambda: sample(registry, "slice_publishes_total") == 2,
+                                 task=task)
+                first = await asyncio.to_thread(cluster.slices)
                 await asyncio.sleep(1.0)  # the watch saw its own writes; nothing more
-                assert versions(await asyncio.to_thread(cluster.slices)) == first
+                assert versions(await asyncio.to_thread(cluster.slices)) == versions(first)
     finally:
         await client.close()
         await kube.close()
+    assert partitionable(first) == []
     health = publisher.health()
     assert health.dropped_fields == dropped
     assert not health.in_sync and all(f in (health.reason or "") for f in dropped)
+    assert "withdrawn" in (health.reason or "")
     assert sample(registry, "slice_dropped_fields") == len(dropped)
-    assert sample(registry, "slice_publishes_total") == 1
+    assert sample(registry, "slice_publishes_total") == 2
     events = [r for r in caplog.records
               if r.getMessage() == "api server dropped resourceslice fields"]
     assert [getattr(r, "fields", None) for r in events] == [",".join(dropped)]

@@ -20,6 +20,7 @@ from agent.kubeplugin.slice_plan import (
     dropped_fields,
     plan,
     same_value,
+    without_counters,
 )
 
 NODE, UID, DRIVER = "node-a", "uid-a", "gpu.nodeagent.dev"
@@ -304,3 +305,32 @@ def test_quantities_compare_by_value(key: str, wanted: str, actual: str, same: b
     """Under a quantity key, a quantity the server wrote canonically is the same value; any
     other string is compared as it is."""
     assert same_value(wanted, actual, key) is same
+
+
+def _slice(name: str, devices: list[dict[str, Any]], counters: bool = False) -> dict[str, Any]:
+    spec: dict[str, Any] = {"devices": devices}
+    if counters:
+        spec["sharedCounters"] = [{"name": "gpu-0-counter-set", "counters": {}}]
+    return {"metadata": {"name": name}, "spec": spec}
+
+
+PLAIN = {"name": "gpu-1"}
+CONSUMING = {"name": "gpu-0-mig-1g10gb-19-0",
+             "consumesCounters": [{"counterSet": "gpu-0-counter-set", "counters": {}}]}
+
+
+@pytest.mark.parametrize(("pool", "kept"), [
+    ([_slice("a", [PLAIN, CONSUMING])], [("a", ["gpu-1"])]),
+    ([_slice("a", [], counters=True), _slice("b", [CONSUMING]), _slice("c", [PLAIN])],
+     [("c", ["gpu-1"])]),
+    ([_slice("a", [], counters=True), _slice("b", [CONSUMING])], [("a", [])]),
+    ([], []),
+], ids=["mixed slice", "counter and device slices go", "one empty slice stays", "empty pool"])
+def test_without_counters_keeps_only_devices_that_consume_none(
+        pool: list[dict[str, Any]], kept: list[tuple[str, list[str]]]) -> None:
+    """Where the server keeps no counters, the pool keeps its devices that consume none, no
+    counter sets, and at least one slice."""
+    out = without_counters(pool)
+    assert [(s["metadata"]["name"], [d["name"] for d in s["spec"]["devices"]]) for s in out] \
+        == kept
+    assert not any("sharedCounters" in s["spec"] for s in out)
