@@ -273,9 +273,13 @@ class SlicePublisher:
                     driver=self.driver, node=self.node_name,
                     resource_version=listing.resource_version):
                 if event.type != "BOOKMARK" and not self._made_here(event):
-                    log.info("resourceslice changed on the server", extra={
-                        "event": event.type,
-                        "slice": event.object.get("metadata", {}).get("name")})
+                    name = str(event.object.get("metadata", {}).get("name", ""))
+                    log.info("resourceslice changed on the server",
+                             extra={"event": event.type, "slice": name})
+                    if name in self._written:
+                        # Someone else changed or deleted what was published (kubelet's
+                        # wipe at its start): not in sync until the next sync restores it.
+                        self._synced = False
                     self._dirty.set()
 
         while True:
