@@ -288,18 +288,27 @@ class KubeClient:
                                     ) -> AsyncIterator[WatchEvent]:
         """Events after ``resource_version`` until the server ends the watch (about
         ``timeout_s``); :class:`KubeExpired` when that version is too old."""
-        query = [("fieldSelector", slice_selector(driver=driver, node=node)),
-                 ("watch", "true"), ("allowWatchBookmarks", "true"),
-                 ("resourceVersion", resource_version), ("timeoutSeconds", str(timeout_s))]
+        async for event in self.watch(SLICES_PATH, slice_selector(driver=driver, node=node),
+                                      resource_version, timeout_s):
+            yield event
+
+    async def watch(self, path: str, field_selector: str, resource_version: str,
+                    timeout_s: int = WATCH_TIMEOUT_S) -> AsyncIterator[WatchEvent]:
+        """Events of the collection at ``path`` matching ``field_selector`` after
+        ``resource_version`` until the server ends the watch; :class:`KubeExpired` when
+        that version is too old."""
+        query = [("fieldSelector", field_selector), ("watch", "true"),
+                 ("allowWatchBookmarks", "true"), ("resourceVersion", resource_version),
+                 ("timeoutSeconds", str(timeout_s))]
         # No total limit: the server ends the watch; a silent connection ends by sock_read.
         limits = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=timeout_s + 30)
-        response = await self._open("GET", SLICES_PATH, query=query, limits=limits)
+        response = await self._open("GET", path, query=query, limits=limits)
         try:
             while True:
                 try:
                     line = await response.content.readline()
                 except (aiohttp.ClientError, OSError, TimeoutError) as err:
-                    raise KubeUnavailable(f"watch of {SLICES_PATH} cut: {err}") from err
+                    raise KubeUnavailable(f"watch of {path} cut: {err}") from err
                 if not line:
                     return
                 if not line.strip():

@@ -291,33 +291,9 @@ class LabelKube(KubeClient):
                           timeout_s: int = WATCH_TIMEOUT_S) -> AsyncIterator[WatchEvent]:
         """Events of the object ``name`` after ``resource_version`` until the server ends
         the watch; :class:`KubeExpired` when that version is too old."""
-        query = [("fieldSelector", f"metadata.name={name}"), ("watch", "true"),
-                 ("allowWatchBookmarks", "true"), ("resourceVersion", resource_version),
-                 ("timeoutSeconds", str(timeout_s))]
-        limits = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=timeout_s + 30)
-        response = await self._open("GET", collection, query=query, limits=limits)
-        try:
-            while True:
-                try:
-                    line = await response.content.readline()
-                except (aiohttp.ClientError, OSError, TimeoutError) as err:
-                    raise KubeUnavailable(f"watch of {collection} cut: {err}") from err
-                if not line:
-                    return
-                if not line.strip():
-                    continue
-                try:
-                    event = json.loads(line)
-                except ValueError as err:
-                    raise KubeUnavailable(f"watch event not JSON: {line[:200]!r}") from err
-                kind, obj = event.get("type"), event.get("object")
-                if not isinstance(obj, dict):
-                    continue
-                if kind == "ERROR":
-                    raise error_for(int(obj.get("code") or 500), obj)
-                yield WatchEvent(type=str(kind), object=obj)
-        finally:
-            response.release()
+        async for event in self.watch(collection, f"metadata.name={name}", resource_version,
+                                      timeout_s):
+            yield event
 
 
 def node_marks(node: Json | None) -> tuple[str | None, str | None]:
