@@ -202,6 +202,22 @@ class NotReady(AgentError):
         self.retry_after_s = retry_after_s
 
 
+class SharingUnavailable(NotReady):
+    """A GPU-sharing tool (``nvidia-cuda-mps-control``, ``nvidia-smi``) is missing or failed:
+    ``tool`` names it, ``gpu`` the device when one is concerned, ``reason`` what went wrong."""
+
+    def __init__(self, detail: str, *, tool: str, reason: str, gpu: str | None = None,
+                 retry_after_s: int = 5) -> None:
+        super().__init__(detail, retry_after_s=retry_after_s)
+        self.tool = tool
+        self.reason = reason
+        self.gpu = gpu
+
+    def _fields(self) -> dict[str, Any]:
+        return {"tool": self.tool, "reason": self.reason,
+                **({"gpu": self.gpu} if self.gpu is not None else {})}
+
+
 class DeviceNodesMissing(NotReady):
     """A claim's devices have no device nodes yet (``/dev/nvidia*`` appear late on a freshly
     booted node): nothing was prepared; ask again in ``retry_after_s`` seconds."""

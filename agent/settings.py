@@ -93,6 +93,21 @@ class Settings:
     #: Kubelet's PodResources socket: label DCGM series with the pods holding the devices.
     #: None: off (needs the ``kubernetes`` extra when set).
     pod_resources_socket: Path | None = None
+    #: Where each MPS control daemon's pipe, log and shm directories go (``<mps_root>/<id>/``).
+    #: Keep it short: MPS puts Unix sockets in the pipe directory (108-byte path limit).
+    mps_root: Path | None = None
+    #: The ``nvidia-cuda-mps-control`` binary; None: ``<driver_root>/usr/bin/`` (or ``/usr/bin/``),
+    #: the simulator's own with ``--simulate``.
+    mps_control: Path | None = None
+    #: The ``nvidia-smi`` binary (compute mode, time slice); None: as ``mps_control``.
+    nvidia_smi: Path | None = None
+    #: The MPS host's socket (``gpu-agent mps-host``): MPS daemons are started there, outside
+    #: the agent's cgroup, so that they outlive an agent restart. None: the agent starts them
+    #: itself (development only: they die with the agent's container or unit).
+    mps_host_socket: Path | None = None
+    #: Publish full GPUs as shareable devices with a ``memory`` capacity (DRA consumable
+    #: capacity); each share is enforced with MPS.
+    gpu_shares: bool = False
 
 
 # Flags the environment and the config file may set, with their parsers.
@@ -104,7 +119,8 @@ _FLAG_TYPES: dict[str, str] = {
     "collect_interval": "float", "metrics_listen": "str", "metrics_hostname_label": "str",
     "driver_name": "str", "dynamic_mig": "bool", "tls_cert": "path", "tls_key": "path",
     "tls_client_ca": "path", "socket_group": "str", "run_dir": "path", "dev_root": "path",
-    "device_node_wait_s": "float", "pod_resources_socket": "path",
+    "device_node_wait_s": "float", "pod_resources_socket": "path", "mps_root": "path",
+    "mps_control": "path", "nvidia_smi": "path", "mps_host_socket": "path", "gpu_shares": "bool",
 }
 
 
@@ -188,9 +204,18 @@ def resolve(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> S
         raise InvalidRequest(f"--listen: {err}", [{"field": "listen", "reason": str(err)}]) from err
     metrics = _metrics_settings(merged)
     log_format = merged.get("log_format", "text")
+    if merged.get("gpu_shares") and merged.get("dynamic_mig"):
+        # MPS enforces every share, and NVIDIA's driver forbids MPS with dynamic MIG: a GPU
+        # published both as MIG slices and as memory shares could be booked twice.
+        raise InvalidRequest("--gpu-shares cannot be combined with --dynamic-mig: shares are "
+                             "enforced with MPS, which dynamic MIG does not support",
+                             [{"field": "gpu_shares", "reason": "conflicts with dynamic_mig"}])
     if log_format not in ("text", "json"):
         raise InvalidRequest(f"--log-format must be text or json, not {log_format!r}",
                              [{"field": "log_format", "reason": "not text or json"}])
+    run_dir = Path(merged.get("run_dir") or (
+        state_dir.parent / f".{state_dir.name}.run" if simulate
+        else Path("/run/gpu-agent"))).absolute()
     return Settings(
         simulate=simulate,
         state_dir=state_dir,
@@ -205,9 +230,7 @@ def resolve(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> S
                        (state_dir / "proc" if simulate else Path("/proc"))).absolute(),
         node_name=str(merged.get("node_name") or env.get("NODE_NAME") or socket.gethostname()),
         gpu_reset_command=merged.get("gpu_reset_command"),
-        run_dir=Path(merged.get("run_dir") or (
-            state_dir.parent / f".{state_dir.name}.run" if simulate
-            else Path("/run/gpu-agent"))).absolute(),
+        run_dir=run_dir,
         reapply_mig=bool(merged.get("reapply_mig", True)),
         driver_root=merged.get("driver_root"),
         claim_tombstone_s=float(merged.get("claim_tombstone_s", 600.0)),
@@ -217,6 +240,11 @@ def resolve(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> S
         dynamic_mig=bool(merged.get("dynamic_mig", False)),
         socket_group=merged.get("socket_group"),
         pod_resources_socket=_pod_resources_socket(merged.get("pod_resources_socket")),
+        mps_root=Path(merged.get("mps_root") or run_dir / "mps").absolute(),
+        mps_control=merged.get("mps_control"),
+        nvidia_smi=merged.get("nvidia_smi"),
+        mps_host_socket=merged.get("mps_host_socket"),
+        gpu_shares=bool(merged.get("gpu_shares", False)),
         **metrics,
         **_tls_settings(merged),
     )

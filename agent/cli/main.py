@@ -42,6 +42,9 @@ def _serve(args: argparse.Namespace) -> int:
             "tls_cert": args.tls_cert, "tls_key": args.tls_key,
             "tls_client_ca": args.tls_client_ca, "socket_group": args.socket_group,
             "run_dir": args.run_dir, "pod_resources_socket": args.pod_resources_socket,
+            "mps_root": args.mps_root, "mps_control": args.mps_control,
+            "nvidia_smi": args.nvidia_smi, "mps_host_socket": args.mps_host_socket,
+            "gpu_shares": True if args.gpu_shares else None,
         })
         systemd.check_environment()  # Type=notify without systemd-python: refuse to start
         logs.configure(settings.log_format, settings.log_level)
@@ -189,6 +192,23 @@ def _add_serve(sub: Any) -> None:
     serve.add_argument("--dynamic-mig", action="store_true",
                        help="publish MIG as partitionable devices: every profile and "
                             "placement, with shared counters per GPU (default: off)")
+    serve.add_argument("--gpu-shares", action="store_true",
+                       help="publish full GPUs as shareable devices with a memory capacity "
+                            "(DRA consumable capacity), each share enforced with MPS; not with "
+                            "--dynamic-mig (default: off)")
+    serve.add_argument("--mps-root", metavar="DIR",
+                       help="where MPS daemons' pipe, log and shm directories go; keep it "
+                            "short (default <run-dir>/mps)")
+    serve.add_argument("--mps-control", metavar="PATH",
+                       help="the nvidia-cuda-mps-control binary (default <driver-root>/usr/bin/"
+                            "nvidia-cuda-mps-control; the simulator's with --simulate)")
+    serve.add_argument("--nvidia-smi", metavar="PATH",
+                       help="the nvidia-smi binary, for compute mode and time slices (default "
+                            "<driver-root>/usr/bin/nvidia-smi; the simulator's with --simulate)")
+    serve.add_argument("--mps-host-socket", metavar="PATH",
+                       help="start MPS daemons through 'gpu-agent mps-host' on this socket, so "
+                            "they outlive agent restarts (default: none, the agent starts them "
+                            "itself: development only)")
     serve.add_argument("--tls-cert", metavar="PEM",
                        help="serve the API's TCP listeners over TLS with this certificate "
                             "chain (default: none, plain HTTP)")
