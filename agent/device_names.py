@@ -56,3 +56,11 @@ def parse_device_name(name: str) -> ParsedName | None:
     if match := _MIG.match(name):
         return ParsedName(int(match[1]), match[2], int(match[3]), int(match[4]))
     return None
+
+
+def shareable_mib(total_mib: int) -> int:
+    """The memory of a full GPU that counted shares may add up to: its total rounded down to
+    whole GiB, in MiB (an L40S's 46,068 MiB give 45,056). The ResourceSlices publish it as the
+    device's ``memory`` capacity and the ledger counts shares against it, so both agree on
+    what fits; the remainder below a GiB is never offered (the scheduler's step is 1 GiB)."""
+    return max(0, total_mib) // 1024 * 1024

@@ -13,7 +13,16 @@ Everywhere:
   generation in the pool;
 - exactly one of nodeName, nodeSelector, allNodes, perDeviceNodeSelection;
 - consumed counters exist in their set and no device consumes more of a counter than the set
-  has (the allocator's pool check; the server cannot see other slices from 1.35).
+  has (the allocator's pool check; the server cannot see other slices from 1.35);
+- consumable capacity (KEP-5075; the fields exist in every version, behind the
+  ``DRAConsumableCapacity`` gate: alpha and off in 1.34 and 1.35, beta and on from 1.36, and a
+  server with the gate off drops them): a capacity's ``requestPolicy`` only on a device with
+  ``allowMultipleAllocations: true``; ``validValues`` or ``validRange``, not both, each
+  with a ``default``; ``validValues`` at most 10, ascending, none above the capacity, the
+  default among them; ``validRange`` has a ``min`` not above the capacity or the default, a
+  ``max`` (if any) between ``min`` and the capacity and not below the default, and a ``step``
+  (if any) with ``min + step`` within the capacity and the default and ``max`` whole steps
+  above ``min``.
 1.34: at most 32 shared counters in a slice, 32 counters consumed per device and 1024 per
 slice; a device consumes only counter sets of its own slice; at most 4 taints a device
 (effects NoSchedule, NoExecute).
@@ -57,6 +66,7 @@ MAX_DEVICES_WITH_ADVANCED_FEATURES = 64
 MAX_ATTRIBUTES_AND_CAPACITIES = 32
 MAX_ATTRIBUTE_VALUES = 48
 MAX_VALUE_LENGTH = 64
+MAX_VALID_VALUES = 10
 # 1.34
 MAX_SHARED_COUNTERS_V134 = 32
 MAX_COUNTERS_PER_DEVICE_V134 = 32
@@ -194,14 +204,104 @@ def _check_device(where: str, device: dict[str, Any], rules: Rules,
         values += _check_attribute(f"{where}.attributes[{key}]", value, rules, problems)
     if rules.list_attributes and values > MAX_ATTRIBUTE_VALUES:
         problems.append(f"{where}: {values} attribute values (at most {MAX_ATTRIBUTE_VALUES})")
+    shared = device.get("allowMultipleAllocations")
+    if shared not in (None, True, False):
+        problems.append(f"{where}: allowMultipleAllocations {shared!r} is not a bool")
     for key, value in capacity.items():
         if not _qualified_name(key):
             problems.append(f"{where}.capacity: bad name {key!r}")
         try:
-            quantity(value.get("value"))
+            total = quantity(value.get("value"))
         except (ValueError, AttributeError):
             problems.append(f"{where}.capacity[{key}]: bad quantity {value!r}")
+            continue
+        policy = value.get("requestPolicy")
+        if policy is None:
+            continue
+        if shared is not True:
+            problems.append(f"{where}.capacity[{key}].requestPolicy: allowMultipleAllocations "
+                            "must be true")
+        else:
+            _check_request_policy(f"{where}.capacity[{key}].requestPolicy", policy, total,
+                                  problems)
     _check_taints(where, device.get("taints") or [], rules, problems)
+
+
+def _quantities(where: str, policy: dict[str, Any], names: Sequence[str],
+                problems: list[str]) -> dict[str, Decimal]:
+    """The quantities of ``policy`` under ``names`` that are set; bad ones reported."""
+    found: dict[str, Decimal] = {}
+    for name in names:
+        if policy.get(name) is None:
+            continue
+        try:
+            found[name] = quantity(policy[name])
+        except ValueError:
+            problems.append(f"{where}.{name}: bad quantity {policy[name]!r}")
+    return found
+
+
+def _check_request_policy(where: str, policy: Any, total: Decimal,
+                          problems: list[str]) -> None:
+    """The server's ``validateRequestPolicy`` for one capacity of value ``total``."""
+    if not isinstance(policy, dict):
+        problems.append(f"{where}: {policy!r} is not an object")
+        return
+    values, span = policy.get("validValues") or [], policy.get("validRange")
+    if values and span is not None:
+        problems.append(f"{where}: validValues and validRange cannot both be given")
+        return
+    if not values and span is None:
+        return
+    default = _quantities(where, policy, ("default",), problems).get("default")
+    if default is None:
+        problems.append(f"{where}.default: required with validValues or validRange")
+        return
+    if values:
+        options = [_quantities(f"{where}.validValues[{i}]", {"v": v}, ("v",), problems)
+                   .get("v") for i, v in enumerate(values)]
+        known = [v for v in options if v is not None]
+        if len(values) > MAX_VALID_VALUES:
+            problems.append(f"{where}.validValues: {len(values)} values (at most "
+                            f"{MAX_VALID_VALUES})")
+        if known != sorted(known):
+            problems.append(f"{where}.validValues: not in ascending order")
+        if any(v > total for v in known):
+            problems.append(f"{where}.validValues: a value above the capacity {total}")
+        if default not in known:
+            problems.append(f"{where}.validValues: the default {default} is not among them")
+        return
+    if not isinstance(span, dict):
+        problems.append(f"{where}.validRange: {span!r} is not an object")
+        return
+    bounds = _quantities(f"{where}.validRange", span, ("min", "max", "step"), problems)
+    low, high, step = bounds.get("min"), bounds.get("max"), bounds.get("step")
+    if low is None:
+        problems.append(f"{where}.validRange.min: required")
+        return
+    if low > total:
+        problems.append(f"{where}.validRange.min: {low} is above the capacity {total}")
+    if default < low:
+        problems.append(f"{where}.default: {default} is below min {low}")
+    if high is not None:
+        if low > high:
+            problems.append(f"{where}.validRange.max: min {low} is above max {high}")
+        if high > total:
+            problems.append(f"{where}.validRange.max: {high} is above the capacity {total}")
+        if default > high:
+            problems.append(f"{where}.default: {default} is above max {high}")
+    if step is not None:
+        if step <= 0:
+            problems.append(f"{where}.validRange.step: {step} must be positive")
+            return
+        if low + step > total:
+            problems.append(f"{where}.validRange.step: min + step ({low + step}) is above "
+                            f"the capacity {total}")
+        for name, value in (("default", default), ("max", high)):
+            if value is not None and (value - low) % step:
+                problems.append(f"{where}.{name if name == 'default' else 'validRange.max'}:"
+                                f" {value} is not a whole number of steps ({step}) above "
+                                f"min {low}")
 
 
 def _has_lists(device: dict[str, Any]) -> bool:

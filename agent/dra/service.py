@@ -45,13 +45,14 @@ class SliceService:
     def __init__(self, *, inventory: GpuInventory, topology: TopologyService,
                  ledger: NodeLedger, state_dir: Path, node_name: str,
                  driver: str = DEFAULT_DRIVER, dynamic_mig: bool = False,
-                 poll_s: float = 0.5, refresh_s: float = 10.0) -> None:
+                 gpu_shares: bool = False, poll_s: float = 0.5, refresh_s: float = 10.0) -> None:
         self._inventory = inventory
         self._topology = topology
         self._ledger = ledger
         self.node_name = node_name
         self.driver = driver
         self.dynamic_mig = dynamic_mig
+        self.gpu_shares = gpu_shares
         self.generation = PoolGeneration(state_dir / "dra" / "pool.json")
         self._poll_s = poll_s
         self._refresh_s = refresh_s
@@ -206,4 +207,4 @@ class SliceService:
     def _options(self, kubernetes: tuple[int, int], *, generation: int) -> RenderOptions:
         return RenderOptions(driver=self.driver, node_name=self.node_name,
                              kubernetes=kubernetes, dynamic_mig=self.dynamic_mig,
-                             generation=generation)
+                             gpu_shares=self.gpu_shares, generation=generation)

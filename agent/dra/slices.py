@@ -35,6 +35,14 @@ What each GPU publishes with ``--dynamic-mig``:
   transition's drain or creation mark; a GPU held whole (or with any instance or hold) does
   not publish its full GPU beside, and a GPU held whole publishes nothing but the full GPU.
 
+Shares (``--gpu-shares``, KEP-5075 consumable capacity; refused with ``--dynamic-mig``): every
+full GPU with MIG off allows multiple allocations, and its ``memory`` capacity is the
+shareable memory (the total rounded down to whole GiB, ``device_names.shareable_mib``) with a
+request policy: a request that names no memory takes all of it (the whole GPU), otherwise
+1 GiB steps from 1 GiB up to all of it; the scheduler keeps the sum of a GPU's shares within
+its capacity, the agent enforces each with MPS. MIG devices stay exclusive. A GPU under
+2 GiB has no valid step (the server wants ``min + step <= value``) and stays exclusive.
+
 Left out everywhere: devices of unhealthy or quarantined GPUs; MIG devices being drained.
 """
 
@@ -45,7 +53,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from agent.device_names import gpu_device_name, mig_device_name
+from agent.device_names import gpu_device_name, mig_device_name, shareable_mib
 from agent.gpu.topology import sysfs_bus_id
 from agent.gpu.types import DriverInfo, GiProfile, Gpu, Placement
 from agent.mig.slices import switches_mig_on
@@ -63,6 +71,8 @@ MAX_COUNTER_SETS = 8
 MEMORY_SLICES = 8
 #: Digits of a slice's index in its name: name order is index order up to 100,000 slices.
 SLICE_INDEX_DIGITS = 5
+#: A share's granularity (and its smallest size): 1 GiB.
+SHARE_STEP_MIB = 1024
 #: The inventory's values as NVIDIA's driver publishes them (go-nvlib's
 #: ``GetArchitectureAsString`` / ``GetBrandAsString``); unknown values pass unchanged.
 NVIDIA_ARCHITECTURES = {
@@ -103,6 +113,8 @@ class RenderOptions:
     node_name: str
     kubernetes: tuple[int, int]
     dynamic_mig: bool = False
+    gpu_shares: bool = False
+    """Full GPUs with MIG off are shareable with a memory request policy (module docstring)."""
     generation: int = 1
 
 
@@ -220,12 +232,29 @@ def _counters_json(values: dict[str, int]) -> Json:
             for name, v in values.items()}
 
 
-def _static_devices(facts: GpuFacts, driver: DriverInfo) -> list[Json]:
+def _shareable(device: Json, total_mib: int) -> Json:
+    """``device`` (a full GPU) open to several allocations, each a whole number of GiB of
+    its shareable memory; unchanged when that is under two steps."""
+    shareable = shareable_mib(total_mib)
+    if shareable < 2 * SHARE_STEP_MIB:
+        return device
+    # Whole GiB, spelled as the server writes them back.
+    whole = f"{shareable // 1024}Gi"
+    step = f"{SHARE_STEP_MIB // 1024}Gi"
+    return {**device, "allowMultipleAllocations": True,
+            "capacity": {**device["capacity"], "memory": {
+                "value": whole,
+                "requestPolicy": {"default": whole,
+                                  "validRange": {"min": step, "max": whole, "step": step}}}}}
+
+
+def _static_devices(facts: GpuFacts, driver: DriverInfo, *, shares: bool = False) -> list[Json]:
     gpu = facts.gpu
     s = gpu.static
     shared = _gpu_attributes(facts, driver)
     if gpu.mig_mode is None or not gpu.mig_mode.current:
-        return [_full_gpu(facts, shared, None)]
+        whole = _full_gpu(facts, shared, None)
+        return [_shareable(whole, s.memory_total_mib) if shares else whole]
     by_name = {p.name: p for p in gpu.profiles}
     devices = []
     for device in sorted(gpu.mig_devices, key=lambda d: (d.placement.start, d.gi_id, d.ci_id)):
@@ -316,7 +345,8 @@ def render(gpus: Sequence[GpuFacts], driver_info: DriverInfo,
     published = [f for f in gpus if f.unavailable is None]
     published.sort(key=lambda f: f.gpu.static.minor)
     if not options.dynamic_mig:
-        devices = [d for f in published for d in _static_devices(f, driver_info)]
+        devices = [d for f in published
+                   for d in _static_devices(f, driver_info, shares=options.gpu_shares)]
         specs = [{"devices": chunk} for chunk in _chunks(devices, MAX_DEVICES)]
     else:
         per_gpu = [_dynamic_devices(f, driver_info) for f in published]
