@@ -4,17 +4,47 @@ A claim may hold devices of several drivers, and of this driver on other nodes' 
 network-attached pool, or a claim shared across nodes): only the allocation results of this
 driver *and* this node's pool are the agent's to prepare (NVIDIA's plugin once checkpointed
 other drivers' results, PR #1371).
+
+Shares (consumable capacity): a result with a ``shareID`` is one share of a shareable GPU;
+two shares of one device in a claim are two devices. Its ``consumedCapacity.memory`` and
+``shareID`` go to the agent as the device's ``capacity`` and ``share_id``, and the share ID
+the agent answers goes back to kubelet (the v1 protocol's ``share_id``).
+
+Sharing configs: the allocation's opaque device configs (``status.allocation.devices.config``)
+for this driver carry ``resource.nodeagent.dev/v1beta1`` ``GpuConfig`` or
+``MigDeviceConfig`` objects whose ``sharing`` is NVIDIA's shape (``resource.nvidia.com``: a
+claim ports by changing the apiVersion and the driver). They are decoded strictly (an
+unknown field is an error, and a ``MigDeviceConfig`` has no ``timeSlicingConfig``), the
+class's configs before the claim's, and the last that applies to a device wins; a config
+naming ``requests`` applies to the devices of those requests (``<request>`` covers its
+subrequests) and must be of the device's kind, one naming none applies to every device of its
+kind. The device's ``sharing`` then goes to the agent as it is: the agent validates the
+values. Opaque configs of other drivers are not ours and are ignored.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+from agent.device_names import parse_device_name
 
 #: The agent's longest request name (a DNS label); a longer ``<request>/<subrequest>`` is not
 #: sent as the name (the plugin keeps the request names itself).
 MAX_AGENT_REQUEST_NAME = 63
+#: The project's own config API (NVIDIA's is ``resource.nvidia.com/v1beta1``).
+CONFIG_API_VERSION = "resource.nodeagent.dev/v1beta1"
+GPU_CONFIG, MIG_CONFIG = "GpuConfig", "MigDeviceConfig"
+#: The fields each part of a config may have (NVIDIA's names); anything else is refused.
+_CONFIG_FIELDS = {"apiVersion", "kind", "sharing"}
+_SHARING_FIELDS = {GPU_CONFIG: {"strategy", "timeSlicingConfig", "mpsConfig"},
+                   MIG_CONFIG: {"strategy", "mpsConfig"}}
+_NESTED_FIELDS = {
+    "timeSlicingConfig": {"interval"},
+    "mpsConfig": {"defaultActiveThreadPercentage", "defaultPinnedDeviceMemoryLimit",
+                  "defaultPerDevicePinnedMemoryLimit"},
+}
 
 
 class ClaimError(Exception):
@@ -48,6 +78,12 @@ class Allocated:
     pool: str
     requests: tuple[str, ...]
     admin_access: bool
+    share_id: str | None = None
+    """The allocation's ``shareID``: this is one share of a shareable device."""
+    memory: str | None = None
+    """The share's ``consumedCapacity.memory`` (a quantity, as the server wrote it)."""
+    sharing: Mapping[str, Any] | None = None
+    """The ``sharing`` of the config that applies to it (:func:`with_configs`)."""
 
 
 @dataclass(frozen=True)
@@ -58,14 +94,16 @@ class PreparedDevice:
     pool_name: str
     device_name: str
     cdi_device_ids: tuple[str, ...]
+    share_id: str | None = None
 
 
 def our_devices(claim: KubeletClaim, obj: Mapping[str, Any], *, driver: str,
                 pool: str) -> list[Allocated]:
     """The devices of the ResourceClaim ``obj`` that this node's agent prepares, in allocation
     order; a result naming the same device twice (two requests sharing it) is one device
-    serving both. :class:`ClaimError` when the object is another claim of the same name
-    (deleted and recreated), is not allocated, or holds nothing of ours."""
+    serving both, unless they are shares (a ``shareID`` each). :class:`ClaimError` when the
+    object is another claim of the same name (deleted and recreated), is not allocated, or
+    holds nothing of ours."""
     meta = obj.get("metadata") or {}
     if meta.get("uid") != claim.uid:
         raise ClaimError("uid-mismatch",
@@ -75,7 +113,7 @@ def our_devices(claim: KubeletClaim, obj: Mapping[str, Any], *, driver: str,
     if not allocation:
         raise ClaimError("not-allocated", f"claim {claim}: not allocated", retryable=True)
     results = ((allocation.get("devices") or {}).get("results")) or []
-    found: dict[str, Allocated] = {}
+    found: dict[tuple[str, str | None], Allocated] = {}
     for result in results:
         if result.get("driver") != driver or result.get("pool") != pool:
             continue
@@ -86,19 +124,109 @@ def our_devices(claim: KubeletClaim, obj: Mapping[str, Any], *, driver: str,
             raise ClaimError("bad-allocation",
                              f"claim {claim}: an allocation result of {driver} names no "
                              "device or request")
-        known = found.get(name)
+        share_id = str(result["shareID"]) if result.get("shareID") else None
+        consumed = result.get("consumedCapacity") or {}
+        memory = consumed.get("memory") if isinstance(consumed, Mapping) else None
+        key = (name, share_id)
+        known = found.get(key)
         if known is None:
-            found[name] = Allocated(name, pool, (request,), admin)
+            found[key] = Allocated(name, pool, (request,), admin, share_id=share_id,
+                                   memory=str(memory) if memory is not None else None)
         elif request not in known.requests:
             # Exclusive as soon as one of its requests is.
-            found[name] = Allocated(name, pool, (*known.requests, request),
-                                    known.admin_access and admin)
+            found[key] = replace(known, requests=(*known.requests, request),
+                                 admin_access=known.admin_access and admin)
     if not found:
         drivers = sorted({f"{r.get('driver')}/{r.get('pool')}" for r in results})
         raise ClaimError("no-devices",
                          f"claim {claim}: no device of driver {driver} in pool {pool} is "
                          f"allocated (allocated: {', '.join(drivers) or 'nothing'})")
     return list(found.values())
+
+
+def _fields(claim: KubeletClaim, where: str, value: Any, allowed: Collection[str],
+            kind: str) -> Mapping[str, Any]:
+    """``value`` as an object with only ``allowed`` fields (strict decode)."""
+    if not isinstance(value, Mapping):
+        raise ClaimError("bad-config", f"claim {claim}: {where}: a {kind} wants an object "
+                                       f"here, got {type(value).__name__}")
+    unknown = sorted(str(k) for k in value if k not in allowed)
+    if unknown:
+        raise ClaimError("bad-config", f"claim {claim}: {where}: unknown field "
+                                       f"{unknown[0]!r} in a {kind} (known: "
+                                       f"{', '.join(sorted(allowed))})")
+    return value
+
+
+def decode_config(claim: KubeletClaim, where: str, parameters: Any) -> tuple[str, Any]:
+    """(kind, its ``sharing`` or None) of one opaque config of this driver; :class:`ClaimError`
+    naming ``where`` and the field for anything but a strict ``GpuConfig`` or
+    ``MigDeviceConfig`` of :data:`CONFIG_API_VERSION`."""
+    if not isinstance(parameters, Mapping):
+        raise ClaimError("bad-config", f"claim {claim}: {where}: parameters must be an object "
+                                       f"with apiVersion {CONFIG_API_VERSION}")
+    version, kind = parameters.get("apiVersion"), parameters.get("kind")
+    if version != CONFIG_API_VERSION or kind not in _SHARING_FIELDS:
+        raise ClaimError("bad-config", f"claim {claim}: {where}: apiVersion {version!r} kind "
+                                       f"{kind!r} is not a config of this driver (want "
+                                       f"{CONFIG_API_VERSION} {GPU_CONFIG} or {MIG_CONFIG})")
+    _fields(claim, where, parameters, _CONFIG_FIELDS, kind)
+    sharing = parameters.get("sharing")
+    if sharing is None:
+        return kind, None
+    _fields(claim, f"{where}.sharing", sharing, _SHARING_FIELDS[kind], kind)
+    for name, allowed in _NESTED_FIELDS.items():
+        if sharing.get(name) is not None:
+            nested = _fields(claim, f"{where}.sharing.{name}", sharing[name], allowed, kind)
+            limits = nested.get("defaultPerDevicePinnedMemoryLimit")
+            if limits is not None and not isinstance(limits, Mapping):
+                raise ClaimError("bad-config", f"claim {claim}: {where}.sharing.{name}."
+                                               "defaultPerDevicePinnedMemoryLimit: a map of "
+                                               "device (UUID or index) to quantity")
+    return kind, dict(sharing)
+
+
+def _applies(requests: Sequence[str], device: Allocated) -> bool:
+    return any(r in requests or r.partition("/")[0] in requests for r in device.requests)
+
+
+def with_configs(claim: KubeletClaim, obj: Mapping[str, Any], devices: Sequence[Allocated],
+                 *, driver: str) -> list[Allocated]:
+    """``devices`` with the ``sharing`` of the last of this driver's opaque configs that
+    applies to each (the module docstring says which); :class:`ClaimError` for a config of
+    this driver that is not ours or applies to a device of the other kind."""
+    allocation = (obj.get("status") or {}).get("allocation") or {}
+    entries = (allocation.get("devices") or {}).get("config") or []
+    decoded: list[tuple[int, str, tuple[str, ...], str, Any]] = []
+    for i, entry in enumerate(entries):
+        opaque = entry.get("opaque") if isinstance(entry, Mapping) else None
+        if not isinstance(opaque, Mapping) or opaque.get("driver") != driver:
+            continue
+        where = f"config[{i}] ({entry.get('source') or 'FromClaim'})"
+        kind, sharing = decode_config(claim, f"{where} parameters", opaque.get("parameters"))
+        requests = tuple(str(r) for r in entry.get("requests") or [])
+        # The class's configs come first, then the claim's: the claim's win.
+        decoded.append((0 if entry.get("source") == "FromClass" else 1, where, requests, kind,
+                        sharing))
+    decoded.sort(key=lambda d: d[0])
+    out = []
+    for device in devices:
+        parsed = parse_device_name(device.device)
+        mine = MIG_CONFIG if parsed is not None and parsed.profile is not None else GPU_CONFIG
+        chosen = None
+        for _, where, requests, kind, sharing in decoded:
+            if requests and not _applies(requests, device):
+                continue
+            if kind != mine:
+                if requests:
+                    raise ClaimError("bad-config", f"claim {claim}: {where}: cannot apply a "
+                                                   f"{kind} to {device.device} (request "
+                                                   f"{', '.join(device.requests)}), which "
+                                                   f"takes a {mine}")
+                continue
+            chosen = sharing
+        out.append(replace(device, sharing=chosen) if chosen is not None else device)
+    return out
 
 
 def agent_body(obj: Mapping[str, Any], devices: Sequence[Allocated], issued_at_ns: int,
@@ -115,6 +243,12 @@ def agent_body(obj: Mapping[str, Any], devices: Sequence[Allocated], issued_at_n
             entry["name"] = device.requests[0]
         if device.admin_access:
             entry["admin_access"] = True
+        if device.memory is not None:
+            entry["capacity"] = {"memory": device.memory}
+        if device.share_id is not None:
+            entry["share_id"] = device.share_id
+        if device.sharing is not None:
+            entry["sharing"] = dict(device.sharing)
         entries.append(entry)
     meta = obj.get("metadata") or {}
     metadata = {key: str(meta[field]) for key, field in (
@@ -130,16 +264,27 @@ def agent_body(obj: Mapping[str, Any], devices: Sequence[Allocated], issued_at_n
 def kubelet_devices(claim: KubeletClaim, devices: Sequence[Allocated],
                     answer: Mapping[str, Any]) -> list[PreparedDevice]:
     """Kubelet's devices for the agent's ``answer`` to :func:`agent_body`: each allocated
-    device with its requests and the CDI names the agent wrote for it."""
-    cdi: dict[str, list[str]] = {}
+    device with its requests, the CDI names the agent wrote for it and, for a share, the
+    share ID the agent answers (``share.share_id`` of its device)."""
+    cdi: dict[tuple[str, str | None], list[str]] = {}
     for prepared in answer.get("devices") or []:
-        cdi.setdefault(str(prepared.get("device_name")), []).extend(
-            str(name) for name in prepared.get("cdi_devices") or [])
+        share = prepared.get("share")
+        share_id = share.get("share_id") if isinstance(share, Mapping) else None
+        cdi.setdefault((str(prepared.get("device_name")), share_id and str(share_id)),
+                       []).extend(str(name) for name in prepared.get("cdi_devices") or [])
     out = []
     for device in devices:
-        names = cdi.get(device.device)
+        names = cdi.get((device.device, device.share_id))
+        share_id = device.share_id
+        if not names and device.share_id is None:
+            # One share answered for a device asked for without a share ID.
+            shares = [key for key in cdi if key[0] == device.device]
+            if len(shares) == 1:
+                names, share_id = cdi[shares[0]], shares[0][1]
         if not names:
+            which = device.device + (f" (share {device.share_id})" if device.share_id else "")
             raise ClaimError("agent-answer", f"claim {claim}: the agent's answer has no CDI "
-                                             f"device for {device.device}")
-        out.append(PreparedDevice(device.requests, device.pool, device.device, tuple(names)))
+                                             f"device for {which}")
+        out.append(PreparedDevice(device.requests, device.pool, device.device, tuple(names),
+                                  share_id=share_id))
     return out

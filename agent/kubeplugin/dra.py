@@ -24,6 +24,7 @@ from agent.kubeplugin.claims import (
     agent_body,
     kubelet_devices,
     our_devices,
+    with_configs,
 )
 from agent.kubeplugin.errors import (
     AgentCallError,
@@ -173,7 +174,8 @@ class DraService:
             obj = await self._claims.get_resource_claim(claim.namespace, claim.name)
         except Exception as err:  # any client failure is this claim's error
             raise _read_error(claim, err) from err
-        devices = our_devices(claim, obj, driver=self.driver, pool=self.pool)
+        devices = with_configs(claim, obj, our_devices(claim, obj, driver=self.driver,
+                                                       pool=self.pool), driver=self.driver)
         on_demand = await self._call_agent(claim, lambda: self._kinds.on_demand(
             d.device for d in devices if is_mig_name(d.device)))
         answer = await self._call_agent(claim, lambda: self._agent.prepare(

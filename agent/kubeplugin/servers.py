@@ -149,6 +149,8 @@ class DraServicer:
     def __init__(self, service: DraService, pb2: ModuleType) -> None:
         self._service = service
         self._pb2 = pb2
+        # v1 has the share ID (field 5, from Kubernetes 1.35); v1beta1 has none.
+        self._shares = "share_id" in pb2.Device.DESCRIPTOR.fields_by_name
 
     async def NodePrepareResources(self, request: Any,
                                    context: Any) -> Any:
@@ -161,10 +163,12 @@ class DraServicer:
             if result.error is not None:
                 entry.error = result.error
                 continue
-            entry.devices.extend(pb2.Device(
-                request_names=list(d.request_names), pool_name=d.pool_name,
-                device_name=d.device_name, cdi_device_ids=list(d.cdi_device_ids))
-                for d in result.devices)
+            for d in result.devices:
+                device = entry.devices.add(
+                    request_names=list(d.request_names), pool_name=d.pool_name,
+                    device_name=d.device_name, cdi_device_ids=list(d.cdi_device_ids))
+                if d.share_id is not None and self._shares:
+                    device.share_id = d.share_id
         return answer
 
     async def NodeUnprepareResources(self, request: Any,
