@@ -12,7 +12,10 @@ Three loops share one "check the server" flag:
 - the reconciler lists the node's slices, plans with :func:`slice_plan.plan`, applies the
   plan and compares what each write sent with what the server answered: a server whose
   feature gate is off silently drops the fields it guards (counters, taints, capacity), which
-  :meth:`SlicePublisher.health` and a metric and a log event report.
+  :meth:`SlicePublisher.health` and a metric and a log event report. Two features fail
+  closed from then on: without counters the devices that consume them are withdrawn, and
+  without consumable capacity (``allowMultipleAllocations``, request policies) every GPU is
+  published whole (``slice_features_withdrawn{feature}``).
 
 API server failures are retried with capped exponential backoff and jitter (tenacity); a
 conflict re-lists and re-plans at once.
@@ -51,7 +54,9 @@ from agent.kubeplugin.slice_plan import (
     digest,
     dropped_fields,
     plan,
+    share_fields,
     without_counters,
+    without_shares,
 )
 
 log = logging.getLogger("agent.kubeplugin.publisher")
@@ -134,6 +139,11 @@ class PublisherMetrics:
         self.dropped = Gauge("slice_dropped_fields", "Fields the API server dropped from "
                              "the slices written last (a feature gate is off)",
                              namespace=NAMESPACE, registry=registry)
+        self.withdrawn = Gauge(
+            "slice_features_withdrawn", "1 when a feature's devices or fields are no longer "
+            "published because the API server dropped its fields (counters: partitionable "
+            "devices withdrawn; shares: GPUs published whole, not shareable)", ["feature"],
+            namespace=NAMESPACE, registry=registry)
         self.last_sync = Gauge("slice_last_sync_timestamp_seconds", "Unix time the server "
                                "last held the agent's slices", namespace=NAMESPACE,
                                registry=registry)
@@ -141,6 +151,8 @@ class PublisherMetrics:
             self.republishes.labels(cause)
         for kind in ERROR_KINDS:
             self.errors.labels(kind)
+        for feature in ("counters", "shares"):
+            self.withdrawn.labels(feature).set(0)
 
 
 def _retried(err: BaseException) -> bool:
@@ -186,6 +198,8 @@ class SlicePublisher:
         #: The server dropped counters once: devices that consume them stay withdrawn until
         #: the plugin restarts (a server does not turn a feature gate on while it runs).
         self._counters_dropped = False
+        #: The server dropped consumable capacity once: GPUs are published whole, as above.
+        self._shares_dropped: tuple[str, ...] = ()
 
     def health(self) -> PublisherHealth:
         reasons = []
@@ -204,7 +218,9 @@ class SlicePublisher:
             reasons.append("the API server dropped written fields (a feature gate off?): "
                            + ", ".join(self._dropped)
                            + ("; devices that consume counters are withdrawn"
-                              if self._counters_dropped else ""))
+                              if self._counters_dropped else "")
+                           + ("; GPUs are published whole, not shareable (shares need "
+                              "DRAConsumableCapacity)" if self._shares_dropped else ""))
         return PublisherHealth(in_sync=not reasons, reason="; ".join(reasons) or None,
                                dropped_fields=self._dropped)
 
@@ -345,6 +361,8 @@ class SlicePublisher:
         desired: Sequence[Mapping[str, Any]] = [] if self._agent_lost else (self._desired or [])
         if self._counters_dropped:
             desired = without_counters(desired)
+        if self._shares_dropped:
+            desired = without_shares(desired)
         listing = await self._kube.list_resource_slices(driver=self.driver,
                                                         node=self.node_name)
         if desired and self._node_uid is None:
@@ -439,9 +457,22 @@ class SlicePublisher:
             log.error("api server keeps no counters: partitionable devices withdrawn "
                       "(enable DRAPartitionableDevices or run without --dynamic-mig)",
                       extra={"fields": ",".join(dropped), "kubernetes": self.kubernetes})
+        shares = share_fields(dropped)
+        if shares and not self._shares_dropped:
+            # Fail closed the same way: a shareable GPU the server keeps as exclusive would
+            # take each claim whole while the agent counts memory shares; publish it whole.
+            self._shares_dropped = shares
+            self.metrics.withdrawn.labels("shares").set(1)
+            self._dirty.set()
+            log.error("api server keeps no consumable capacity: GPUs published whole, not "
+                      "shareable (enable DRAConsumableCapacity or run without --gpu-shares)",
+                      extra={"fields": ",".join(shares), "kubernetes": self.kubernetes})
         if self._counters_dropped:
+            self.metrics.withdrawn.labels("counters").set(1)
             dropped = tuple(sorted(set(dropped) | {f for f in COUNTER_FIELDS
                                                    if f in self._dropped or f in dropped}))
+        if self._shares_dropped:
+            dropped = tuple(sorted(set(dropped) | set(self._shares_dropped)))
         if dropped != self._dropped:
             if dropped:
                 log.warning("api server dropped resourceslice fields", extra={

@@ -216,6 +216,41 @@ def without_counters(agent_items: Sequence[Mapping[str, Any]]) -> list[Json]:
     return kept
 
 
+#: Fields a server drops when consumable capacity (``DRAConsumableCapacity``) is off: without
+#: them a shareable GPU reads as an exclusive one whose memory no request counts, so the
+#: publisher stops offering shares and publishes the GPUs whole.
+SHARE_FIELD = "spec.devices[].allowMultipleAllocations"
+
+
+def share_fields(dropped: Iterable[str]) -> tuple[str, ...]:
+    """The consumable-capacity fields among ``dropped`` field paths: a device's
+    ``allowMultipleAllocations`` and any capacity's ``requestPolicy``."""
+    return tuple(f for f in dropped if f == SHARE_FIELD or (
+        f.startswith("spec.devices[].capacity.") and f.endswith(".requestPolicy")))
+
+
+def without_shares(agent_items: Sequence[Mapping[str, Any]]) -> list[Json]:
+    """The agent's pool with every device exclusive: no ``allowMultipleAllocations`` and no
+    capacity ``requestPolicy`` (the capacity values stay); what a server without consumable
+    capacity keeps of it anyway, written as such so that it stays in sync."""
+    out: list[Json] = []
+    for item in agent_items:
+        spec = dict(item.get("spec", {}))
+        if "devices" in spec:
+            devices = []
+            for device in spec.get("devices") or []:
+                plain = {k: v for k, v in device.items() if k != "allowMultipleAllocations"}
+                if isinstance(device.get("capacity"), Mapping):
+                    plain["capacity"] = {
+                        name: ({k: v for k, v in value.items() if k != "requestPolicy"}
+                               if isinstance(value, Mapping) else value)
+                        for name, value in device["capacity"].items()}
+                devices.append(plain)
+            spec["devices"] = devices
+        out.append({**item, "spec": spec})
+    return out
+
+
 def desired_slices(agent_items: Sequence[Mapping[str, Any]], *, node_name: str,
                    node_uid: str, driver: str, generation: int) -> list[Json]:
     """The agent's slices as the publisher writes them: its owner reference, pool and

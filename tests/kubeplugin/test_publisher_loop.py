@@ -232,3 +232,47 @@ async def test_dropped_counters_withdraw_the_devices_that_consume_them(
     events = [r for r in caplog.records
               if r.getMessage() == "api server dropped resourceslice fields"]
     assert [getattr(r, "fields", None) for r in events] == [",".join(dropped)]
+
+
+async def test_dropped_shares_publish_the_gpus_whole(
+        kube_apiservers: StartApiServer, node_agent: NodeAgents,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A 1.34 server with DRAConsumableCapacity off accepts the shareable L40S slices of
+    --gpu-shares and drops allowMultipleAllocations and the request policies: the publisher
+    reports it (health naming the fields, metrics, one error log) and fails closed: it
+    rewrites the pool once with every GPU whole (exclusive), then leaves it."""
+    server = kube_apiservers("1.34", feature_gates="")
+    node = "pub-shares"
+    cluster = Cluster(server, node)
+    await asyncio.to_thread(cluster.node_uid)
+    agent = node_agent.start(node, preset="l40s", extra=("--gpu-shares",))
+    assert all(d.get("allowMultipleAllocations") for s in served(agent, "1.34")
+               for d in s["spec"]["devices"])
+    kube = await kube_client(server.kubeconfig)
+    publisher, registry, client = make_publisher(agent, kube, node=node)
+    dropped = ("spec.devices[].allowMultipleAllocations",
+               "spec.devices[].capacity.memory.requestPolicy")
+    try:
+        with caplog.at_level(logging.INFO, logger="agent.kubeplugin.publisher"):
+            async with running(publisher) as task:
+                await eventually(lambda: publisher.health().dropped_fields != (), task=task)
+                await eventually(lambda: sample(registry, "slice_publishes_total") == 2,
+                                 task=task)
+                first = await asyncio.to_thread(cluster.slices)
+                await asyncio.sleep(1.0)  # the watch saw its own writes; nothing more
+                assert versions(await asyncio.to_thread(cluster.slices)) == versions(first)
+    finally:
+        await client.close()
+        await kube.close()
+    gpus = [d for s in first for d in s["spec"]["devices"]]
+    assert [d["name"] for d in gpus] == ["gpu-0", "gpu-1", "gpu-2", "gpu-3"]
+    assert not any(d.get("allowMultipleAllocations") for d in gpus)
+    assert not any("requestPolicy" in d["capacity"]["memory"] for d in gpus)
+    health = publisher.health()
+    assert health.dropped_fields == dropped
+    assert not health.in_sync and "published whole, not shareable" in (health.reason or "")
+    assert sample(registry, "slice_features_withdrawn", feature="shares") == 1
+    assert sample(registry, "slice_features_withdrawn", feature="counters") == 0
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR
+              and "consumable capacity" in r.getMessage()]
+    assert len(errors) == 1

@@ -20,7 +20,9 @@ from agent.kubeplugin.slice_plan import (
     dropped_fields,
     plan,
     same_value,
+    share_fields,
     without_counters,
+    without_shares,
 )
 
 NODE, UID, DRIVER = "node-a", "uid-a", "gpu.nodeagent.dev"
@@ -334,3 +336,36 @@ def test_without_counters_keeps_only_devices_that_consume_none(
     assert [(s["metadata"]["name"], [d["name"] for d in s["spec"]["devices"]]) for s in out] \
         == kept
     assert not any("sharedCounters" in s["spec"] for s in out)
+
+
+SHAREABLE = {"name": "gpu-2", "allowMultipleAllocations": True, "capacity": {
+    "memory": {"value": "44Gi", "requestPolicy": {"default": "44Gi", "validRange": {
+        "min": "1Gi", "max": "44Gi", "step": "1Gi"}}}}}
+
+
+def test_without_shares_publishes_every_gpu_whole() -> None:
+    """Where the server keeps no consumable capacity, every device is exclusive (no
+    allowMultipleAllocations, no request policy) with its capacity values, and the server's
+    read-back of the shareable pool is exactly that (nothing to rewrite again)."""
+    pool = [_slice("a", [SHAREABLE, PLAIN])]
+    out = without_shares(pool)
+    assert out[0]["spec"]["devices"] == [
+        {"name": "gpu-2", "capacity": {"memory": {"value": "44Gi"}}}, PLAIN]
+    assert SHAREABLE["allowMultipleAllocations"] is True  # the agent's pool is left alone
+    assert dropped_fields(pool[0], out[0]) == (
+        "spec.devices[].allowMultipleAllocations",
+        "spec.devices[].capacity.memory.requestPolicy")
+
+
+@pytest.mark.parametrize(("dropped", "shares"), [
+    (("spec.devices[].allowMultipleAllocations",),
+     ("spec.devices[].allowMultipleAllocations",)),
+    (("spec.devices[].capacity.memory.requestPolicy", "spec.sharedCounters"),
+     ("spec.devices[].capacity.memory.requestPolicy",)),
+    (("spec.devices[].consumesCounters", "spec.devices[].taints"), ()),
+])
+def test_share_fields_are_the_consumable_capacity_ones(dropped: tuple[str, ...],
+                                                       shares: tuple[str, ...]) -> None:
+    """allowMultipleAllocations and any capacity's requestPolicy are consumable capacity's
+    fields; counters and taints are not."""
+    assert share_fields(dropped) == shares
