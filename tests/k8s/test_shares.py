@@ -15,8 +15,17 @@ import pytest
 from agent.podresources.proto import podresources_v1_pb2, podresources_v1_pb2_grpc
 from tests.k8s.conftest import StartAgent
 from tests.k8s.fixtures import DRA_GATES, StartApiServer
-from tests.k8s.harness import SLICE_RULES, VERSIONS, allocate
-from tests.k8s.objects import attr, claim, classes, devices_of, pod, request, with_allocation
+from tests.k8s.harness import SLICE_RULES, VERSIONS, allocate, allocate_in_cluster
+from tests.k8s.objects import (
+    DRIVER,
+    attr,
+    claim,
+    classes,
+    devices_of,
+    pod,
+    request,
+    with_allocation,
+)
 from tests.k8s.published import gpu_uuid, slices_of
 from tests.k8s.stack import DEVICE_CLASSES, Stack, StartStack, apply_shipped, wait_for
 from tests.k8s.workload import allocate as allocate_pod
@@ -190,3 +199,68 @@ def test_a_134_server_without_the_gate_gets_whole_gpus(kube_apiservers: StartApi
     [result] = first.results[0]["allocation"]["devices"]["results"]
     assert result["device"] == "gpu-0" and "shareID" not in result, result
     assert not allocate_pod(running, names[1]).allocated
+
+
+def reserve(running: Stack, claim_name: str, pod_name: str) -> None:
+    """Add pod ``pod_name`` to the claim's reservedFor, as the scheduler does for a second
+    pod using an allocated claim."""
+    base = f"/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/{claim_name}"
+    status, stored = running.server.request("GET", base)
+    assert status == 200, stored
+    status, found = running.server.request("GET", f"/api/v1/namespaces/default/pods/{pod_name}")
+    assert status == 200, found
+    stored["status"].setdefault("reservedFor", []).append(
+        {"resource": "pods", "name": pod_name, "uid": found["metadata"]["uid"]})
+    status, answer = running.server.request("PUT", f"{base}/status", stored)
+    assert status == 200, answer
+
+
+MPS_CONFIG = {"apiVersion": "resource.nodeagent.dev/v1beta1", "kind": "GpuConfig",
+              "sharing": {"strategy": "MPS", "mpsConfig": {
+                  "defaultActiveThreadPercentage": 50,
+                  "defaultPinnedDeviceMemoryLimit": "10Gi"}}}
+
+
+def test_two_pods_share_one_mps_claim_with_one_daemon(kube_apiservers: StartApiServer,
+                                                     stack: StartStack) -> None:
+    """On 1.37, a claim with an opaque GpuConfig (MPS, 50 %, 10Gi) used by two pods is
+    prepared once: both pods get the same CDI devices, the agent runs one MPS daemon for the
+    claim with those limits, and the CDI reference library gives each container the
+    daemon's pipe directory (CUDA_MPS_PIPE_DIRECTORY and its mount); after both pods go the
+    claim and its daemon are gone."""
+    server = kube_apiservers("1.37")
+    running = stack(server, "l40s", node="mps-e2e")
+    assert running.kubelet is not None
+    apply_shipped(running.server, DEVICE_CLASSES)
+    shared = claim("mps", request())
+    del shared["metadata"]["uid"]
+    shared["spec"]["devices"]["config"] = [
+        {"requests": ["gpu"], "opaque": {"driver": DRIVER, "parameters": MPS_CONFIG}}]
+    running.server.apply([shared, pod("mps-a", {"c": "mps"}, node_name=running.node),
+                          pod("mps-b", {"c": "mps"}, node_name=running.node)])
+    answer = allocate_in_cluster(running.server, node=running.node, claims=["default/mps"],
+                                 pod="default/mps-a")
+    assert answer.allocated, answer.reason
+    reserve(running, "mps", "mps-b")
+
+    ids = {}
+    for name in ("mps-a", "mps-b"):
+        prepared = running.kubelet.prepare(f"default/{name}")
+        assert prepared["ok"], f"{prepared}\n{running.plugin.log()}"
+        ids[name] = prepared["containers"]["main"]
+    assert ids["mps-a"] == ids["mps-b"]
+    [record] = running.agent_claims()
+    assert record["mps"] is not None and record["mps"]["state"] == "running", record
+    [device] = record["devices"]
+    assert device["sharing"]["strategy"] == "MPS", device
+    injected = running.kubelet.cdi_inject(ids["mps-a"], [running.cdi_dir])
+    assert injected["ok"] and injected["unresolved"] == [], injected
+    [pipe] = [e.split("=", 1)[1] for e in injected["env"]
+              if e.startswith("CUDA_MPS_PIPE_DIRECTORY=")]
+    assert any(m["destination"] == pipe and m["source"] == record["mps"]["pipe_directory"]
+               for m in injected["mounts"]), injected["mounts"]
+
+    unprepare(running, "mps-a")
+    assert len(running.agent_claims()) == 1  # kubelet keeps it while mps-b uses it
+    unprepare(running, "mps-b")
+    assert running.agent_claims() == []
