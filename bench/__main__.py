@@ -12,12 +12,13 @@ from bench import (
     mig_disruption,
     mig_transition,
     packing,
+    sharing,
     startup,
     topology_select,
 )
 
 BENCHMARKS = ("startup", "mig-disruption", "mig-transition", "topology-select", "metrics-scrape",
-              "claims", "packing", "load", "dra")
+              "claims", "packing", "load", "dra", "sharing")
 
 
 def main() -> None:
@@ -63,6 +64,10 @@ def main() -> None:
         print()
     if args.only in (None, "dra"):
         dra.main()
+    if args.only is None:
+        print()
+    if args.only in (None, "sharing"):
+        sharing.main()
 
 
 if __name__ == "__main__":
