@@ -276,11 +276,12 @@ def kubelet_devices(claim: KubeletClaim, devices: Sequence[Allocated],
     for device in devices:
         names = cdi.get((device.device, device.share_id))
         share_id = device.share_id
-        if not names and device.share_id is None:
-            # One share answered for a device asked for without a share ID.
-            shares = [key for key in cdi if key[0] == device.device]
-            if len(shares) == 1:
-                names, share_id = cdi[shares[0]], shares[0][1]
+        if not names:
+            # One answer for the device, with a share ID on one side only: a share of all of
+            # a GPU the agent prepares as the whole GPU, or a share ID the agent assigned.
+            answered = [key for key in cdi if key[0] == device.device]
+            if len(answered) == 1 and None in (answered[0][1], device.share_id):
+                names, share_id = cdi[answered[0]], answered[0][1] or device.share_id
         if not names:
             which = device.device + (f" (share {device.share_id})" if device.share_id else "")
             raise ClaimError("agent-answer", f"claim {claim}: the agent's answer has no CDI "

@@ -96,6 +96,15 @@ def test_each_share_goes_back_to_kubelet_with_the_share_id_the_agent_answers() -
         PreparedDevice(("c",), NODE, "gpu-1", ("k/claim=uid-1-gpu-1",))]
 
 
+def test_a_share_of_the_whole_gpu_answered_as_the_whole_gpu_keeps_its_share_id() -> None:
+    """A share of all of a GPU that the agent prepares as the whole GPU (no share in its
+    answer) still goes back to kubelet with the allocation's share ID."""
+    devices = [Allocated("gpu-0", NODE, ("a",), False, share_id="s-1", memory="44Gi")]
+    answer = {"devices": [{"device_name": "gpu-0", "cdi_devices": ["x"], "share": None}]}
+    assert kubelet_devices(CLAIM, devices, answer) == [
+        PreparedDevice(("a",), NODE, "gpu-0", ("x",), share_id="s-1")]
+
+
 def test_a_share_the_agent_did_not_answer_is_an_error_naming_it() -> None:
     """A share missing from the agent's answer fails the claim, naming device and share."""
     devices = [Allocated("gpu-0", NODE, ("a",), False, share_id="s-1", memory="10Gi")]
