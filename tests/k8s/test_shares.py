@@ -6,6 +6,7 @@ fields and the plugin publishes the GPUs whole."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -203,16 +204,17 @@ def test_a_134_server_without_the_gate_gets_whole_gpus(kube_apiservers: StartApi
 
 def reserve(running: Stack, claim_name: str, pod_name: str) -> None:
     """Add pod ``pod_name`` to the claim's reservedFor, as the scheduler does for a second
-    pod using an allocated claim."""
+    pod using an allocated claim (a merge patch of the status: a PUT of the object read
+    back would rewrite the opaque parameters' bytes, which the server refuses)."""
     base = f"/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/{claim_name}"
     status, stored = running.server.request("GET", base)
-    assert status == 200, stored
+    assert status == 200 and stored["status"].get("allocation"), stored
     status, found = running.server.request("GET", f"/api/v1/namespaces/default/pods/{pod_name}")
     assert status == 200, found
-    stored["status"].setdefault("reservedFor", []).append(
-        {"resource": "pods", "name": pod_name, "uid": found["metadata"]["uid"]})
-    status, answer = running.server.request("PUT", f"{base}/status", stored)
-    assert status == 200, answer
+    reserved = [*stored["status"].get("reservedFor", []),
+                {"resource": "pods", "name": pod_name, "uid": found["metadata"]["uid"]}]
+    running.server.kubectl("patch", "resourceclaim", claim_name, "--subresource=status",
+                           "--type=merge", "-p", json.dumps({"status": {"reservedFor": reserved}}))
 
 
 MPS_CONFIG = {"apiVersion": "resource.nodeagent.dev/v1beta1", "kind": "GpuConfig",
