@@ -21,11 +21,13 @@ class Case:
     preset: str
     dynamic_mig: bool = False
     geometry: tuple[tuple[int, tuple[str, ...]], ...] = ()  # MIG applied first: (gpu, profiles)
+    shares: bool = False  # --gpu-shares
 
     @property
     def id(self) -> str:
         return "-".join([self.preset, "dynamic" if self.dynamic_mig else "static",
-                         *(["mig"] if self.geometry else [])])
+                         *(["mig"] if self.geometry else []), *(["shares"] if self.shares
+                                                                else [])])
 
 
 CASES = [
@@ -37,6 +39,8 @@ CASES = [
     Case("a100-pcie-bridged", dynamic_mig=True),
     Case("l40s"),
     Case("l40s", dynamic_mig=True),
+    Case("l40s", shares=True),
+    Case("dgx-h100", geometry=((0, ("1g.10gb",) * 7),), shares=True),
 ]
 
 
@@ -61,12 +65,15 @@ def test_published_slices_are_created_unchanged(version: str, case: Case,
     kube-apiserver (201) and read back with the spec the agent wrote, no field dropped."""
     server = kube_apiservers(version)
     node_name = f"{case.id}-v{version}".replace(".", "-")
-    agent = agent_node(case.preset, node_name=node_name, dynamic_mig=case.dynamic_mig)
+    agent = agent_node(case.preset, node_name=node_name, dynamic_mig=case.dynamic_mig,
+                       extra=("--gpu-shares",) if case.shares else ())
     for gpu, profiles in case.geometry:
         set_mig(agent, gpu, list(profiles))
     server.ensure_node(node_name)
     slices = slices_of(agent, SLICE_RULES[version])
     assert slices and any(s["spec"].get("devices") for s in slices)
+    assert case.shares == any(d.get("allowMultipleAllocations") for s in slices
+                              for d in s["spec"].get("devices") or [])
     for item in slices:
         status, created = server.request("POST", SLICES, item)
         assert status == 201, created
