@@ -518,7 +518,11 @@ class SimulatedHardware:
             "mig_mode": {"current": g.mig_current, "pending": g.mig_pending}
             if self.model.mig_capable else None,
             "lost": g.lost,
+            "compute_mode": COMPUTE_MODE_NAMES.get(g.compute_mode, str(g.compute_mode)),
+            "timeslice": g.timeslice,
             "mig_devices": [{"uuid": ci.uuid, "gi_id": gi.id, "ci_id": ci.id,
+                             "compute_mode": COMPUTE_MODE_NAMES.get(
+                                 self.compute_mode(g, ci), "DEFAULT"),
                              "gi_profile_id": gi.profile_id, "ci_profile_id": ci.profile_id,
                              "placement": {"start": gi.start, "size": gi.size}}
                             for gi, ci in self.mig_devices(g)],
