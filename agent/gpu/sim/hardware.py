@@ -126,6 +126,7 @@ class SimulatedHardware:
         # (GPU index, GI id or -1) -> counters; a GI re-created under the same id starts over.
         self._activity: dict[tuple[int, int], Activity] = {}
         self.nvlink = links.link_count(preset) > 0
+        self._last_server_pid = 0
 
     def commit(self) -> None:
         """Make the current state durable (before the mutating call returns)."""
@@ -213,8 +214,11 @@ class SimulatedHardware:
         return bool(dead or orphans)
 
     def next_pid(self) -> int:
+        """A pid for a new MPS server: never one a server of this run had (a new server is
+        a new process), nor one in use."""
         taken = {p.pid for p in self.state.processes} | {v.pid for v in self.state.mps_servers}
-        return max([FIRST_AUTO_PID - 1, *taken]) + 1
+        self._last_server_pid = max([FIRST_AUTO_PID - 1, self._last_server_pid, *taken]) + 1
+        return self._last_server_pid
 
     # -- lookups ---------------------------------------------------------------------------
 

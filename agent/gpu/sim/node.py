@@ -189,7 +189,7 @@ class SimulatedNode:
             raise Conflict(f"GPU {gpu.uuid} is lost (XID 79); reset it first", gpu=gpu.uuid)
         taken = {p.pid for p in hw.state.processes} | {v.pid for v in hw.state.mps_servers}
         if pid is None:
-            pid = hw.next_pid()
+            pid = max([FIRST_AUTO_PID - 1, *taken]) + 1
         pid = _positive_int(pid, "pid", minimum=1)
         if pid in taken:
             raise _field_error("pid", f"process {pid} already runs on this node")
