@@ -209,9 +209,14 @@ class SimulatedHardware:
         orphans = [v for v in self.state.mps_servers if self.daemon(v.daemon_pid) is None]
         for server in orphans:
             self.drop_server(server)
-        if dead or orphans:
+        servers = {v.pid for v in self.state.mps_servers}
+        clients = [p for p in self.state.processes
+                   if p.mps_server is not None and p.mps_server not in servers]
+        for client in clients:
+            self.state.processes.remove(client)
+        if dead or orphans or clients:
             self.commit()
-        return bool(dead or orphans)
+        return bool(dead or orphans or clients)
 
     def next_pid(self) -> int:
         """A pid for a new MPS server: never one a server of this run had (a new server is
