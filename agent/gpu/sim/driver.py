@@ -21,7 +21,7 @@ log = logging.getLogger("agent.gpu.sim")
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 #: How long one connection may take to send its request and take the reply.
 CONNECTION_TIMEOUT_S = 5.0
-_ACCEPT_POLL_S = 0.2
+_ACCEPT_POLL_S = 1.0
 
 
 def error_reply(err: AgentError) -> dict[str, Any]:
@@ -62,6 +62,8 @@ class DriverSocket:
     def close(self) -> None:
         """Stop serving (waits for the request in hand) and remove the socket file."""
         self._stop.set()
+        with contextlib.suppress(OSError), wire.connect(self.path, timeout_s=1.0):
+            pass  # wakes the accept: the thread sees the stop at once
         self._thread.join(timeout=CONNECTION_TIMEOUT_S + 1)
         self._sock.close()
         with contextlib.suppress(FileNotFoundError):
@@ -76,6 +78,8 @@ class DriverSocket:
             except OSError:
                 return
             with conn:
+                if self._stop.is_set():
+                    return
                 conn.settimeout(CONNECTION_TIMEOUT_S)
                 self._answer(conn)
 
