@@ -249,7 +249,8 @@ def test_exclusive_process_allows_the_server_and_refuses_anyone_else(
 
 def test_a_killed_daemon_takes_its_servers_and_clients_out_of_nvml(l40s: SimulatedNode,
                                                                    tmp_path: Path) -> None:
-    """SIGKILL of the daemon: NVML no longer reports its server or clients."""
+    """SIGKILL of the daemon: NVML no longer reports its server or clients; a new daemon
+    can start on the same pipe directory."""
     gpu = l40s.gpu_uuids()[0]
     daemon = Daemon(l40s, tmp_path / "mps", [gpu])
     assert daemon.start().returncode == 0
@@ -265,6 +266,10 @@ def test_a_killed_daemon_takes_its_servers_and_clients_out_of_nvml(l40s: Simulat
     assert l40s.nvml.nvmlDeviceGetMPSComputeRunningProcesses(handle) == []
     assert l40s.describe()["mps_daemons"] == []
     assert daemon.send("get_server_list").returncode == 1
+    killed = daemon.pid()
+    assert daemon.start().returncode == 0  # the stale pid file and socket are no obstacle
+    assert daemon.pid() != killed
+    assert daemon.send("get_server_list").returncode == 0
 
 
 def test_daemon_and_clients_survive_a_restart_of_the_node(tmp_path: Path,
