@@ -231,6 +231,9 @@ class SimProcess(BaseModel):
     pid: int
     device: str
     used_memory_mib: int
+    mps: dict[str, Any] | None = Field(
+        default=None, description="For an MPS client: its server, uid, daemon, pipe "
+        "directory, active thread percentage and pinned limit (MiB) on its device")
 
 
 class SimFaultRequest(Strict):

@@ -104,6 +104,17 @@ def test_compute_mode_and_timeslice_survive_a_restart_and_not_a_driver_reload(
         node.close()
 
 
+def test_a_gpu_reset_restores_the_defaults_of_that_gpu_only(make_node: NodeFactory) -> None:
+    """``nvidia-smi -r`` (the sim's reset) sets DEFAULT and time slice 0 on that GPU only."""
+    node = make_node("l40s")
+    for index in ("0", "1"):
+        assert smi(node, "-i", index, "-c", "PROHIBITED").returncode == 0
+        assert smi(node, "compute-policy", "-i", index, "--set-timeslice", "3").returncode == 0
+    node.reset_gpu(node.gpu_uuids()[0])
+    assert [(g["compute_mode"], g["timeslice"]) for g in node.describe()["gpus"]][:2] == [
+        ("DEFAULT", 0), ("PROHIBITED", 3)]
+
+
 def test_with_mig_on_the_mode_belongs_to_each_mig_device(make_node: NodeFactory) -> None:
     """With MIG on, the GPU's own compute mode cannot be set (exit 3) and time slicing is not
     supported; a MIG device's mode is its own (NVML: set through the MIG device handle)."""
