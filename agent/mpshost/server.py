@@ -2,7 +2,8 @@
 agent, so that they live in its cgroup rather than the agent's and outlive agent restarts.
 
 It listens on a Unix socket (mode 0660 with ``--socket-group``, else 0600), answers only
-root, its own user and members of the socket's group (``SO_PEERCRED``), checks each launch
+root, its own user and members of the socket's group (``SO_PEERCRED``, and the peer's
+supplementary groups from ``/proc``), checks each launch
 against :class:`~agent.mpshost.policy.LaunchPolicy` and runs it with
 :class:`~agent.gpu.mps_direct.DirectLauncher`. Everything else about a daemon (its commands,
 ``quit``) the agent does itself through the pipe directory. On SIGTERM it stops accepting,
@@ -140,13 +141,15 @@ class MpsHost:
     async def _answer(self, reader: asyncio.StreamReader,
                       writer: asyncio.StreamWriter) -> dict[str, Any]:
         peer = peer_of(writer.get_extra_info("socket"))
-        if not self._allowed(peer):
-            log.warning("mps-host refused a peer", extra={
-                "peer_pid": peer.pid, "peer_uid": peer.uid, "peer_gid": peer.gid})
-            return protocol.refusal("forbidden", f"uid {peer.uid} gid {peer.gid} is neither "
-                                                 "root nor in the socket's group")
         try:
+            # The line is read (bounded) before the peer is judged, so that a refused peer
+            # gets its answer instead of a reset for unread data.
             line = await asyncio.wait_for(reader.readline(), protocol.READ_TIMEOUT_S)
+            if not self._allowed(peer):
+                log.warning("mps-host refused a peer", extra={
+                    "peer_pid": peer.pid, "peer_uid": peer.uid, "peer_gid": peer.gid})
+                return protocol.refusal("forbidden", f"uid {peer.uid} gid {peer.gid} is "
+                                                     "neither root nor in the socket's group")
             request = protocol.decode(line)
         except TimeoutError:
             return protocol.refusal("bad-request", "no request line within "
@@ -167,8 +170,11 @@ class MpsHost:
         return protocol.refusal("bad-request", f"unknown op {op!r} (ping, launch)", "op")
 
     def _allowed(self, peer: Peer) -> bool:
-        return (peer.uid in (0, os.getuid())
-                or (self.socket_group is not None and peer.gid == self.socket_group))
+        if peer.uid in (0, os.getuid()):
+            return True
+        if self.socket_group is None:
+            return False
+        return peer.gid == self.socket_group or self.socket_group in _groups_of(peer.pid)
 
     async def _launch(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
         timeout_s = request.get("timeout_s", 15.0)
@@ -206,6 +212,19 @@ class MpsHost:
         for path in paths:
             if path.is_dir():
                 os.setxattr(path, _SELINUX_XATTR, self.selinux_context.encode())
+
+
+def _groups_of(pid: int) -> set[int]:
+    """The supplementary groups of process ``pid`` (none when it is gone): a member of the
+    socket's group through a supplementary group is a member too."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as status:
+            for line in status:
+                if line.startswith("Groups:"):
+                    return {int(g) for g in line.split()[1:]}
+    except OSError:
+        pass
+    return set()
 
 
 async def _answers(path: Path) -> bool:
