@@ -194,7 +194,8 @@ AGENT = textwrap.dedent('''\
     from pathlib import Path
     from agent.gpu.mps_direct import DirectLauncher
     from agent.gpu.mps_host_client import HostLauncher
-    mode, target, argv, env = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
+    mode, target = sys.argv[1], sys.argv[2]
+    argv, env = json.loads(sys.argv[3]), json.loads(sys.argv[4])
     launcher = HostLauncher(Path(target)) if mode == "host" else DirectLauncher()
     result = asyncio.run(launcher.launch(argv, env, timeout_s=20))
     print(json.dumps({"returncode": result.returncode}), flush=True)

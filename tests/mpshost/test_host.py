@@ -75,18 +75,19 @@ def test_the_daemon_gets_the_mps_variables_and_the_host_s_path(
     assert host.socket.stat().st_mode & 0o777 == 0o600
 
 
-@pytest.mark.parametrize(("argv", "env", "field"), [
+@pytest.mark.parametrize("case", [
     (["/bin/sh", "-d"], {}, "argv"),
     (["MPS", "-d", "-f"], {}, "argv"),
     (["MPS", "-d"], {"LD_PRELOAD": "/tmp/x.so"}, "env.LD_PRELOAD"),
     (["MPS", "-d"], {"CUDA_MPS_PIPE_DIRECTORY": "/tmp"}, "env.CUDA_MPS_PIPE_DIRECTORY"),
     (["MPS", "-d"], {"CUDA_MPS_LOG_DIRECTORY": "/var/log"}, "env.CUDA_MPS_LOG_DIRECTORY"),
-])
+], ids=lambda case: case[2])
 def test_refused_launches_start_nothing_and_name_the_socket_and_field(
-        host: HostProcess, mps_root: Path, mps_control: Path, argv: list[str],
-        env: dict[str, str], field: str) -> None:
+        host: HostProcess, mps_root: Path, mps_control: Path,
+        case: tuple[list[str], dict[str, str], str]) -> None:
     """A launch outside the policy is a SharingUnavailable naming the socket and the field,
     and no daemon starts."""
+    argv, env, field = case
     root = daemon_dirs(mps_root, "r1")
     argv = [str(mps_control) if a == "MPS" else a for a in argv]
     with pytest.raises(SharingUnavailable) as refused:
