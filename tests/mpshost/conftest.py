@@ -1,5 +1,7 @@
 """Fixtures for the MPS host's tests. ``mps_control`` is the daemon binary: the stand-in of
-processes.py until the simulator's nvidia-cuda-mps-control replaces it (one fixture to swap)."""
+processes.py until the simulator's nvidia-cuda-mps-control replaces it (one fixture to swap;
+the tests that read what the stand-in records, its environment and its /dev/shm probe, keep
+the stand-in)."""
 
 from __future__ import annotations
 

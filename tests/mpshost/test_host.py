@@ -301,3 +301,28 @@ def test_ping_exits_1_without_a_host(tmp_path: Path) -> None:
                           text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=30,
                           check=False)
     assert done.returncode == 1 and "none.sock" in done.stderr
+
+
+def test_selinux_context_labels_pipe_and_shm_before_the_daemon_starts(
+        tmp_path: Path, mps_root: Path, mps_control: Path) -> None:
+    """With --selinux-context the host gives the daemon's pipe and shm directories (what pods
+    mount) that label before starting it, and leaves the log directory alone."""
+    context = b"system_u:object_r:container_file_t:s0"
+    host = start_host(tmp_path, mps_root=mps_root, mps_control=mps_control,
+                      flags=("--selinux-context", context.decode()))
+    try:
+        root = daemon_dirs(mps_root, "l1")
+        _launch(host, [str(mps_control), "-d"], mps_env(root))
+        daemon_pid(root)
+        for sub in ("pipe", "shm"):
+            assert os.getxattr(root / sub, "security.selinux").rstrip(b"\0") == context
+        assert b"container_file_t" not in _label_of(root / "log")
+    finally:
+        host.stop()
+
+
+def _label_of(path: Path) -> bytes:
+    try:
+        return os.getxattr(path, "security.selinux")
+    except OSError:
+        return b""
