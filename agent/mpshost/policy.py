@@ -85,9 +85,10 @@ class LaunchPolicy:
                 raise Refused(f"env.{key}", "too long or holds a NUL")
         pipe = self._directory(env, PIPE)
         log = self._directory(env, LOG)
-        # The values as the caller gave them: daemon, servers and clients must name the pipe
-        # directory alike; the resolved paths only decide whether they are inside the root.
-        out = {PIPE: env[PIPE], LOG: env[LOG],
+        # The resolved paths, checked above: a symlink swapped in after the check cannot
+        # redirect the daemon (its clients name the directory their own way anyway: the CDI
+        # spec mounts it at /tmp/nvidia-mps in containers).
+        out = {PIPE: str(pipe), LOG: str(log),
                "PATH": f"{self.mps_control.parent}:{SYSTEM_PATH}"}
         if VISIBLE in env:
             devices = env[VISIBLE].split(",")

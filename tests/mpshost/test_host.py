@@ -68,8 +68,8 @@ def test_the_daemon_gets_the_mps_variables_and_the_host_s_path(
     assert isinstance(env, dict)
     visible = {k: v for k, v in env.items() if k.startswith("CUDA_") or k in (
         "PATH", "LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONPATH")}
-    assert visible == {"CUDA_MPS_PIPE_DIRECTORY": str(root / "pipe"),
-                       "CUDA_MPS_LOG_DIRECTORY": str(root / "log"),
+    assert visible == {"CUDA_MPS_PIPE_DIRECTORY": str((root / "pipe").resolve()),
+                       "CUDA_MPS_LOG_DIRECTORY": str((root / "log").resolve()),
                        "CUDA_VISIBLE_DEVICES": "GPU-0f1e",
                        "PATH": f"{mps_control.parent}:{SYSTEM_PATH}"}
     assert host.socket.stat().st_mode & 0o777 == 0o600

@@ -35,15 +35,16 @@ def _env(root: Path, **changes: str | None) -> dict[str, str]:
 
 def test_an_allowed_launch_runs_the_binary_with_the_host_s_path_and_library_path(
         root: Path) -> None:
-    """The plan runs ``<binary> -d`` with the three MPS variables as given, the host's PATH
-    (the binary's directory first) instead of the caller's, and the host's library path."""
+    """The plan runs ``<binary> -d`` with the three MPS variables (directories resolved), the
+    host's PATH (the binary's directory first) instead of the caller's, and the host's library
+    path."""
     policy = LaunchPolicy(mps_control=BINARY, mps_root=root, library_path="/driver/lib64")
     plan = policy.check([str(BINARY), "-d"], _env(
         root, CUDA_VISIBLE_DEVICES="GPU-1a2b,MIG-3c4d", PATH="/evil"))
     assert plan.argv == (str(BINARY), "-d")
     assert dict(plan.env) == {
-        "CUDA_MPS_PIPE_DIRECTORY": str(root / "a/pipe"),
-        "CUDA_MPS_LOG_DIRECTORY": str(root / "a/log"),
+        "CUDA_MPS_PIPE_DIRECTORY": str((root / "a/pipe").resolve()),
+        "CUDA_MPS_LOG_DIRECTORY": str((root / "a/log").resolve()),
         "CUDA_VISIBLE_DEVICES": "GPU-1a2b,MIG-3c4d",
         "PATH": f"/driver/usr/bin:{SYSTEM_PATH}", "LD_LIBRARY_PATH": "/driver/lib64"}
     assert plan.shm is None
@@ -111,3 +112,13 @@ def test_private_shm_needs_the_shm_directory_beside_the_pipe_directory(root: Pat
             root, CUDA_MPS_PIPE_DIRECTORY="ROOT/b/pipe", CUDA_MPS_LOG_DIRECTORY="ROOT/b/log"))
     assert refused.value.field == "env.CUDA_MPS_PIPE_DIRECTORY"
     assert "shm" in refused.value.reason
+
+
+def test_a_symlink_inside_the_root_is_resolved_for_the_daemon(root: Path) -> None:
+    """A pipe directory reached through a symlink that stays below the root is accepted, and
+    the daemon gets the resolved directory, so a link swapped after the check redirects
+    nothing."""
+    (root / "alias").symlink_to(root / "a")
+    policy = LaunchPolicy(mps_control=BINARY, mps_root=root)
+    plan = policy.check([str(BINARY), "-d"], _env(root, CUDA_MPS_PIPE_DIRECTORY="ROOT/alias/pipe"))
+    assert plan.env["CUDA_MPS_PIPE_DIRECTORY"] == str((root / "a/pipe").resolve())
