@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from agent.errors import SharingUnavailable
-from agent.gpu.mps_launch import LaunchResult
+from agent.gpu.mps_direct import DirectLauncher
+from agent.gpu.mps_launch import LaunchResult, MpsLauncher
 from agent.mpshost import protocol
 
 TOOL = "mps-host"
@@ -90,3 +91,9 @@ class HostLauncher:
     def _error(self, what: str, *, reason: str | None = None) -> SharingUnavailable:
         return SharingUnavailable(f"MPS host on {self.socket_path}: {what}", tool=TOOL,
                                   reason=reason or what)
+
+
+def launcher_for(socket_path: Path | None) -> MpsLauncher:
+    """The launcher the settings ask for: the MPS host on ``socket_path``
+    (``--mps-host-socket``), or, without one, the agent itself (development only)."""
+    return HostLauncher(socket_path) if socket_path is not None else DirectLauncher()
