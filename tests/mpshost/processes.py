@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 PID_FILE = "nvidia-cuda-mps-control.pid"
 #: Written by the stand-in daemon into its pipe directory: its pid and environment.
@@ -258,6 +260,15 @@ def cgroup2_root() -> Path | None:
                         and (mount / "cgroup.procs").exists()):
                     return mount
     return None
+
+
+def require_cgroup2() -> None:
+    """Skip where no writable cgroup v2 is (a developer's container); under CI, fail: CI must
+    be able to kill a cgroup as a runtime does."""
+    if cgroup2_root() is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI needs a writable cgroup v2 mount (cgroup.kill) for this test")
+        pytest.skip("no writable cgroup v2 here")
 
 
 @contextlib.contextmanager

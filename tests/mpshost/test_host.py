@@ -22,7 +22,6 @@ from .processes import (
     SHM_PROBE,
     HostProcess,
     alive,
-    cgroup2_root,
     cgroups,
     daemon_dirs,
     daemon_pid,
@@ -30,6 +29,7 @@ from .processes import (
     kill_cgroup,
     mps_env,
     record_of,
+    require_cgroup2,
     start_agent,
     start_host,
     wait_for,
@@ -142,19 +142,12 @@ def test_a_direct_daemon_survives_its_group_but_is_no_child_of_the_host(
     assert alive(pid)
 
 
-def _require_cgroup2() -> None:
-    if cgroup2_root() is None:
-        if os.environ.get("CI"):
-            pytest.fail("CI needs a writable cgroup v2 mount (cgroup.kill) for this test")
-        pytest.skip("no writable cgroup v2 here")
-
-
 def test_a_daemon_started_through_the_host_survives_the_agent_s_cgroup_being_killed(
         tmp_path: Path, mps_root: Path, mps_control: Path) -> None:
     """Host and agent in cgroups of their own (two containers, or two systemd units): killing
     everything in the agent's cgroup, as the runtime stops a container, leaves the daemon
     running in the host's cgroup."""
-    _require_cgroup2()
+    require_cgroup2()
     with cgroups("host", "agent") as groups:
         host = start_host(tmp_path, mps_root=mps_root, mps_control=mps_control,
                           cgroup=groups["host"])
@@ -179,7 +172,7 @@ def test_a_direct_daemon_dies_with_the_agent_s_cgroup(
         tmp_path: Path, mps_root: Path, mps_control: Path) -> None:
     """Why the host exists: a daemon the agent starts itself stays in the agent's cgroup, so
     killing that cgroup (a container restart, ``systemctl restart gpu-agent``) kills it."""
-    _require_cgroup2()
+    require_cgroup2()
     with cgroups("agent") as groups:
         root = daemon_dirs(mps_root, "c2")
         agent = start_agent(mode="direct", target="", argv=[str(mps_control), "-d"],
