@@ -154,6 +154,8 @@ class MpsHost:
         except TimeoutError:
             return protocol.refusal("bad-request", "no request line within "
                                                    f"{protocol.READ_TIMEOUT_S:g} s")
+        except protocol.ProtocolError as err:
+            return protocol.refusal("bad-request", f"request line: {err}")
         except (ValueError, asyncio.LimitOverrunError):
             # readline raises ValueError past the stream's limit (MAX_LINE).
             return protocol.refusal("bad-request", f"request is not one JSON line of at "
