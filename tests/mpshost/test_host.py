@@ -319,3 +319,23 @@ def _label_of(path: Path) -> bytes:
         return os.getxattr(path, "security.selinux")
     except OSError:
         return b""
+
+
+def test_a_start_that_hangs_is_killed_at_its_timeout_and_reported(
+        tmp_path: Path, mps_root: Path) -> None:
+    """A -d start that never exits is killed at the launch's timeout; the agent gets
+    SharingUnavailable saying so, and the host keeps serving."""
+    hanging = tmp_path / "hanging-mps-control"
+    hanging.write_text("#!/bin/sh\necho starting\nexec sleep 60\n")
+    hanging.chmod(0o755)
+    host = start_host(tmp_path, mps_root=mps_root, mps_control=hanging)
+    try:
+        root = daemon_dirs(mps_root, "h1")
+        with pytest.raises(SharingUnavailable) as err:
+            asyncio.run(HostLauncher(host.socket).launch([str(hanging), "-d"], mps_env(root),
+                                                         timeout_s=1))
+        assert "did not exit within 1 s" in err.value.reason
+        assert "starting" in err.value.reason
+        assert asyncio.run(HostLauncher(host.socket).ping())["ok"] is True
+    finally:
+        host.stop()
