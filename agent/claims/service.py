@@ -42,7 +42,13 @@ from agent.claims.checkpoint import (
 from agent.claims.placement import Candidate, choose
 from agent.claims.sharing import MEMORY_MIB, DevicePlan, SharingConfig, SharingPlan, Target, plan
 from agent.claims.sharing_runtime import SharingRuntime
-from agent.device_names import gpu_device_name, mig_device_name, parse_device_name, profile_label
+from agent.device_names import (
+    gpu_device_name,
+    mig_device_name,
+    parse_device_name,
+    profile_label,
+    shareable_mib,
+)
 from agent.durable import write_atomic
 from agent.errors import (
     AgentError,
@@ -97,6 +103,31 @@ class DeviceRequest:
     sharing: SharingConfig | None = None
     memory_mib: int | None = None
     share_id: str | None = None
+
+
+@dataclass(frozen=True)
+class ShareHolder:
+    """A claim sharing a GPU: its counted share (None: it holds the GPU whole, under MPS),
+    the shareID, and the memory its MPS clients use now (None: not readable)."""
+
+    claim: str
+    memory_mib: int | None
+    share_id: str | None
+    used_mib: int | None
+    mps_state: str | None
+
+
+@dataclass(frozen=True)
+class GpuShares:
+    """Who shares a GPU and what is left of its shareable memory."""
+
+    capacity_mib: int
+    taken_mib: int
+    holders: tuple[ShareHolder, ...]
+
+    @property
+    def left_mib(self) -> int:
+        return max(0, self.capacity_mib - self.taken_mib)
 
 
 class _Stale(Exception):
@@ -207,6 +238,32 @@ class ClaimService:
         if record is None:
             raise NotFound(f"no claim {uid!r} is prepared on this node", claim=uid)
         return record
+
+    async def shares_of(self, gpu: Gpu) -> GpuShares | None:
+        """The claims sharing ``gpu`` (counted shares or MPS on the whole GPU) with the
+        memory each uses, or None when nobody shares it."""
+        holders: list[ShareHolder] = []
+        taken = 0
+        for record in self.records():
+            for device in record.devices:
+                state = device.sharing_state
+                if device.gpu != gpu.uuid or device.kind != "gpu" or (
+                        device.share is None and (state is None or state.strategy != "MPS")):
+                    continue
+                counted = device.share is not None and device.share.counted
+                used = await self.sharing.used_mib(record.mps, gpu.uuid) \
+                    if record.mps is not None else None
+                holders.append(ShareHolder(
+                    claim=record.uid, memory_mib=device.share.memory_mib if counted and
+                    device.share is not None else None,
+                    share_id=device.share.share_id if device.share is not None else None,
+                    used_mib=used, mps_state=record.mps.state if record.mps else None))
+                taken += device.share.memory_mib if counted and device.share is not None \
+                    else shareable_mib(gpu.static.memory_total_mib)
+        if not holders:
+            return None
+        return GpuShares(capacity_mib=shareable_mib(gpu.static.memory_total_mib),
+                         taken_mib=taken, holders=tuple(holders))
 
     def _usable(self) -> None:
         if self.corrupt is not None:

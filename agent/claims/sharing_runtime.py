@@ -12,7 +12,7 @@ and every step is safe to repeat, so an undo or a start-up roll-back may run it 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
@@ -79,6 +79,9 @@ class MpsTool(Protocol):
 #: ``needed(gpu, what)``: whether a claim other than the one being undone still needs the
 #: GPU's ``"timeslice"`` or ``"exclusive_process"`` setting.
 StillNeeded = Callable[[str, str], bool]
+#: ``usage(device_uuid)``: MPS client pid -> device memory used (MiB), as NVML reports them
+#: (``agent.gpu.mps.mps_processes`` through the NVML session).
+Usage = Callable[[str], Awaitable[Mapping[int, int]]]
 
 
 class SharingRuntime:
@@ -86,10 +89,11 @@ class SharingRuntime:
     plan that needs it a 503 :class:`SharingUnavailable` before anything changes."""
 
     def __init__(self, *, nvidia_smi: ComputeTool | None, mps: MpsTool | None,
-                 mps_root: Path) -> None:
+                 mps_root: Path, usage: Usage | None = None) -> None:
         self.nvidia_smi = nvidia_smi
         self.mps = mps
         self.mps_root = mps_root
+        self.usage = usage
 
     def check(self, plan: SharingPlan) -> None:
         """Raise :class:`SharingUnavailable` when a tool the plan needs is missing."""
@@ -183,6 +187,20 @@ class SharingRuntime:
             return pids
         except AgentError:
             return set()
+
+    async def used_mib(self, daemon: MpsDaemonRecord, device: str) -> int | None:
+        """The device memory the daemon's processes use on ``device`` (None when it cannot
+        be read: no usage source, or the daemon does not answer)."""
+        if self.usage is None:
+            return None
+        pids = await self.clients(daemon)
+        if not pids:
+            return None
+        try:
+            used = await self.usage(device)
+        except AgentError:
+            return None
+        return sum(mib for pid, mib in used.items() if pid in pids)
 
     def _smi(self) -> ComputeTool:
         if self.nvidia_smi is None or not self.nvidia_smi.available():

@@ -166,3 +166,22 @@ async def test_missing_tools_are_503_sharing_unavailable(tmp_path: Path,
         assert (await made.prepare("plain", dev()))[0] == 200
     finally:
         await made.node.close()
+
+
+async def test_gpus_show_share_holders_their_use_and_what_is_left(api: Api) -> None:
+    """/v1/gpus/{gpu} shows a shared GPU's holders (share, shareID, memory their MPS clients
+    use, daemon state) and the shareable capacity left; an unshared GPU shows none."""
+    await api.prepare("a", dev(capacity={"memory": "10Gi"}, share_id="sa"))
+    await api.prepare("b", dev(capacity={"memory": "20Gi"}, share_id="sb"))
+    status, gpu = await api.call("GET", "/v1/gpus/0")
+    assert status == 200
+    # The fake daemons' one client is pid 101; pid 999 belongs to nobody's daemon.
+    api.tools.used[gpu["uuid"]] = {101: 3000, 999: 5000}
+    status, gpu = await api.call("GET", "/v1/gpus/0")
+    assert gpu["shares"] == {"capacity_mib": 45056, "left_mib": 45056 - 30720, "holders": [
+        {"claim": "a", "memory_mib": 10240, "share_id": "sa", "used_mib": 3000,
+         "mps_state": "running"},
+        {"claim": "b", "memory_mib": 20480, "share_id": "sb", "used_mib": 3000,
+         "mps_state": "running"}]}
+    status, other = await api.call("GET", "/v1/gpus/1")
+    assert other["shares"] is None

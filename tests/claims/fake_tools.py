@@ -81,6 +81,11 @@ class FakeMps:
 class Tools:
     smi: FakeSmi = field(default_factory=FakeSmi)
     mps: FakeMps = field(default_factory=FakeMps)
+    #: MPS client pid -> MiB used, per device UUID (what NVML would report).
+    used: dict[str, dict[int, int]] = field(default_factory=dict)
+
+    async def usage(self, device: str) -> dict[int, int]:
+        return self.used.get(device, {})
 
 
 async def open_node(directory: Path, tools: Tools, **settings: Any) -> ServiceNode:
@@ -93,6 +98,6 @@ async def open_node(directory: Path, tools: Tools, **settings: Any) -> ServiceNo
                                        proc_root=directory / "proc")
     assert resolved.mps_root is not None
     node = build_node(resolved, backend, sharing=SharingRuntime(
-        nvidia_smi=tools.smi, mps=tools.mps, mps_root=resolved.mps_root))
+        nvidia_smi=tools.smi, mps=tools.mps, mps_root=resolved.mps_root, usage=tools.usage))
     await node.start()
     return ServiceNode(node, state, directory / "cdi")
