@@ -3,6 +3,7 @@ of the hardware layer's NvidiaSmi and MpsControl, and a simulated L40S node that
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,8 @@ class FakeMps:
     present: bool = True
     fail_start: bool = False
     fail_stop: bool = False
+    #: Called with each spec as the daemon starts (to look at what is durable by then).
+    on_start: Callable[[DaemonSpec], None] | None = None
 
     def available(self) -> bool:
         return self.present
@@ -57,6 +60,8 @@ class FakeMps:
         if self.fail_start:
             raise SharingUnavailable("nvidia-cuda-mps-control -d exited 1",
                                      tool="nvidia-cuda-mps-control", reason="exit 1")
+        if self.on_start is not None:
+            self.on_start(spec)
         self.started.append(spec)
         self.running[spec.root] = spec
 

@@ -244,3 +244,58 @@ async def test_a_retry_of_a_shared_claim_is_the_same_answer(node: ServiceNode,
     assert again is first and len(tools.mps.started) == 1
     with pytest.raises(Exception, match="other devices"):
         await node.claims.prepare("c", [gpu("0", memory_mib=11 * GIB)], {})
+
+
+async def test_the_intent_is_durable_before_the_daemon_starts_and_a_crash_then_rolls_back(
+        tmp_path: Path, tools: Tools) -> None:
+    """When the daemon starts, the claim is already recorded durably (prepare_started, with
+    its daemon and sharing intent); an agent killed at that moment restarts, stops the
+    daemon, resets the compute mode and frees the GPU."""
+    durable: list[bytes] = []
+    checkpoint = tmp_path / "state" / "claims.checkpoint"
+    tools.mps.on_start = lambda _spec: durable.append(checkpoint.read_bytes())
+    node = await open_node(tmp_path, tools)
+    uuid = (await node.gpu(0)).uuid
+    await node.claims.prepare("c", [gpu("0", sharing=MPS_50)], {})
+    await node.close()
+    (at_start,) = durable
+    saved = decode(at_start).model_dump()["claims"]["c"]
+    assert saved["state"] == "prepare_started" and saved["mps"]["state"] == "starting"
+    assert saved["devices"][0]["sharing_state"]["exclusive_process"] is True
+    checkpoint.write_bytes(at_start)  # as if SIGKILLed while the daemon started
+    tools.smi.calls.clear()
+    node = await open_node(tmp_path, tools)
+    try:
+        root = node.node.settings.mps_root / short_id("c")  # type: ignore[operator]
+        assert tools.mps.stopped == [root] and root not in tools.mps.running
+        assert tools.smi.calls == [(uuid, "compute_mode", "DEFAULT")]
+        assert node.ledger.holds(uuid) == [] and "c" not in checkpoint_claims(node)
+        await node.claims.prepare("x", [gpu("0")], {})  # the GPU is free again
+    finally:
+        await node.close()
+
+
+async def test_a_failed_cleanup_at_start_up_keeps_the_gpu_held(tmp_path: Path,
+                                                               tools: Tools) -> None:
+    """A half-done MPS claim whose daemon cannot be stopped at start-up keeps its GPU held
+    and is reported, until a later unprepare succeeds."""
+    durable: list[bytes] = []
+    checkpoint = tmp_path / "state" / "claims.checkpoint"
+    tools.mps.on_start = lambda _spec: durable.append(checkpoint.read_bytes())
+    node = await open_node(tmp_path, tools)
+    uuid = (await node.gpu(0)).uuid
+    await node.claims.prepare("c", [gpu("0", sharing=MPS_50)], {})
+    await node.close()
+    checkpoint.write_bytes(durable[0])
+    tools.mps.fail_stop = True
+    node = await open_node(tmp_path, tools)
+    try:
+        assert [h.holder for h in node.ledger.holds(uuid)] == ["c"]
+        assert "could not be cleaned up" in str(node.claims.claim("c").lost_reason)
+        with pytest.raises(DeviceBusy):
+            await node.claims.prepare("x", [gpu("0")], {})
+        tools.mps.fail_stop = False
+        await node.claims.unprepare("c")
+        assert node.ledger.holds(uuid) == []
+    finally:
+        await node.close()
