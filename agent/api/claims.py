@@ -8,7 +8,14 @@ import time
 from typing import Annotated, Any, Literal
 
 from aiohttp import web
-from pydantic import BaseModel, BeforeValidator, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    Field,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from agent.api.body import parse_body
 from agent.api.context import AGENT
@@ -34,10 +41,9 @@ def _mib(value: object) -> int:
 
 #: A memory quantity in, whole MiB (rounded up) out: integer bytes or a Kubernetes quantity
 #: string (``10Gi``, ``512Mi``).
-Quantity = Annotated[int, BeforeValidator(_mib), Field(
-    json_schema_extra={"oneOf": [{"type": "integer", "minimum": 1},
-                                 {"type": "string", "example": "10Gi"}]},
-    description="A memory quantity: integer bytes or a Kubernetes quantity ('10Gi')")]
+Quantity = Annotated[int, BeforeValidator(_mib), WithJsonSchema({
+    "oneOf": [{"type": "integer", "minimum": 1}, {"type": "string", "examples": ["10Gi"]}],
+    "description": "A memory quantity: integer bytes or a Kubernetes quantity ('10Gi')"})]
 
 
 class TimeSlicingConfigIn(Strict):
