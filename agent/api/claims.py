@@ -166,11 +166,10 @@ class DeviceRequestIn(Strict):
             raise ValueError("kind 'slice' gives a profile or a device name, not both")
         elif self.device is not None and (self.gpu or self.placement):
             raise ValueError("a slice device name already fixes GPU and placement")
-        if self.kind == "slice" and (self.sharing is not None or self.capacity is not None):
+        if self.kind == "slice" and (self.sharing is not None or self.capacity is not None
+                                     or self.share_id is not None):
             raise ValueError("sharing and capacity apply to existing devices (kind 'gpu'); "
                              "claim the MIG device once it exists to share it")
-        if self.share_id is not None and self.capacity is None:
-            raise ValueError("share_id names a share: give capacity too")
         return self
 
     def value(self) -> DeviceRequest:

@@ -587,10 +587,15 @@ class ClaimService:
             profile = device.profile
         prepared.sharing_state = _sharing_record(shared)
         capacity = None
-        if request.memory_mib is not None:
+        if request.memory_mib is not None or request.share_id is not None:
+            # A shareID without a capacity (a result that consumed none) is a share of the
+            # whole device: held exclusively, its ID echoed.
             counted = shared is not None and shared.share_mib is not None
-            prepared.share = ShareRecord(memory_mib=request.memory_mib,
-                                         share_id=request.share_id, counted=counted)
+            memory = request.memory_mib if request.memory_mib is not None else \
+                device.memory_mib if device is not None else \
+                shareable_mib(gpu.static.memory_total_mib)
+            prepared.share = ShareRecord(memory_mib=memory, share_id=request.share_id,
+                                         counted=counted)
             if counted:
                 assert shared is not None and shared.shareable_mib is not None
                 capacity = {MEMORY_MIB: shared.shareable_mib}

@@ -97,7 +97,8 @@ BAD: dict[str, tuple[dict[str, Any], str]] = {
                                             "devices[0].capacity.memory"),
     "unknown capacity": (dev(capacity={"memory": "1Gi", "threads": 3}),
                          "devices.0.capacity.threads"),
-    "share_id without capacity": (dev(share_id="s-1"), "devices.0"),
+    "share_id on a slice": ({"kind": "slice", "profile": "1g.10gb", "share_id": "s"},
+                            "devices.0"),
     "sharing on a slice": ({"kind": "slice", "profile": "1g.10gb",
                             "sharing": {"strategy": "MPS"}}, "devices.0"),
     "time-slicing a share": (dev(capacity={"memory": "10Gi"}, sharing={
@@ -185,3 +186,13 @@ async def test_gpus_show_share_holders_their_use_and_what_is_left(api: Api) -> N
          "mps_state": "running"}]}
     status, other = await api.call("GET", "/v1/gpus/1")
     assert other["shares"] is None
+
+
+async def test_a_share_id_without_capacity_is_the_whole_device(api: Api) -> None:
+    """A shareID with no capacity consumed holds the whole GPU and echoes the ID."""
+    status, body = await api.prepare("c", dev(share_id="s-1"))
+    assert status == 200, body
+    assert body["devices"][0]["share"] == {"memory_mib": 45056, "share_id": "s-1"}
+    assert body["devices"][0]["sharing"] is None and body["mps"] is None
+    status, body = await api.prepare("d", dev(capacity={"memory": "1Gi"}))
+    assert status == 409
