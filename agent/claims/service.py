@@ -998,11 +998,13 @@ class ClaimService:
         if self.corrupt is not None:
             return 0
         dead = 0
-        for record in list(self.checkpoint.data.claims.values()):
-            if record.state != "prepare_completed" or record.mps is None \
-                    or record.mps.state != "running":
-                continue
-            if await self.sharing.alive(record.mps):
+        running = [r for r in self.checkpoint.data.claims.values()
+                   if r.state == "prepare_completed" and r.mps is not None
+                   and r.mps.state == "running"]
+        # All at once: each check is a short nvidia-cuda-mps-control run.
+        answers = await asyncio.gather(*(self.sharing.alive(r.mps) for r in running if r.mps))
+        for record, alive in zip(running, answers, strict=True):
+            if alive or record.mps is None:
                 continue
             async with self._claim_lock(record.uid):
                 if self.checkpoint.data.claims.get(record.uid) is not record \
