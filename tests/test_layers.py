@@ -33,6 +33,10 @@ LAYER_OF = {
     # hardware: the one door to NVML, and the simulator behind it
     "agent.gpu": "hardware",
     "agent.gpu.sim": "hardware",
+    # the MPS host: a process of its own that starts MPS daemons outside the agent's cgroup
+    # (test_mps_host_imports_only_the_launch_seam narrows what it may import); hardware, as
+    # the agent's HostLauncher (agent.gpu.mps_host_client) speaks its protocol
+    "agent.mpshost": "hardware",
     # ledger: the one owner of each GPU's instances and their holders
     "agent.ledger": "ledger",
     # services: what the agent does with the GPUs
@@ -155,6 +159,30 @@ def test_kubeplugin_talks_to_the_agent_only_over_rest() -> None:
     reached = sorted(f"{m} -> {t}" for m in plugin for t in imports_of(m)
                      if not t.startswith("agent.kubeplugin") and t not in allowed)
     assert reached == []
+
+
+#: What the MPS host may import besides foundation modules and itself.
+MPS_HOST_SEAM = {"agent.gpu.mps_launch", "agent.gpu.mps_direct"}
+
+
+def test_mps_host_imports_only_the_launch_seam() -> None:
+    """agent.mpshost imports only foundation modules, itself and the launch seam (the
+    MpsLauncher types and DirectLauncher): never NVML, claims, ledger or API code, so the
+    root process outside the agent's cgroup stays small."""
+    allowed = {m for m in MODULES if layer_of(m) == "foundation"} | MPS_HOST_SEAM
+    host = [m for m in MODULES if m.startswith("agent.mpshost")]
+    assert "agent.mpshost.server" in host
+    reached = sorted(f"{m} -> {t}" for m in host for t in imports_of(m)
+                     if not t.startswith("agent.mpshost") and t not in allowed)
+    assert reached == []
+
+
+def test_mps_host_is_reached_only_by_its_client_and_command() -> None:
+    """Only the agent's HostLauncher (the protocol) and the CLI subcommand import
+    agent.mpshost: the agent never runs the server in its own process."""
+    users = sorted(m for m in MODULES if not m.startswith("agent.mpshost")
+                   and any(t.startswith("agent.mpshost") for t in imports_of(m)))
+    assert users == ["agent.cli.mps_host", "agent.gpu.mps_host_client"]
 
 
 def test_every_package_needs_its_own_row() -> None:

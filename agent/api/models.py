@@ -236,6 +236,12 @@ class SimProcessRequest(Strict):
                         min_length=1, max_length=96)
     pid: int | None = Field(default=None, ge=1, le=4_194_304)
     used_memory_mib: int | None = Field(default=None, ge=0, le=1 << 24)
+    mps_pipe_directory: str | None = Field(
+        default=None, min_length=1, max_length=4096,
+        description="Make it an MPS client of the control daemon serving this pipe directory "
+                    "(CUDA_MPS_PIPE_DIRECTORY): held to the daemon's pinned memory limit")
+    uid: int = Field(default=0, ge=0, le=(1 << 32) - 2,
+                     description="The client's user ID (MPS runs one user's server at a time)")
 
 
 class SimProcess(BaseModel):
@@ -243,14 +249,20 @@ class SimProcess(BaseModel):
     pid: int
     device: str
     used_memory_mib: int
+    mps: dict[str, Any] | None = Field(
+        default=None, description="For an MPS client: its server, uid, daemon, pipe "
+        "directory, active thread percentage and pinned limit (MiB) on its device")
 
 
 class SimFaultRequest(Strict):
     function: str = Field(min_length=4, max_length=128,
                           description="NVML function name, e.g. nvmlDeviceCreateGpuInstance"
-                                      "WithPlacement")
-    error: str = Field(min_length=1, max_length=64,
-                       description="NVML_ERROR_* name, or CRASH to SIGKILL the agent at the call")
+                                      "WithPlacement, or a driver tool: nvidia-smi (its next "
+                                      "call fails), nvidia-cuda-mps-control (its next -d "
+                                      "start fails)")
+    error: str = Field(min_length=1, max_length=200,
+                       description="NVML_ERROR_* name, or CRASH to SIGKILL the agent at the "
+                                   "call; for a tool, the message it fails with")
     gpu: str | None = Field(default=None, max_length=96)
     skip: int = Field(default=0, ge=0, le=1_000_000)
     times: int = Field(default=1, ge=1, le=1_000_000)
@@ -273,6 +285,9 @@ class SimState(BaseModel):
     preset: str
     presets: list[str]
     processes: list[dict[str, Any]]
+    mps_daemons: list[dict[str, Any]] = Field(
+        default_factory=list, description="MPS control daemons the simulated driver knows: "
+        "pid, pipe directory, devices, defaults, servers and their clients")
     faults: list[dict[str, Any]]
     latencies: dict[str, float]
     calls: dict[str, int]

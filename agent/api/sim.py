@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 
 from aiohttp import web
 
@@ -58,8 +59,9 @@ async def add_process(request: web.Request) -> web.Response:
     body = await parse_body(request, SimProcessRequest)
     sim = _sim(request)
     device = _uuid(request, body.device, "device")
-    record = await asyncio.to_thread(sim.add_process, device, body.pid,
-                                     body.used_memory_mib)
+    record = await asyncio.to_thread(functools.partial(
+        sim.add_process, device, body.pid, body.used_memory_mib,
+        mps_pipe_directory=body.mps_pipe_directory, uid=body.uid))
     return json_response(SimProcess.model_validate(record), status=201)
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import agent
-from agent.cli import admin, claims, kubelet_plugin, mig, topo
+from agent.cli import admin, claims, kubelet_plugin, mig, mps_host, topo
 from agent.cli.client import AgentClient, ClientError, discover, tls_context
 from agent.cli.tables import gpu_table, node_lines
 from agent.errors import AgentError
@@ -298,6 +298,7 @@ def parser() -> argparse.ArgumentParser:
     sub = top.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     kubelet_plugin.add_parser(sub)
+    mps_host.add_parser(sub)
     sub.add_parser("node", parents=[client_opts], help="node identity and versions")
     sub.add_parser("gpus", parents=[client_opts], help="the node's GPUs")
     _add_sim(sub)
@@ -335,6 +336,8 @@ def _main(argv: Sequence[str] | None) -> int:
         return _serve(args)
     if args.command == "kubelet-plugin":
         return kubelet_plugin.run(args)
+    if args.command == "mps-host":
+        return mps_host.run(args)
     if args.command == "cdi" and args.cdi_verb == "generate":
         return claims.generate(args)  # offline: opens NVML itself, talks to no agent
     try:

@@ -45,7 +45,8 @@ def _flags(args: list[str]) -> dict[str, str]:
 
 
 def _pod() -> dict[str, Any]:
-    spec: dict[str, Any] = by_kind(render("daemonset"), "DaemonSet")["spec"]["template"]["spec"]
+    ds = by_name(render("daemonset"), "DaemonSet", "gpu-node-agent")
+    spec: dict[str, Any] = ds["spec"]["template"]["spec"]
     return spec
 
 

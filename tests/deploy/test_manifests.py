@@ -101,7 +101,7 @@ def test_crd_schemas_catch_unknown_fields() -> None:
 
 def test_daemonset_shape() -> None:
     docs = render("daemonset")
-    ds = by_kind(docs, "DaemonSet")
+    ds = by_name(docs, "DaemonSet", "gpu-node-agent")
     pod = ds["spec"]["template"]["spec"]
     assert [c["name"] for c in pod["containers"]] == ["agent", "kubelet-plugin"]
     agent = container(pod, "agent")
@@ -156,7 +156,7 @@ def test_openshift_scc_is_bound_to_the_service_account() -> None:
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "gpu-node-agent",
                                     "namespace": "gpu-node-agent"}]
-    pod = by_kind(docs, "DaemonSet")["spec"]["template"]["spec"]
+    pod = by_name(docs, "DaemonSet", "gpu-node-agent")["spec"]["template"]["spec"]
     assert scc["allowHostPID"] is pod["hostPID"] is True
     assert {k for v in pod["volumes"] for k in v if k != "name"} <= set(scc["volumes"])
 
@@ -166,7 +166,8 @@ def test_openshift_scc_admits_the_kubelet_plugin_container() -> None:
     stays unprivileged; the SCC admits that: any SELinux type, no required capability."""
     docs = render("daemonset/overlays/openshift")
     scc = by_kind(docs, "SecurityContextConstraints")
-    plugin = container(by_kind(docs, "DaemonSet")["spec"]["template"]["spec"], "kubelet-plugin")
+    pod = by_name(docs, "DaemonSet", "gpu-node-agent")["spec"]["template"]["spec"]
+    plugin = container(pod, "kubelet-plugin")
     context = plugin["securityContext"]
     assert context["seLinuxOptions"] == {"type": "spc_t"}
     assert scc["seLinuxContext"]["type"] == "RunAsAny"

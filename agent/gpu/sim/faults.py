@@ -1,5 +1,7 @@
 """Injected NVML failures: make the Nth matching call of a function fail with a given code, or
-kill the process at that call (a deterministic crash point for recovery tests)."""
+kill the process at that call (a deterministic crash point for recovery tests). The simulated
+driver tools (``nvidia-smi``, ``nvidia-cuda-mps-control -d``) take faults the same way: the
+error is then the message the failing tool prints."""
 
 from __future__ import annotations
 
@@ -28,13 +30,32 @@ ERROR_CODES: dict[str, int] = {
     name: int(getattr(pynvml, name)) for name in dir(pynvml) if name.startswith("NVML_ERROR_")}
 
 
+#: The simulated driver tools that take faults (a call of ``nvidia-smi``; a ``-d`` start of
+#: ``nvidia-cuda-mps-control``) and latencies.
+TOOL_FUNCTIONS: frozenset[str] = frozenset({"nvidia-smi", "nvidia-cuda-mps-control"})
+MAX_TOOL_MESSAGE = 200
+
+
 def check_function(name: object, field: str = "function") -> str:
-    """``name`` if it is an NVML call of pynvml; :class:`InvalidRequest` otherwise."""
-    if not isinstance(name, str) or name not in NVML_FUNCTIONS:
+    """``name`` if it is an NVML call of pynvml or a simulated driver tool;
+    :class:`InvalidRequest` otherwise."""
+    if not isinstance(name, str) or (name not in NVML_FUNCTIONS and name not in TOOL_FUNCTIONS):
         raise InvalidRequest(
-            f"{name!r} is not an NVML function of pynvml (e.g. nvmlDeviceCreateGpuInstance)",
-            errors=[{"field": field, "reason": "unknown NVML function"}])
+            f"{name!r} is not an NVML function of pynvml (e.g. nvmlDeviceCreateGpuInstance) "
+            f"or a driver tool ({', '.join(sorted(TOOL_FUNCTIONS))})",
+            errors=[{"field": field, "reason": "unknown NVML function or tool"}])
     return name
+
+
+def _tool_message(error: object) -> str:
+    """What a failing tool prints: any one line of text."""
+    if not isinstance(error, str) or not error.strip() or "\n" in error \
+            or len(error) > MAX_TOOL_MESSAGE:
+        raise InvalidRequest(
+            f"error: a tool fault's error is the one line the tool prints (1-"
+            f"{MAX_TOOL_MESSAGE} characters)", errors=[{"field": "error",
+                                                        "reason": "not one line of text"}])
+    return error.strip()
 
 
 def _error_name(error: object) -> str:
@@ -92,8 +113,10 @@ class FaultTable:
         self._next_id = 1
 
     def add(self, function: str, error: str, gpu: str | None, skip: int, times: int) -> Fault:
-        fault = Fault(id=self._next_id, function=check_function(function),
-                      error=_error_name(error), gpu=gpu, skip=_count(skip, "skip", 0),
+        function = check_function(function)
+        fault = Fault(id=self._next_id, function=function,
+                      error=_tool_message(error) if function in TOOL_FUNCTIONS
+                      else _error_name(error), gpu=gpu, skip=_count(skip, "skip", 0),
                       times=_count(times, "times", 1))
         self._next_id += 1
         self._faults.append(fault)

@@ -13,6 +13,7 @@ import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NoReturn
 
 import pynvml
@@ -21,14 +22,42 @@ from agent.gpu.sim import links, telemetry
 from agent.gpu.sim.faults import FaultTable
 from agent.gpu.sim.naming import mig_uuid
 from agent.gpu.sim.presets import CiProfile, GiProfile, GpuModel, Preset
-from agent.gpu.sim.state import CiState, GiState, GpuState, HardwareState, ProcessState
+from agent.gpu.sim.state import (
+    CiState,
+    GiState,
+    GpuState,
+    HardwareState,
+    MpsDaemonState,
+    MpsServerState,
+    ProcessState,
+)
 
+#: Simulated processes (and MPS servers) get pids from here up, above any real one in tests.
+FIRST_AUTO_PID = 100000
 #: NVML's "no GPU/compute instance" in process and event records.
 NO_INSTANCE = 0xFFFFFFFF
 MIG_DEVICES_PER_GPU = 7
 XID_FALLEN_OFF_THE_BUS = 79
 XID_ROW_REMAP_EVENT = 63
 XID_ROW_REMAP_FAILURE = 64
+#: NVML compute modes (``nvmlComputeMode_t``; 1, EXCLUSIVE_THREAD, is no longer supported).
+COMPUTE_MODES = {"DEFAULT": 0, "PROHIBITED": 2, "EXCLUSIVE_PROCESS": 3}
+COMPUTE_MODE_NAMES = {v: k for k, v in COMPUTE_MODES.items()}
+EXCLUSIVE_PROCESS = COMPUTE_MODES["EXCLUSIVE_PROCESS"]
+PROHIBITED = COMPUTE_MODES["PROHIBITED"]
+
+
+def process_start_time(pid: int) -> str | None:
+    """A live process's start time (``/proc/<pid>/stat`` field 22); None when it is gone
+    or a zombie (a killed daemon whose reaper has not reaped it yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()
+    if len(fields) < 20 or fields[0] in ("Z", "X"):
+        return None
+    return fields[19]
 
 
 def fail(code: int) -> NoReturn:
@@ -97,11 +126,104 @@ class SimulatedHardware:
         # (GPU index, GI id or -1) -> counters; a GI re-created under the same id starts over.
         self._activity: dict[tuple[int, int], Activity] = {}
         self.nvlink = links.link_count(preset) > 0
+        self._last_server_pid = 0
 
     def commit(self) -> None:
         """Make the current state durable (before the mutating call returns)."""
         if self._commit is not None:
             self._commit(self.state)
+
+    # -- compute mode ----------------------------------------------------------------------
+
+    def compute_mode(self, gpu: GpuState, ci: CiState | None = None) -> int:
+        """The compute mode of a GPU, or of a MIG device (its own, with MIG on)."""
+        if ci is not None:
+            return gpu.mig_compute_modes.get(ci.uuid, 0)
+        return gpu.compute_mode
+
+    def set_compute_mode(self, gpu: GpuState, ci: CiState | None, mode: int) -> None:
+        """``nvmlDeviceSetComputeMode``: with MIG on, the MIG device handle is the one to
+        set (the GPU's own handle is NOT_SUPPORTED then)."""
+        if mode not in COMPUTE_MODE_NAMES:
+            fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if ci is None and gpu.mig_current:
+            fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if ci is None:
+            gpu.compute_mode = mode
+        else:
+            gpu.mig_compute_modes[ci.uuid] = mode
+        self.commit()
+
+    # -- MPS -------------------------------------------------------------------------------
+
+    def daemon(self, pid: int) -> MpsDaemonState | None:
+        return next((d for d in self.state.mps_daemons if d.pid == pid), None)
+
+    def server(self, pid: int) -> MpsServerState | None:
+        return next((v for v in self.state.mps_servers if v.pid == pid), None)
+
+    def servers_on(self, device_uuids: set[str]) -> list[MpsServerState]:
+        """MPS servers running on any of these devices."""
+        return [v for v in self.state.mps_servers if device_uuids & set(v.devices)]
+
+    def clients(self, server: MpsServerState) -> list[ProcessState]:
+        return [p for p in self.state.processes if p.mps_server == server.pid]
+
+    def exclusivity(self, device_uuid: str, *, newcomer: str,
+                    server_pid: int | None = None) -> str | None:
+        """Why a new process (``newcomer`` words it) may not run on a device in its compute
+        mode, or None. EXCLUSIVE_PROCESS allows one process, an MPS server counting as the
+        one (its clients do not); PROHIBITED none."""
+        gpu, _, ci = self.find_device(device_uuid)
+        mode = self.compute_mode(gpu, ci)
+        if mode == PROHIBITED:
+            return f"{device_uuid} is in compute mode PROHIBITED: no {newcomer} may run on it"
+        if mode != EXCLUSIVE_PROCESS:
+            return None
+        others = [p.pid for p in self.state.processes
+                  if p.device_uuid == device_uuid and p.mps_server is None]
+        servers = [v.pid for v in self.servers_on({device_uuid}) if v.pid != server_pid]
+        if others or servers:
+            holder = (f"MPS server {servers[0]}" if servers else f"process {others[0]}")
+            return (f"{device_uuid} is in compute mode EXCLUSIVE_PROCESS and {holder} runs "
+                    f"on it: no {newcomer} may run there")
+        return None
+
+    def drop_server(self, server: MpsServerState) -> None:
+        """An MPS server exits: its clients go with it."""
+        self.state.processes = [p for p in self.state.processes if p.mps_server != server.pid]
+        self.state.mps_servers.remove(server)
+
+    def drop_daemon(self, daemon: MpsDaemonState) -> None:
+        for server in [v for v in self.state.mps_servers if v.daemon_pid == daemon.pid]:
+            self.drop_server(server)
+        self.state.mps_daemons.remove(daemon)
+
+    def prune_mps(self) -> bool:
+        """Forget daemons whose process is gone (killed, crashed), with their servers and
+        clients, as the driver sees their contexts go; whether anything was forgotten."""
+        dead = [d for d in self.state.mps_daemons
+                if process_start_time(d.pid) != d.start_time]
+        for daemon in dead:
+            self.drop_daemon(daemon)
+        orphans = [v for v in self.state.mps_servers if self.daemon(v.daemon_pid) is None]
+        for server in orphans:
+            self.drop_server(server)
+        servers = {v.pid for v in self.state.mps_servers}
+        clients = [p for p in self.state.processes
+                   if p.mps_server is not None and p.mps_server not in servers]
+        for client in clients:
+            self.state.processes.remove(client)
+        if dead or orphans or clients:
+            self.commit()
+        return bool(dead or orphans or clients)
+
+    def next_pid(self) -> int:
+        """A pid for a new MPS server: never one a server of this run had (a new server is
+        a new process), nor one in use."""
+        taken = {p.pid for p in self.state.processes} | {v.pid for v in self.state.mps_servers}
+        self._last_server_pid = max([FIRST_AUTO_PID - 1, self._last_server_pid, *taken]) + 1
+        return self._last_server_pid
 
     # -- lookups ---------------------------------------------------------------------------
 
@@ -355,6 +477,8 @@ class SimulatedHardware:
         gpu.mig_current = gpu.mig_pending
         gpu.lost = False
         gpu.pcie_replays = 0
+        gpu.compute_mode = gpu.timeslice = 0
+        gpu.mig_compute_modes = {}
         for key in [k for k in self._activity if k[0] == gpu.index]:
             del self._activity[key]
 
@@ -403,7 +527,11 @@ class SimulatedHardware:
             "mig_mode": {"current": g.mig_current, "pending": g.mig_pending}
             if self.model.mig_capable else None,
             "lost": g.lost,
+            "compute_mode": COMPUTE_MODE_NAMES.get(g.compute_mode, str(g.compute_mode)),
+            "timeslice": g.timeslice,
             "mig_devices": [{"uuid": ci.uuid, "gi_id": gi.id, "ci_id": ci.id,
+                             "compute_mode": COMPUTE_MODE_NAMES.get(
+                                 self.compute_mode(g, ci), "DEFAULT"),
                              "gi_profile_id": gi.profile_id, "ci_profile_id": ci.profile_id,
                              "placement": {"start": gi.start, "size": gi.size}}
                             for gi, ci in self.mig_devices(g)],

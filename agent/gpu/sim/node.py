@@ -5,35 +5,58 @@ driver would provide, and the controls (processes, faults, latency, XIDs, resets
 from __future__ import annotations
 
 import math
+import shlex
+import stat
+import sys
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import pynvml
 
+import agent
 from agent.durable import ExclusiveLock
 from agent.errors import Conflict, InvalidRequest, NotFound, ProcessesRunning
-from agent.gpu.sim import devfs, procfs, sysfs
-from agent.gpu.sim.faults import check_function
+from agent.gpu.sim import devfs, procfs, sysfs, wire
+from agent.gpu.sim.driver import DriverSocket, raise_reply
+from agent.gpu.sim.faults import TOOL_FUNCTIONS, check_function
 from agent.gpu.sim.hardware import (
+    COMPUTE_MODE_NAMES,
+    FIRST_AUTO_PID,
     NO_INSTANCE,
     XID_FALLEN_OFF_THE_BUS,
     XID_ROW_REMAP_EVENT,
     XID_ROW_REMAP_FAILURE,
     SimulatedHardware,
+    process_start_time,
 )
 from agent.gpu.sim.nvml import SimulatedNvml
 from agent.gpu.sim.presets import Preset, get_preset, preset_names
 from agent.gpu.sim.state import (
+    CiState,
     GpuState,
     HardwareState,
+    MpsDaemonState,
+    MpsServerState,
     ProcessState,
     SimulatorStateError,
     StateFile,
 )
 
-FIRST_AUTO_PID = 100000
+__all__ = ["FIRST_AUTO_PID", "SimulatedNode"]
+
 DEFAULT_PROCESS_MIB = 1024
+#: Client contexts one MPS server takes per device (Volta and later).
+MPS_CLIENTS_PER_DEVICE = 48
+DEFAULT_THREAD_PERCENTAGE = 100
+#: Environment the tool wrappers set: the driver socket the tools reach.
+DRIVER_ENV = "GPU_AGENT_SIM_DRIVER"
+#: ``tools_dir`` entry -> module run by its wrapper.
+TOOLS = {"nvidia-smi": "agent.gpu.sim.nvidia_smi",
+         "nvidia-cuda-mps-control": "agent.gpu.sim.mps_control"}
+#: The control daemon's socket in its pipe directory.
+MPS_CONTROL_SOCKET = "control"
+MPS_TIMEOUT_S = 10.0
 MAX_LATENCY_S = 30.0
 
 
@@ -60,6 +83,11 @@ class SimulatedNode:
         self.sys_root = sim_dir / "sys"
         #: Where the simulated node's device nodes are (``<dev_root>/dev/nvidia0``, ...).
         self.dev_root = sim_dir / "root"
+        #: The simulated driver tools (``nvidia-smi``, ``nvidia-cuda-mps-control``).
+        self.tools_dir = sim_dir / "bin"
+        #: The socket those tools reach the simulated driver through.
+        self.driver_socket = sim_dir / "driver.sock"
+        self._driver: DriverSocket | None = None
         self._lock = ExclusiveLock(sim_dir / "hardware.lock")
         self._lock.acquire()
         self._closed = False
@@ -76,9 +104,29 @@ class SimulatedNode:
             procfs.write_boot_id(self.proc_root, state.boot_id)
             sysfs.write_pci_devices(self.sys_root, self.preset)
             devfs.write_nodes(self.dev_root, gpu_count=self.preset.gpu_count)
+            self._write_tools()
+            self._driver = DriverSocket(self.driver_socket, self._driver_request)
         except BaseException:
             self._lock.release()
             raise
+
+    def _write_tools(self) -> None:
+        """Executable wrappers running the simulated tools with this node's driver socket
+        and this agent's code (whatever environment their caller passes)."""
+        self.tools_dir.mkdir(parents=True, exist_ok=True)
+        root = Path(agent.__file__).resolve().parent.parent
+        for name, module in TOOLS.items():
+            path = self.tools_dir / name
+            text = (f"#!/bin/sh\nexport {DRIVER_ENV}={shlex.quote(str(self.driver_socket))}\n"
+                    f"export PYTHONPATH={shlex.quote(str(root))}\n"
+                    f"exec {shlex.quote(sys.executable)} -m {module} \"$@\"\n")
+            if not path.is_file() or path.read_text() != text:
+                tmp = path.with_name(f".{name}.tmp")
+                tmp.write_text(text)
+                tmp.chmod(0o755)
+                tmp.replace(path)
+            elif not path.stat().st_mode & stat.S_IXUSR:
+                path.chmod(0o755)
 
     def _save(self, state: HardwareState) -> None:
         if self._closed:
@@ -86,7 +134,11 @@ class SimulatedNode:
         self._file.save(state)
 
     def close(self) -> None:
-        """Release the state directory (the state is already on disk)."""
+        """Stop the driver socket and release the state directory (the state is already
+        on disk)."""
+        if self._driver is not None:
+            self._driver.close()
+            self._driver = None
         with self.hardware.lock:
             self._closed = True
             self._lock.release()
@@ -108,41 +160,150 @@ class SimulatedNode:
     # -- processes -------------------------------------------------------------------------
 
     def add_process(self, device_uuid: str, pid: int | None = None,
-                    used_memory_mib: int | None = None) -> dict[str, Any]:
-        """Start a fake compute process on a GPU (MIG off) or on a MIG device."""
+                    used_memory_mib: int | None = None, *,
+                    mps_pipe_directory: str | None = None, uid: int = 0) -> dict[str, Any]:
+        """Start a fake compute process on a GPU (MIG off) or on a MIG device; with
+        ``mps_pipe_directory``, an MPS client of the daemon there, as user ``uid``: the
+        daemon starts that user's server on demand and holds the client to its limits."""
+        if mps_pipe_directory is not None:
+            return self._add_mps_client(device_uuid, pid, used_memory_mib,
+                                        mps_pipe_directory, uid)
+        with self.hardware.lock:
+            return self._add(device_uuid, pid, used_memory_mib)
+
+    def _add(self, device_uuid: str, pid: int | None, used_memory_mib: int | None,
+             server: MpsServerState | None = None) -> dict[str, Any]:
+        """Add a process (under the hardware lock): plain, or a client of ``server``."""
         hw = self.hardware
-        with hw.lock:
-            try:
-                gpu, gi, _ = hw.find_device(device_uuid)
-            except KeyError:
-                raise NotFound(f"no GPU or MIG device {device_uuid!r} on this node",
-                               device=device_uuid) from None
-            if gi is None and gpu.mig_current:
-                devices = ", ".join(c.uuid for _, c in hw.mig_devices(gpu)) or "none yet"
-                raise _field_error("device", f"GPU {device_uuid} is in MIG mode; "
-                                   f"processes run on its MIG devices ({devices})")
-            if gpu.lost:
-                raise Conflict(f"GPU {gpu.uuid} is lost (XID 79); reset it first", gpu=gpu.uuid)
-            taken = {p.pid for p in hw.state.processes}
-            if pid is None:
-                pid = max([FIRST_AUTO_PID - 1, *taken]) + 1
-            pid = _positive_int(pid, "pid", minimum=1)
-            if pid in taken:
-                raise _field_error("pid", f"process {pid} already runs on this node")
-            memory = _positive_int(DEFAULT_PROCESS_MIB if used_memory_mib is None
-                                   else used_memory_mib, "used_memory_mib", minimum=0)
-            if gi is None:
-                free = self.preset.gpu.memory_mib - hw.memory_used_mib(gpu)
-            else:
-                free = hw.gi_profile(gi).memory_mib - hw.memory_used_mib(gpu, gi)
-            if memory > free:
-                raise _field_error("used_memory_mib",
-                                   f"{memory} MiB does not fit: {free} MiB free on {device_uuid}")
-            hw.settle_energy(gpu)
-            process = ProcessState(pid=pid, device_uuid=device_uuid, used_memory_mib=memory)
-            hw.state.processes.append(process)
-            hw.commit()
-            return self._describe_process(process)
+        hw.prune_mps()
+        try:
+            gpu, gi, _ = hw.find_device(device_uuid)
+        except KeyError:
+            raise NotFound(f"no GPU or MIG device {device_uuid!r} on this node",
+                           device=device_uuid) from None
+        if gi is None and gpu.mig_current:
+            devices = ", ".join(c.uuid for _, c in hw.mig_devices(gpu)) or "none yet"
+            raise _field_error("device", f"GPU {device_uuid} is in MIG mode; "
+                               f"processes run on its MIG devices ({devices})")
+        if gpu.lost:
+            raise Conflict(f"GPU {gpu.uuid} is lost (XID 79); reset it first", gpu=gpu.uuid)
+        taken = {p.pid for p in hw.state.processes} | {v.pid for v in hw.state.mps_servers}
+        if pid is None:
+            pid = max([FIRST_AUTO_PID - 1, *taken]) + 1
+        pid = _positive_int(pid, "pid", minimum=1)
+        if pid in taken:
+            raise _field_error("pid", f"process {pid} already runs on this node")
+        memory = _positive_int(DEFAULT_PROCESS_MIB if used_memory_mib is None
+                               else used_memory_mib, "used_memory_mib", minimum=0)
+        if server is None:
+            refused = hw.exclusivity(device_uuid, newcomer="other process")
+            if refused is not None:
+                raise Conflict(refused, gpu=gpu.uuid)
+        else:
+            self._check_mps_limits(server, device_uuid, memory)
+        if gi is None:
+            free = self.preset.gpu.memory_mib - hw.memory_used_mib(gpu)
+        else:
+            free = hw.gi_profile(gi).memory_mib - hw.memory_used_mib(gpu, gi)
+        if memory > free:
+            raise _field_error("used_memory_mib",
+                               f"{memory} MiB does not fit: {free} MiB free on {device_uuid}")
+        hw.settle_energy(gpu)
+        process = ProcessState(pid=pid, device_uuid=device_uuid, used_memory_mib=memory,
+                               mps_server=None if server is None else server.pid)
+        hw.state.processes.append(process)
+        hw.commit()
+        return self._describe_process(process)
+
+    def _check_mps_limits(self, server: MpsServerState, device_uuid: str, memory: int) -> None:
+        limit = server.pinned_limits_mib.get(device_uuid)
+        if limit is not None and memory > limit:
+            raise _field_error(
+                "used_memory_mib",
+                f"out of memory: allocating {memory} MiB exceeds the MPS pinned device memory "
+                f"limit of {limit} MiB on {device_uuid} (server {server.pid}, uid {server.uid})")
+        clients = [p for p in self.hardware.clients(server) if p.device_uuid == device_uuid]
+        if len(clients) >= MPS_CLIENTS_PER_DEVICE:
+            raise Conflict(f"MPS server {server.pid} already has {len(clients)} clients on "
+                           f"{device_uuid}, the most one device takes")
+
+    def _add_mps_client(self, device_uuid: str, pid: int | None, used_memory_mib: int | None,
+                        pipe_directory: str, uid: int) -> dict[str, Any]:
+        """Connect through the daemon's own socket (so it must be alive and serving that
+        pipe directory); the daemon hands the connection back to the driver. No lock is
+        held meanwhile: the daemon calls the driver socket to answer."""
+        uid = _positive_int(uid, "uid", minimum=0)
+        pipe = Path(pipe_directory)
+        try:
+            reply = wire.request(pipe / MPS_CONTROL_SOCKET, {"sim_client_connect": {
+                "device": device_uuid, "pid": pid, "used_memory_mib": used_memory_mib,
+                "uid": uid}}, timeout_s=MPS_TIMEOUT_S)
+        except (OSError, ValueError) as err:
+            raise _field_error("mps_pipe_directory",
+                               f"no MPS control daemon answers in {pipe_directory} "
+                               f"({type(err).__name__}: {err})") from None
+        record = raise_reply(reply).get("process")
+        if not isinstance(record, dict):
+            raise Conflict(f"the MPS control daemon in {pipe_directory} gave no answer")
+        return record
+
+    def _connect_mps_client(self, daemon_pid: int, request: dict[str, Any]) -> dict[str, Any]:
+        """The daemon's half of a client connection (driver thread, under the lock)."""
+        hw = self.hardware
+        daemon = self._live_daemon(daemon_pid)
+        device = request.get("device")
+        if not isinstance(device, str) or device not in daemon.devices:
+            raise _field_error("device", f"{device!r} is not a device of the MPS daemon in "
+                               f"{daemon.pipe_directory} (CUDA_VISIBLE_DEVICES="
+                               f"{','.join(daemon.devices)})")
+        uid = _positive_int(request.get("uid", 0), "uid", minimum=0)
+        server = self._server_for(daemon, uid)
+        try:
+            record = self._add(device, request.get("pid"), request.get("used_memory_mib"),
+                               server)
+        except BaseException:
+            if not hw.clients(server):  # started for this client only
+                hw.drop_server(server)
+                hw.commit()
+            raise
+        return {"process": record}
+
+    def _live_daemon(self, pid: int) -> MpsDaemonState:
+        self.hardware.prune_mps()
+        daemon = self.hardware.daemon(pid)
+        if daemon is None:
+            raise NotFound(f"no MPS control daemon {pid} is known to the simulated driver",
+                           pid=pid)
+        return daemon
+
+    def _server_for(self, daemon: MpsDaemonState, uid: int) -> MpsServerState:
+        """The daemon's server for ``uid``, started if need be: one user's server at a time,
+        so another user's server with clients makes the new user wait (refused here)."""
+        hw = self.hardware
+        servers = [v for v in hw.state.mps_servers if v.daemon_pid == daemon.pid]
+        mine = next((v for v in servers if v.uid == uid), None)
+        if mine is not None:
+            return mine
+        for other in servers:
+            if hw.clients(other):
+                raise Conflict(
+                    f"the MPS server of uid {other.uid} (pid {other.pid}) has clients: a "
+                    f"client of uid {uid} would wait until they all exit (MPS serves one "
+                    "user at a time)")
+        for other in servers:  # idle: the daemon shuts it down for the new user
+            hw.drop_server(other)
+        for device in daemon.devices:
+            refused = hw.exclusivity(device, newcomer="second MPS server")
+            if refused is not None:
+                raise Conflict(refused)
+        server = MpsServerState(
+            pid=hw.next_pid(), daemon_pid=daemon.pid, uid=uid, devices=list(daemon.devices),
+            active_thread_percentage=DEFAULT_THREAD_PERCENTAGE
+            if daemon.active_thread_percentage is None else daemon.active_thread_percentage,
+            pinned_limits_mib=dict(daemon.pinned_limits_mib))
+        hw.state.mps_servers.append(server)
+        hw.commit()
+        return server
 
     def remove_process(self, pid: int) -> None:
         """End a fake process (as if it exited)."""
@@ -156,11 +317,20 @@ class SimulatedNode:
             hw.commit()
 
     def _describe_process(self, process: ProcessState) -> dict[str, Any]:
-        gpu, gi, ci = self.hardware.find_device(process.device_uuid)
+        hw = self.hardware
+        gpu, gi, ci = hw.find_device(process.device_uuid)
+        server = None if process.mps_server is None else hw.server(process.mps_server)
+        daemon = None if server is None else hw.daemon(server.daemon_pid)
+        mps = None if server is None else {
+            "server": server.pid, "uid": server.uid, "daemon": server.daemon_pid,
+            "pipe_directory": daemon.pipe_directory if daemon is not None else None,
+            "active_thread_percentage": server.active_thread_percentage,
+            "pinned_limit_mib": server.pinned_limits_mib.get(process.device_uuid)}
         return {"pid": process.pid, "device": process.device_uuid, "gpu_uuid": gpu.uuid,
                 "gpu_index": gpu.index, "used_memory_mib": process.used_memory_mib,
                 "gpu_instance_id": gi.id if gi is not None else None,
-                "compute_instance_id": ci.id if ci is not None else None}
+                "compute_instance_id": ci.id if ci is not None else None,
+                "mps": mps}
 
     # -- faults and latency ----------------------------------------------------------------
 
@@ -245,7 +415,10 @@ class SimulatedNode:
         hw = self.hardware
         with hw.lock:
             gpu = self._whole_gpu(gpu_uuid)
-            busy = [p.process.pid for p in hw.placed_processes(gpu)]
+            hw.prune_mps()
+            devices = {gpu.uuid} | {ci.uuid for _, ci in hw.mig_devices(gpu)}
+            busy = [p.process.pid for p in hw.placed_processes(gpu)] + [
+                v.pid for v in hw.servers_on(devices)]
             if busy:
                 raise ProcessesRunning(f"GPU {gpu_uuid} is in use by processes {busy}; a reset "
                                        "needs an idle GPU", gpu=gpu_uuid, pids=busy)
@@ -257,11 +430,13 @@ class SimulatedNode:
         new boot id). Running processes block it unless ``kill_processes`` (a reboot)."""
         hw = self.hardware
         with hw.lock:
-            busy = [p.pid for p in hw.state.processes]
+            hw.prune_mps()
+            busy = [p.pid for p in hw.state.processes] + [v.pid for v in hw.state.mps_servers]
             if busy and not kill_processes:
                 raise ProcessesRunning(
                     f"processes {busy} hold the GPUs; the driver cannot be unloaded", pids=busy)
             hw.state.processes.clear()
+            hw.state.mps_servers.clear()
             hw.reload_driver()
             hw.commit()
             procfs.write_boot_id(self.proc_root, hw.state.boot_id)
@@ -271,13 +446,195 @@ class SimulatedNode:
     def describe(self) -> dict[str, Any]:
         hw = self.hardware
         with hw.lock:
+            hw.prune_mps()
             return {
                 "preset": self.preset.name,
                 "presets": list(preset_names()),
                 "boot_id": hw.state.boot_id,
                 "gpus": hw.describe_gpus(),
                 "processes": [self._describe_process(p) for p in hw.state.processes],
+                "mps_daemons": self._describe_daemons(),
                 "faults": hw.faults.describe(),
                 "latencies": dict(hw.latencies),
                 "calls": dict(sorted(hw.calls.items())),
             }
+
+    def _describe_daemons(self) -> list[dict[str, Any]]:
+        hw = self.hardware
+        return [{
+            "pid": d.pid, "pipe_directory": d.pipe_directory, "log_directory": d.log_directory,
+            "devices": list(d.devices),
+            "defaults": {"active_thread_percentage": d.active_thread_percentage,
+                         "pinned_limits_mib": dict(d.pinned_limits_mib)},
+            "servers": [{
+                "pid": v.pid, "uid": v.uid, "devices": list(v.devices),
+                "active_thread_percentage": v.active_thread_percentage,
+                "pinned_limits_mib": dict(v.pinned_limits_mib),
+                "clients": [{"pid": p.pid, "device": p.device_uuid,
+                             "used_memory_mib": p.used_memory_mib} for p in hw.clients(v)],
+            } for v in hw.state.mps_servers if v.daemon_pid == d.pid],
+        } for d in hw.state.mps_daemons]
+
+    # -- the driver socket (simulated nvidia-smi and nvidia-cuda-mps-control) -------------
+
+    def _driver_request(self, message: dict[str, Any]) -> dict[str, Any]:
+        """One request of a simulated tool (driver thread); AgentErrors become replies."""
+        op = message.get("op")
+        handler = {
+            "tool": self._tool_call, "set_compute_mode": self._tool_compute_mode,
+            "set_timeslice": self._tool_timeslice, "mps_daemon_start": self._daemon_start,
+            "mps_daemon_update": self._daemon_update, "mps_daemon_quit": self._daemon_quit,
+            "mps_query": self._daemon_query, "mps_start_server": self._daemon_start_server,
+            "mps_client_connect": self._daemon_client_connect,
+        }.get(op if isinstance(op, str) else "")
+        if handler is None:
+            raise _field_error("op", f"unknown simulated driver request {op!r}")
+        with self.hardware.lock:
+            if self._closed:
+                raise Conflict("the simulated node is closed")
+            return handler(message)
+
+    def _tool_call(self, message: dict[str, Any]) -> dict[str, Any]:
+        """A tool starts: count it, fire a matching fault (the message it fails with), and
+        say how long it should take (its latency)."""
+        hw = self.hardware
+        tool = message.get("tool")
+        if tool not in TOOL_FUNCTIONS:
+            raise _field_error("tool", f"{tool!r} is not a simulated tool")
+        assert isinstance(tool, str)
+        gpu = None
+        device = message.get("device")
+        if isinstance(device, str):
+            found = self._find(device)
+            gpu = None if found is None else found[0].uuid
+        hw.calls[tool] += 1
+        fault = hw.faults.match(tool, gpu)
+        return {"fail": None if fault is None else fault.error,
+                "latency_s": hw.latencies.get(tool, 0.0)}
+
+    def _find(self, ref: str) -> tuple[GpuState, CiState | None] | None:
+        """A device as nvidia-smi's ``-i`` takes it: index, UUID (GPU or MIG), PCI bus id."""
+        hw = self.hardware
+        if ref.isdigit() and int(ref) < len(hw.state.gpus):
+            return hw.gpu(int(ref)), None
+        try:
+            gpu, _, ci = hw.find_device(ref)
+            return gpu, ci
+        except KeyError:
+            pass
+        wanted = ref.upper()[-12:]
+        gpu_found = next((g for g in hw.state.gpus if hw.bus_id(g)[-12:] == wanted), None)
+        return None if gpu_found is None else (gpu_found, None)
+
+    def _tool_device(self, message: dict[str, Any]) -> tuple[GpuState, CiState | None]:
+        ref = message.get("device")
+        found = self._find(ref) if isinstance(ref, str) else None
+        if found is None:
+            raise NotFound(f"No devices were found matching {ref!r}")
+        if found[0].lost:
+            raise Conflict(f"GPU {self.hardware.bus_id(found[0])}: Unable to determine the "
+                           "device handle: GPU is lost")
+        return found
+
+    def _tool_compute_mode(self, message: dict[str, Any]) -> dict[str, Any]:
+        hw = self.hardware
+        gpu, ci = self._tool_device(message)
+        mode = message.get("mode")
+        if mode not in COMPUTE_MODE_NAMES:
+            raise _field_error("mode", f"{mode!r} is not a compute mode")
+        assert isinstance(mode, int)
+        if ci is None and gpu.mig_current:
+            raise Conflict(f"Setting compute mode for GPU {hw.bus_id(gpu)} is not supported "
+                           "while MIG is enabled: set it on its MIG devices")
+        name = COMPUTE_MODE_NAMES[mode]
+        where = (f"MIG device {ci.uuid} of GPU {hw.bus_id(gpu)}" if ci is not None
+                 else f"GPU {hw.bus_id(gpu)}")
+        if hw.compute_mode(gpu, ci) == mode:
+            return {"output": f"Compute mode is already set to {name} for {where}."}
+        hw.set_compute_mode(gpu, ci, mode)
+        return {"output": f"Set compute mode to {name} for {where}."}
+
+    def _tool_timeslice(self, message: dict[str, Any]) -> dict[str, Any]:
+        hw = self.hardware
+        gpu, ci = self._tool_device(message)
+        value = message.get("value")
+        if isinstance(value, bool) or value not in (0, 1, 2, 3):
+            raise _field_error("value", f"{value!r} is not a time slice (0-3)")
+        assert isinstance(value, int)
+        if ci is not None or gpu.mig_current:
+            raise Conflict(f"Setting the timeslice for {ci.uuid if ci else hw.bus_id(gpu)} "
+                           "is not supported on MIG devices")
+        if gpu.timeslice != value:
+            gpu.timeslice = value
+            hw.commit()
+        return {"output": f"Set timeslice to {value} for GPU {hw.bus_id(gpu)}."}
+
+    def _daemon_start(self, message: dict[str, Any]) -> dict[str, Any]:
+        """A control daemon announces itself (before its ``-d`` parent exits)."""
+        hw = self.hardware
+        hw.prune_mps()
+        pid = _positive_int(message.get("pid"), "pid", minimum=1)
+        start_time = process_start_time(pid)
+        if start_time is None:
+            raise NotFound(f"process {pid} does not run", pid=pid)
+        pipe = str(message.get("pipe_directory"))
+        if any(d.pipe_directory == pipe for d in hw.state.mps_daemons):
+            raise Conflict(f"An instance of this daemon is already running in {pipe}")
+        devices = message.get("devices")
+        if devices is None:
+            listed = [g.uuid for g in hw.state.gpus]
+        elif isinstance(devices, list) and all(isinstance(d, str) for d in devices):
+            listed = [d for d in devices if d]
+        else:
+            raise _field_error("devices", "must be a list of device UUIDs")
+        unknown = [d for d in listed if self._find(d) is None]
+        if unknown:
+            raise _field_error("devices", f"CUDA_VISIBLE_DEVICES names no device here: "
+                               f"{', '.join(unknown)}")
+        uuids = []
+        for ref in listed:
+            found = self._find(ref)
+            assert found is not None
+            uuids.append(found[1].uuid if found[1] is not None else found[0].uuid)
+        hw.state.mps_daemons.append(MpsDaemonState(
+            pid=pid, start_time=start_time, pipe_directory=pipe,
+            log_directory=str(message.get("log_directory")), devices=uuids))
+        hw.commit()
+        return {"devices": uuids}
+
+    def _daemon_update(self, message: dict[str, Any]) -> dict[str, Any]:
+        hw = self.hardware
+        daemon = self._live_daemon(_positive_int(message.get("pid"), "pid", minimum=1))
+        pct = message.get("active_thread_percentage")
+        limits = message.get("pinned_limits_mib")
+        daemon.active_thread_percentage = None if pct is None else int(pct)
+        daemon.pinned_limits_mib = ({str(k): int(v) for k, v in limits.items()}
+                                    if isinstance(limits, dict) else {})
+        hw.commit()
+        return {}
+
+    def _daemon_quit(self, message: dict[str, Any]) -> dict[str, Any]:
+        hw = self.hardware
+        daemon = hw.daemon(_positive_int(message.get("pid"), "pid", minimum=1))
+        if daemon is not None:
+            hw.drop_daemon(daemon)
+            hw.commit()
+        return {}
+
+    def _daemon_query(self, message: dict[str, Any]) -> dict[str, Any]:
+        daemon = self._live_daemon(_positive_int(message.get("pid"), "pid", minimum=1))
+        described = next(d for d in self._describe_daemons() if d["pid"] == daemon.pid)
+        return {"servers": described["servers"]}
+
+    def _daemon_start_server(self, message: dict[str, Any]) -> dict[str, Any]:
+        daemon = self._live_daemon(_positive_int(message.get("pid"), "pid", minimum=1))
+        server = self._server_for(daemon, _positive_int(message.get("uid"), "uid", minimum=0))
+        return {"server": server.pid}
+
+    def _daemon_client_connect(self, message: dict[str, Any]) -> dict[str, Any]:
+        request = message.get("client")
+        if not isinstance(request, dict):
+            raise _field_error("client", "must be an object")
+        return self._connect_mps_client(
+            _positive_int(message.get("pid"), "pid", minimum=1), request)
+

@@ -633,18 +633,41 @@ class SimulatedNvml:
         self._telemetry_gpu(handle)
         return self._hw.model.pcie_width
 
-    def _processes(self, handle: Any) -> list[Any]:
+    def _process_info(self, pid: int, used_mib: int, gi: GiState | None,
+                      ci: CiState | None) -> Any:
+        info = pynvml.c_nvmlProcessInfo_v2_t()
+        info.pid = pid
+        info.usedGpuMemory = used_mib * _MIB
+        info.gpuInstanceId = gi.id if gi is not None else NO_INSTANCE
+        info.computeInstanceId = ci.id if ci is not None else NO_INSTANCE
+        return pynvml.nvmlStructToFriendlyObject(info)
+
+    def _processes(self, handle: Any, *, mps_clients: bool = False) -> list[Any]:
+        """Compute processes on a device: plain ones and MPS servers (a server's memory is
+        its clients' on that device, as NVML attributes client work to the server); with
+        ``mps_clients``, the MPS clients instead."""
         gpu, _, ci = self._device(handle)
+        hw = self._hw
+        hw.prune_mps()
         found = []
-        for placed in self._hw.placed_processes(gpu):
-            if ci is not None and placed.ci is not ci:
-                continue
-            info = pynvml.c_nvmlProcessInfo_v2_t()
-            info.pid = placed.process.pid
-            info.usedGpuMemory = placed.process.used_memory_mib * _MIB
-            info.gpuInstanceId = placed.gi.id if placed.gi is not None else NO_INSTANCE
-            info.computeInstanceId = placed.ci.id if placed.ci is not None else NO_INSTANCE
-            found.append(pynvml.nvmlStructToFriendlyObject(info))
+        placed = [p for p in hw.placed_processes(gpu) if ci is None or p.ci is ci]
+        for p in placed:
+            if (p.process.mps_server is not None) == mps_clients:
+                found.append(self._process_info(p.process.pid, p.process.used_memory_mib,
+                                                p.gi, p.ci))
+        if mps_clients:
+            return found
+        devices: dict[str, tuple[GiState | None, CiState | None]] = (
+            {gpu.uuid: (None, None)} if ci is None else {})
+        devices.update({c.uuid: (g, c) for g, c in hw.mig_devices(gpu)
+                        if ci is None or c is ci})
+        for server in hw.servers_on(set(devices)):
+            for device in server.devices:
+                if device not in devices:
+                    continue
+                used = sum(p.used_memory_mib for p in hw.clients(server)
+                           if p.device_uuid == device)
+                found.append(self._process_info(server.pid, used, *devices[device]))
         return found
 
     @_nvml
@@ -657,6 +680,27 @@ class SimulatedNvml:
 
     nvmlDeviceGetComputeRunningProcesses = _alias("nvmlDeviceGetComputeRunningProcesses",
                                                   "nvmlDeviceGetComputeRunningProcesses_v3")
+
+    @_nvml
+    def nvmlDeviceGetMPSComputeRunningProcesses_v3(self, handle: Any) -> list[Any]:
+        return self._processes(handle, mps_clients=True)
+
+    @_nvml
+    def nvmlDeviceGetMPSComputeRunningProcesses_v2(self, handle: Any) -> list[Any]:
+        return self._processes(handle, mps_clients=True)
+
+    nvmlDeviceGetMPSComputeRunningProcesses = _alias(
+        "nvmlDeviceGetMPSComputeRunningProcesses", "nvmlDeviceGetMPSComputeRunningProcesses_v3")
+
+    @_nvml
+    def nvmlDeviceGetComputeMode(self, handle: Any) -> int:
+        gpu, _, ci = self._device(handle)
+        return self._hw.compute_mode(gpu, ci)
+
+    @_nvml
+    def nvmlDeviceSetComputeMode(self, handle: Any, mode: int) -> None:
+        gpu, _, ci = self._device(handle)
+        self._hw.set_compute_mode(gpu, ci, int(mode))
 
     @_nvml
     def nvmlDeviceGetAttributes_v2(self, device: Any) -> Any:

@@ -1,7 +1,8 @@
 """The simulated node's hardware state, and its file ``<state_dir>/sim/hardware.json``.
 
 What survives a restart of the agent (and of the simulator with it) is what survives one on a
-real node: GPUs, MIG modes, GPU and compute instances, running processes, lost GPUs. Faults,
+real node: GPUs, MIG modes, GPU and compute instances, running processes, lost GPUs, compute
+modes and time slices, MPS control daemons (they outlive the agent) and their servers. Faults,
 latencies and call counters are runtime-only and live elsewhere.
 
 The file is a durable envelope (:mod:`agent.durable`); files from before it (one JSON
@@ -89,6 +90,12 @@ class GpuState:
     remapped_uncorrectable: int = 0
     remap_failed: bool = False
     """Row-remapping state, kept in the InfoROM on real boards: it survives everything."""
+    compute_mode: int = 0
+    """NVML compute mode (``nvidia-smi -c``); a GPU reset or driver reload sets DEFAULT."""
+    timeslice: int = 0
+    """``nvidia-smi compute-policy --set-timeslice`` value (0 Default .. 3 Long)."""
+    mig_compute_modes: dict[str, int] = field(default_factory=dict)
+    """MIG device UUID -> compute mode: with MIG on, the mode is a MIG device's own."""
 
 
 @dataclass(eq=False)
@@ -97,6 +104,34 @@ class ProcessState:
     device_uuid: str
     """GPU UUID (MIG off) or MIG device UUID the process runs on."""
     used_memory_mib: int
+    mps_server: int | None = None
+    """The pid of the MPS server this process is a client of (None: a plain process)."""
+
+
+@dataclass(eq=False)
+class MpsDaemonState:
+    """A running simulated ``nvidia-cuda-mps-control -d`` as the driver knows it."""
+
+    pid: int
+    start_time: str
+    """The process's start time (``/proc/<pid>/stat``), so a reused pid is not taken for it."""
+    pipe_directory: str
+    log_directory: str
+    devices: list[str]
+    active_thread_percentage: int | None = None
+    pinned_limits_mib: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class MpsServerState:
+    """An MPS server a daemon started for one user ID, with the defaults it started with."""
+
+    pid: int
+    daemon_pid: int
+    uid: int
+    devices: list[str]
+    active_thread_percentage: int
+    pinned_limits_mib: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -108,6 +143,8 @@ class HardwareState:
     processes: list[ProcessState] = field(default_factory=list)
     mig_serial: int = 0
     """Counts compute instances ever created, so a re-created one gets a new MIG UUID."""
+    mps_daemons: list[MpsDaemonState] = field(default_factory=list)
+    mps_servers: list[MpsServerState] = field(default_factory=list)
 
     @classmethod
     def new(cls, preset: Preset) -> HardwareState:
@@ -136,6 +173,9 @@ class HardwareState:
                 "remapped_rows": {"correctable": g.remapped_correctable,
                                   "uncorrectable": g.remapped_uncorrectable,
                                   "failed": g.remap_failed},
+                "compute_mode": g.compute_mode,
+                "timeslice": g.timeslice,
+                "mig_compute_modes": dict(g.mig_compute_modes),
                 "gpu_instances": [{
                     "id": gi.id, "profile_id": gi.profile_id, "start": gi.start,
                     "size": gi.size,
@@ -146,7 +186,21 @@ class HardwareState:
                 } for gi in g.gpu_instances],
             } for g in self.gpus],
             "processes": [{"pid": p.pid, "device_uuid": p.device_uuid,
-                           "used_memory_mib": p.used_memory_mib} for p in self.processes],
+                           "used_memory_mib": p.used_memory_mib,
+                           **({"mps_server": p.mps_server} if p.mps_server is not None
+                              else {})} for p in self.processes],
+            "mps_daemons": [{
+                "pid": d.pid, "start_time": d.start_time, "pipe_directory": d.pipe_directory,
+                "log_directory": d.log_directory, "devices": list(d.devices),
+                "active_thread_percentage": d.active_thread_percentage,
+                "pinned_limits_mib": dict(d.pinned_limits_mib),
+            } for d in self.mps_daemons],
+            "mps_servers": [{
+                "pid": v.pid, "daemon_pid": v.daemon_pid, "uid": v.uid,
+                "devices": list(v.devices),
+                "active_thread_percentage": v.active_thread_percentage,
+                "pinned_limits_mib": dict(v.pinned_limits_mib),
+            } for v in self.mps_servers],
         }
 
     @classmethod
@@ -162,6 +216,10 @@ class HardwareState:
             remapped_correctable=int(g.get("remapped_rows", {}).get("correctable", 0)),
             remapped_uncorrectable=int(g.get("remapped_rows", {}).get("uncorrectable", 0)),
             remap_failed=bool(g.get("remapped_rows", {}).get("failed", False)),
+            compute_mode=int(g.get("compute_mode", 0)),
+            timeslice=int(g.get("timeslice", 0)),
+            mig_compute_modes={str(k): int(v)
+                               for k, v in dict(g.get("mig_compute_modes", {})).items()},
             gpu_instances=[GiState(
                 id=int(gi["id"]), profile_id=int(gi["profile_id"]), start=int(gi["start"]),
                 size=int(gi["size"]),
@@ -172,10 +230,29 @@ class HardwareState:
             ) for gi in g["gpu_instances"]],
         ) for g in data["gpus"]]
         return cls(preset=preset, seed=seed, boot_id=str(data["boot_id"]), gpus=gpus,
-                   processes=[ProcessState(pid=int(p["pid"]), device_uuid=str(p["device_uuid"]),
-                                           used_memory_mib=int(p["used_memory_mib"]))
-                              for p in data["processes"]],
-                   mig_serial=int(data.get("mig_serial", 0)))
+                   processes=[ProcessState(
+                       pid=int(p["pid"]), device_uuid=str(p["device_uuid"]),
+                       used_memory_mib=int(p["used_memory_mib"]),
+                       mps_server=None if p.get("mps_server") is None
+                       else int(p["mps_server"])) for p in data["processes"]],
+                   mig_serial=int(data.get("mig_serial", 0)),
+                   mps_daemons=[MpsDaemonState(
+                       pid=int(d["pid"]), start_time=str(d["start_time"]),
+                       pipe_directory=str(d["pipe_directory"]),
+                       log_directory=str(d["log_directory"]),
+                       devices=[str(x) for x in d["devices"]],
+                       active_thread_percentage=None if d.get("active_thread_percentage")
+                       is None else int(d["active_thread_percentage"]),
+                       pinned_limits_mib={str(k): int(v) for k, v
+                                          in dict(d.get("pinned_limits_mib", {})).items()},
+                   ) for d in data.get("mps_daemons", [])],
+                   mps_servers=[MpsServerState(
+                       pid=int(v["pid"]), daemon_pid=int(v["daemon_pid"]), uid=int(v["uid"]),
+                       devices=[str(x) for x in v["devices"]],
+                       active_thread_percentage=int(v["active_thread_percentage"]),
+                       pinned_limits_mib={str(k): int(n) for k, n
+                                          in dict(v.get("pinned_limits_mib", {})).items()},
+                   ) for v in data.get("mps_servers", [])])
 
 
 def check_consistent(state: HardwareState, preset: Preset) -> None:

@@ -1,0 +1,99 @@
+"""Starting MPS control daemons through ``gpu-agent mps-host`` (``HostLauncher``).
+
+The host is a process of its own (a DaemonSet of its own, or its own systemd unit), so a
+daemon it starts lives in its cgroup and outlives an agent restart, however the runtime
+kills the agent. Only the start goes through it; commands and ``quit`` reach a daemon
+through its pipe directory as before. Wire format: ``agent/mpshost/protocol.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from agent.errors import SharingUnavailable
+from agent.gpu.mps_direct import DirectLauncher
+from agent.gpu.mps_launch import LaunchResult, MpsLauncher
+from agent.mpshost import protocol
+
+TOOL = "mps-host"
+
+
+class HostLauncher:
+    """Asks the MPS host on ``socket_path`` to run each start."""
+
+    def __init__(self, socket_path: Path, *, connect_timeout_s: float = 5.0) -> None:
+        self.socket_path = socket_path
+        self.connect_timeout_s = connect_timeout_s
+
+    async def launch(self, argv: Sequence[str], env: Mapping[str, str], *,
+                     timeout_s: float) -> LaunchResult:
+        """Have the host run ``argv`` with ``env``; how the start exited. SharingUnavailable,
+        naming the socket, when the host is unreachable, refuses, or cannot run it."""
+        reply = await self._exchange(
+            {"op": "launch", "argv": list(argv), "env": dict(env), "timeout_s": timeout_s},
+            timeout_s=timeout_s + self.connect_timeout_s)
+        code = reply.get("returncode")
+        output = reply.get("output", "")
+        if not isinstance(code, int) or not isinstance(output, str):
+            raise self._error("answered a launch without returncode/output")
+        return LaunchResult(returncode=code, output=output)
+
+    async def ping(self) -> dict[str, Any]:
+        """The host's answer to ``ping`` (its MPS binary and root); SharingUnavailable when
+        it is not there."""
+        return await self._exchange({"op": "ping"}, timeout_s=self.connect_timeout_s)
+
+    def describe(self) -> str:
+        """Where daemons run: in the MPS host's cgroup."""
+        return (f"mps-host unix:{self.socket_path}: daemons run in the MPS host's cgroup and "
+                "outlive agent restarts")
+
+    async def _exchange(self, request: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+        try:
+            line = protocol.encode(request)
+        except protocol.ProtocolError as err:
+            raise self._error(f"request too large: {err}") from err
+        try:
+            reply = await asyncio.wait_for(self._round_trip(line), timeout_s)
+        except TimeoutError:
+            raise self._error(f"no answer within {timeout_s:g} s", reason="timeout") from None
+        except (OSError, protocol.ProtocolError) as err:
+            raise self._error(f"unreachable: {err}", reason="unreachable") from err
+        if reply.get("v") != protocol.VERSION:
+            raise self._error(f"speaks protocol version {reply.get('v')!r}, not "
+                              f"{protocol.VERSION}", reason="version")
+        if reply.get("ok") is not True:
+            kind = str(reply.get("error", "failed"))
+            field = reply.get("field")
+            what = f"{kind}{f' ({field})' if field else ''}: {reply.get('reason', '')}"
+            raise self._error(what, reason=what)
+        return reply
+
+    async def _round_trip(self, line: bytes) -> dict[str, Any]:
+        reader, writer = await asyncio.open_unix_connection(
+            str(self.socket_path), limit=protocol.MAX_LINE)
+        try:
+            writer.write(line)
+            await writer.drain()
+            try:
+                answer = await reader.readline()
+            except ValueError as err:  # past the stream's limit
+                raise protocol.ProtocolError(str(err)) from err
+            if not answer:
+                raise protocol.ProtocolError("closed without an answer")
+            return protocol.decode(answer)
+        finally:
+            writer.close()
+
+    def _error(self, what: str, *, reason: str | None = None) -> SharingUnavailable:
+        return SharingUnavailable(f"MPS host on {self.socket_path}: {what}", tool=TOOL,
+                                  reason=reason or what)
+
+
+def launcher_for(socket_path: Path | None) -> MpsLauncher:
+    """The launcher the settings ask for: the MPS host on ``socket_path``
+    (``--mps-host-socket``), or, without one, the agent itself (development only)."""
+    return HostLauncher(socket_path) if socket_path is not None else DirectLauncher()

@@ -1,0 +1,256 @@
+"""``gpu-agent mps-host``: the long-lived process that starts MPS control daemons for the
+agent, so that they live in its cgroup rather than the agent's and outlive agent restarts.
+
+It listens on a Unix socket (mode 0660 with ``--socket-group``, else 0600), answers only
+root, its own user and members of the socket's group (``SO_PEERCRED``, and the peer's
+supplementary groups from ``/proc``), checks each launch
+against :class:`~agent.mpshost.policy.LaunchPolicy` and runs it with
+:class:`~agent.gpu.mps_direct.DirectLauncher`. Everything else about a daemon (its commands,
+``quit``) the agent does itself through the pipe directory. On SIGTERM it stops accepting,
+lets the launches in flight finish, removes its socket and exits; it never stops a daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import logging
+import os
+import signal
+import socket
+import stat
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agent.errors import AgentError
+from agent.gpu.mps_direct import DirectLauncher
+from agent.mpshost import protocol
+from agent.mpshost.policy import LaunchPolicy, Refused
+
+log = logging.getLogger("agent.mpshost")
+
+#: Connections served at once; more wait in the listen backlog.
+MAX_CONNECTIONS = 16
+#: Launches run at once (each is a short-lived ``-d`` parent).
+MAX_LAUNCHES = 4
+#: How long SIGTERM waits for launches in flight.
+DRAIN_S = 20.0
+_SELINUX_XATTR = "security.selinux"
+
+
+@dataclass(frozen=True)
+class Peer:
+    pid: int
+    uid: int
+    gid: int
+
+
+def peer_of(sock: socket.socket) -> Peer:
+    """The connecting process's credentials, as the kernel recorded them at connect()."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return Peer(pid, uid, gid)
+
+
+def group_id(group: str) -> int:
+    """A group name or number as its gid; ValueError when there is no such group."""
+    if group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError as err:
+        raise ValueError(f"no group {group!r}") from err
+
+
+class MpsHost:
+    """The server: bind with :meth:`start`, then :meth:`serve` until ``stop`` is set."""
+
+    def __init__(self, policy: LaunchPolicy, *, socket_path: Path, socket_group: int | None,
+                 selinux_context: str | None = None,
+                 launcher: DirectLauncher | None = None) -> None:
+        self.policy = policy
+        self.socket_path = socket_path
+        self.socket_group = socket_group
+        self.selinux_context = selinux_context
+        self._launcher = launcher or DirectLauncher()
+        self._server: asyncio.AbstractServer | None = None
+        self._connections = asyncio.Semaphore(MAX_CONNECTIONS)
+        self._launches = asyncio.Semaphore(MAX_LAUNCHES)
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    async def start(self) -> None:
+        """Bind the socket. A stale socket file is replaced; one that a running host answers
+        on is not (AgentError: two hosts would race for the same daemons)."""
+        path = self.socket_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists() or path.is_symlink():
+            if not stat.S_ISSOCK(path.lstat().st_mode):
+                raise AgentError(f"{path} exists and is not a socket")
+            if await _answers(path):
+                raise AgentError(f"another mps-host answers on {path}")
+            path.unlink()
+        # Bind under a umask that leaves no moment of a wider mode.
+        old = os.umask(0o177)
+        try:
+            self._server = await asyncio.start_unix_server(
+                self._accept, path=str(path), limit=protocol.MAX_LINE)
+        finally:
+            os.umask(old)
+        if self.socket_group is not None:
+            os.chown(path, -1, self.socket_group)
+            os.chmod(path, 0o660)
+        log.info("mps-host listening", extra={
+            "socket": str(path), "socket_group": self.socket_group, **self.policy.describe()})
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        """Serve until ``stop``; then stop accepting, drain, remove the socket."""
+        assert self._server is not None, "start() first"
+        await stop.wait()
+        self._server.close()
+        log.info("mps-host stopping: no new connections; daemons keep running",
+                 extra={"in_flight": len(self._tasks)})
+        if self._tasks:
+            _, pending = await asyncio.wait(self._tasks, timeout=DRAIN_S)
+            for task in pending:
+                task.cancel()
+        await self._server.wait_closed()
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+        log.info("mps-host stopped")
+
+    async def _accept(self, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            async with self._connections:
+                reply = await self._answer(reader, writer)
+                writer.write(protocol.encode(reply))
+                with contextlib.suppress(ConnectionError):
+                    await asyncio.wait_for(writer.drain(), protocol.READ_TIMEOUT_S)
+        except (ConnectionError, TimeoutError, protocol.ProtocolError) as err:
+            log.warning("mps-host connection dropped", extra={"reason": str(err)})
+        finally:
+            self._tasks.discard(task)
+            writer.close()
+
+    async def _answer(self, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> dict[str, Any]:
+        peer = peer_of(writer.get_extra_info("socket"))
+        try:
+            # The line is read (bounded) before the peer is judged, so that a refused peer
+            # gets its answer instead of a reset for unread data.
+            line = await asyncio.wait_for(reader.readline(), protocol.READ_TIMEOUT_S)
+            if not self._allowed(peer):
+                log.warning("mps-host refused a peer", extra={
+                    "peer_pid": peer.pid, "peer_uid": peer.uid, "peer_gid": peer.gid})
+                return protocol.refusal("forbidden", f"uid {peer.uid} gid {peer.gid} is "
+                                                     "neither root nor in the socket's group")
+            request = protocol.decode(line)
+        except TimeoutError:
+            return protocol.refusal("bad-request", "no request line within "
+                                                   f"{protocol.READ_TIMEOUT_S:g} s")
+        except protocol.ProtocolError as err:
+            return protocol.refusal("bad-request", f"request line: {err}")
+        except (ValueError, asyncio.LimitOverrunError):
+            # readline raises ValueError past the stream's limit (MAX_LINE).
+            return protocol.refusal("bad-request", f"request is not one JSON line of at "
+                                                   f"most {protocol.MAX_LINE} bytes")
+        if request.get("v") != protocol.VERSION:
+            return protocol.refusal("version", f"protocol version {request.get('v')!r} is "
+                                               f"not spoken here (only {protocol.VERSION})",
+                                    "v")
+        op = request.get("op")
+        if op == "ping":
+            return {"ok": True, **self.policy.describe()}
+        if op == "launch":
+            return await self._launch(request, peer)
+        return protocol.refusal("bad-request", f"unknown op {op!r} (ping, launch)", "op")
+
+    def _allowed(self, peer: Peer) -> bool:
+        if peer.uid in (0, os.getuid()):
+            return True
+        if self.socket_group is None:
+            return False
+        return peer.gid == self.socket_group or self.socket_group in _groups_of(peer.pid)
+
+    async def _launch(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        timeout_s = request.get("timeout_s", 15.0)
+        if not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool) \
+                or not 0 < timeout_s <= protocol.MAX_LAUNCH_TIMEOUT_S:
+            return protocol.refusal("bad-request", "must be a number of seconds in (0, "
+                                    f"{protocol.MAX_LAUNCH_TIMEOUT_S:g}]", "timeout_s")
+        try:
+            plan = self.policy.check(request.get("argv"), request.get("env"))
+        except Refused as err:
+            log.warning("mps-host refused a launch", extra={
+                "field": err.field, "reason": err.reason, "peer_pid": peer.pid})
+            return protocol.refusal("refused", err.reason, err.field)
+        try:
+            if self.selinux_context:
+                self._label(plan.pipe, plan.shm or plan.pipe.parent / "shm")
+            async with self._launches:
+                result = await self._launcher.launch(plan.argv, plan.env,
+                                                     timeout_s=float(timeout_s))
+        except (AgentError, OSError) as err:
+            reason = getattr(err, "detail", None) or str(err)
+            log.warning("mps-host launch failed", extra={"pipe": str(plan.pipe),
+                                                         "reason": reason})
+            return protocol.refusal("failed", reason)
+        log.info("mps daemon launched", extra={
+            "pipe": str(plan.pipe), "returncode": result.returncode,
+            "devices": plan.env.get("CUDA_VISIBLE_DEVICES", ""),
+            "private_shm": plan.shm is not None, "peer_pid": peer.pid})
+        return {"ok": True, "returncode": result.returncode, "output": result.output}
+
+    def _label(self, *paths: Path) -> None:
+        """Give the pipe and shm directories the SELinux context containers may use (the
+        daemon's sockets and files inherit it), before the daemon creates anything."""
+        assert self.selinux_context is not None
+        for path in paths:
+            if path.is_dir():
+                os.setxattr(path, _SELINUX_XATTR, self.selinux_context.encode())
+
+
+def _groups_of(pid: int) -> set[int]:
+    """The supplementary groups of process ``pid`` (none when it is gone): a member of the
+    socket's group through a supplementary group is a member too."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as status:
+            for line in status:
+                if line.startswith("Groups:"):
+                    return {int(g) for g in line.split()[1:]}
+    except OSError:
+        pass
+    return set()
+
+
+async def _answers(path: Path) -> bool:
+    """Whether a host answers ``ping`` on ``path`` (within a second)."""
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(str(path)), 1.0)
+    except (OSError, TimeoutError):
+        return False
+    try:
+        writer.write(protocol.encode({"op": "ping"}))
+        line = await asyncio.wait_for(reader.readline(), 1.0)
+        return bool(protocol.decode(line).get("ok"))
+    except (OSError, TimeoutError, protocol.ProtocolError):
+        return False
+    finally:
+        writer.close()
+
+
+async def run(host: MpsHost) -> int:
+    """Start ``host`` and serve it until SIGTERM or SIGINT; 0 on a clean stop."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await host.start()
+    await host.serve(stop)
+    return 0
