@@ -9,6 +9,8 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
 
 import agent
 from agent.claims.attribution import claim_attribution
@@ -21,6 +23,11 @@ from agent.errors import AgentError
 from agent.events import EventLog
 from agent.gpu.backend import Backend
 from agent.gpu.inventory import GpuInventory
+from agent.gpu.mps import MpsControl, mps_processes
+from agent.gpu.mps_direct import DirectLauncher
+from agent.gpu.mps_host_client import HostLauncher
+from agent.gpu.mps_launch import MpsLauncher
+from agent.gpu.nvidia_smi import NvidiaSmi
 from agent.gpu.session import NvmlSession
 from agent.gpu.sim.node import SimulatedNode
 from agent.gpu.xid import XidWatcher
@@ -208,7 +215,8 @@ def build_node(settings: Settings, backend: Backend, *,
                       or getattr(backend.sim, "dev_root", None)),
         tombstone_s=settings.claim_tombstone_s, run_dir=settings.run_dir,
         device_node_wait_s=settings.device_node_wait_s,
-        sharing=sharing or _sharing(settings, backend), dynamic_mig=settings.dynamic_mig)
+        sharing=sharing or _sharing(settings, backend, session),
+        dynamic_mig=settings.dynamic_mig)
     topology = TopologyService(session=session, inventory=inventory, sys_root=backend.sys_root,
                                ledger=ledger)
     slices = SliceService(inventory=inventory, topology=topology, ledger=ledger,
@@ -227,13 +235,27 @@ def build_node(settings: Settings, backend: Backend, *,
                 topology=topology, slices=slices, xids=xids, pods=pods)
 
 
-def _sharing(settings: Settings, backend: Backend) -> SharingRuntime:
-    """The sharing tools from settings. Until the hardware layer's ``NvidiaSmi`` and
-    ``MpsControl`` are wired here, none: every sharing request answers 503
-    sharing-unavailable before anything changes."""
-    del backend
+def _sharing(settings: Settings, backend: Backend, session: NvmlSession) -> SharingRuntime:
+    """The sharing tools from settings: ``nvidia-smi`` and ``nvidia-cuda-mps-control`` where
+    configured, else under ``<driver root or />/usr/bin`` (the simulator's tools with
+    ``--simulate``); daemons started by the MPS host (``--mps-host-socket``) when set, else by
+    the agent itself."""
+    sim_tools = getattr(backend.sim, "tools_dir", None)
+    default_dir = Path(sim_tools) if sim_tools is not None else \
+        (settings.driver_root or Path("/")) / "usr" / "bin"
+    launcher: MpsLauncher = HostLauncher(settings.mps_host_socket) \
+        if settings.mps_host_socket is not None else DirectLauncher()
     assert settings.mps_root is not None, "resolved settings always have one"
-    return SharingRuntime(nvidia_smi=None, mps=None, mps_root=settings.mps_root)
+
+    async def usage(device: str) -> dict[int, int]:
+        found = await session.read(partial(mps_processes, session, device))
+        return {p.pid: p.used_mib for p in found}
+
+    return SharingRuntime(
+        nvidia_smi=NvidiaSmi(settings.nvidia_smi or default_dir / "nvidia-smi"),
+        mps=MpsControl(settings.mps_control or default_dir / "nvidia-cuda-mps-control",
+                       launcher),
+        mps_root=settings.mps_root, usage=usage)
 
 
 def _pod_resources(settings: Settings, inventory: GpuInventory,

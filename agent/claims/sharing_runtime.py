@@ -2,9 +2,9 @@
 and the claim's MPS control daemon through ``nvidia-cuda-mps-control``.
 
 The hardware-layer tools (``agent/gpu/nvidia_smi.py: NvidiaSmi``, ``agent/gpu/mps.py:
-MpsControl``) are reached through the two protocols below, so this module depends only on
-their shape. The claims service owns the order (validate, reserve, record durably, then
-call :meth:`SharingRuntime.apply`) and the checkpoint; this module mutates only the
+MpsControl``) are reached through the two protocols below (tests play them with fakes).
+The claims service owns the order (validate, reserve, record durably, then call
+:meth:`SharingRuntime.apply`) and the checkpoint; this module mutates only the
 :class:`~agent.claims.checkpoint.ClaimRecord` it is handed (applied flags, daemon state),
 and every step is safe to repeat, so an undo or a start-up roll-back may run it again.
 """
@@ -13,41 +13,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Protocol
 
 from agent.claims.checkpoint import ClaimRecord, MpsDaemonRecord
 from agent.claims.sharing import SharingPlan, daemon_root
 from agent.errors import AgentError, SharingUnavailable
+from agent.gpu.mps import MpsDaemonSpec as DaemonSpec
+from agent.gpu.nvidia_smi import ComputeMode
 
 log = logging.getLogger("agent.claims.sharing")
 
-ComputeMode = Literal["DEFAULT", "EXCLUSIVE_PROCESS", "PROHIBITED"]
 NVIDIA_SMI, MPS_CONTROL = "nvidia-smi", "nvidia-cuda-mps-control"
-
-
-@dataclass(frozen=True)
-class DaemonSpec:
-    """One MPS control daemon, in the shape of ``agent.gpu.mps.MpsDaemonSpec`` (the lead
-    swaps this for that class when merging the hardware layer)."""
-
-    root: Path
-    devices: tuple[str, ...]
-    active_thread_percentage: int | None
-    pinned_limits_mib: Mapping[str, int] = field(default_factory=dict)
-
-    @property
-    def pipe(self) -> Path:
-        return self.root / "pipe"
-
-    @property
-    def log(self) -> Path:
-        return self.root / "log"
-
-    @property
-    def shm(self) -> Path:
-        return self.root / "shm"
 
 
 class ComputeTool(Protocol):
