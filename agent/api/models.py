@@ -105,6 +105,9 @@ class ShareHolderModel(BaseModel):
 class GpuSharesModel(BaseModel):
     capacity_mib: int = Field(description="Shareable memory: the total in whole GiB")
     left_mib: int
+    compute_mode: str | None = Field(default=None, description="DEFAULT (shares: several "
+                                     "daemons) or EXCLUSIVE_PROCESS (one claim's daemon), as "
+                                     "NVML reports it; null when unreadable")
     holders: list[ShareHolderModel]
 
 

@@ -179,7 +179,8 @@ async def test_gpus_show_share_holders_their_use_and_what_is_left(api: Api) -> N
     # The fake daemons' one client is pid 101; pid 999 belongs to nobody's daemon.
     api.tools.used[gpu["uuid"]] = {101: 3000, 999: 5000}
     status, gpu = await api.call("GET", "/v1/gpus/0")
-    assert gpu["shares"] == {"capacity_mib": 45056, "left_mib": 45056 - 30720, "holders": [
+    assert gpu["shares"] == {"capacity_mib": 45056, "left_mib": 45056 - 30720,
+                             "compute_mode": "DEFAULT", "holders": [
         {"claim": "a", "memory_mib": 10240, "share_id": "sa", "used_mib": 3000,
          "mps_state": "running"},
         {"claim": "b", "memory_mib": 20480, "share_id": "sb", "used_mib": 3000,

@@ -120,7 +120,7 @@ def test_four_10gib_shares_fit_an_l40s_and_a_fifth_is_refused(agent: AgentProces
     assert "4096 MiB left" in fifth.body["detail"]
     assert client(agent, uuid, pipes[0], 2048).status in (200, 201)
     shares = agent.request("GET", "/v1/gpus/0").body["shares"]
-    assert shares["left_mib"] == 4096
+    assert (shares["left_mib"], shares["compute_mode"]) == (4096, "DEFAULT")
     assert [h["claim"] for h in shares["holders"]] == [f"share-{n}" for n in range(4)]
     assert shares["holders"][0]["used_mib"] == 2048
 
