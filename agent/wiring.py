@@ -9,17 +9,25 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
 
 import agent
 from agent.claims.attribution import claim_attribution
 from agent.claims.cdi_writer import CdiWriter, agent_id
 from agent.claims.checkpoint import ClaimCheckpoint
 from agent.claims.service import ClaimService
+from agent.claims.sharing_runtime import SharingRuntime
 from agent.dra.service import SliceService
 from agent.errors import AgentError
 from agent.events import EventLog
 from agent.gpu.backend import Backend
 from agent.gpu.inventory import GpuInventory
+from agent.gpu.mps import MpsControl, mps_processes
+from agent.gpu.mps_direct import DirectLauncher
+from agent.gpu.mps_host_client import HostLauncher
+from agent.gpu.mps_launch import MpsLauncher
+from agent.gpu.nvidia_smi import NvidiaSmi
 from agent.gpu.session import NvmlSession
 from agent.gpu.sim.node import SimulatedNode
 from agent.gpu.xid import XidWatcher
@@ -40,6 +48,9 @@ log = logging.getLogger("agent.node")
 #: The deadline of one PodResources call to kubelet: a busy node's kubelet can take a second;
 #: the poller runs in its own task, so a slow answer delays only the next poll.
 POD_RESOURCES_TIMEOUT_S = 5.0
+#: How often the claims' MPS daemons are checked: a daemon that died is reported (event,
+#: claim ``mps.state``) within this long.
+MPS_SUPERVISE_INTERVAL_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -104,6 +115,8 @@ class Node:
         self.xids.start(gpu.static for gpu in self.inventory.gpus)
         self.publish_availability()
         self.tasks.append(asyncio.create_task(self._publish_availability()))
+        self.tasks.append(asyncio.create_task(
+            self.claims.supervise_daemons(MPS_SUPERVISE_INTERVAL_S)))
         # From here on mutations are served: in the same step as /readyz turns ready, so
         # nothing is acknowledged while the agent still reports itself not ready.
         self.readiness.reconciled = True
@@ -173,8 +186,10 @@ def _after_reset(session: NvmlSession, health: GpuHealth, uuid: str) -> None:
     health.clear(uuid, why="reset by --gpu-reset-command")
 
 
-def build_node(settings: Settings, backend: Backend) -> Node:
-    """The agent's services for ``settings`` over ``backend``, wired once."""
+def build_node(settings: Settings, backend: Backend, *,
+               sharing: SharingRuntime | None = None) -> Node:
+    """The agent's services for ``settings`` over ``backend``, wired once; ``sharing``
+    replaces the sharing tools built from settings (tests)."""
     metrics = AgentMetrics()
     metrics.set_build(version=agent.__version__, backend=backend.name)
     session = NvmlSession(backend.nvml, on_error=metrics.count_nvml_error)
@@ -199,7 +214,9 @@ def build_node(settings: Settings, backend: Backend) -> Node:
                       dev_root=settings.dev_root or backend.dev_root
                       or getattr(backend.sim, "dev_root", None)),
         tombstone_s=settings.claim_tombstone_s, run_dir=settings.run_dir,
-        device_node_wait_s=settings.device_node_wait_s)
+        device_node_wait_s=settings.device_node_wait_s,
+        sharing=sharing or _sharing(settings, backend, session),
+        dynamic_mig=settings.dynamic_mig)
     topology = TopologyService(session=session, inventory=inventory, sys_root=backend.sys_root,
                                ledger=ledger)
     slices = SliceService(inventory=inventory, topology=topology, ledger=ledger,
@@ -216,6 +233,29 @@ def build_node(settings: Settings, backend: Backend) -> Node:
                 events=events, metrics=metrics, readiness=Readiness(), ledger=ledger,
                 mig=mig, claims=claims, health=health, collector=collector,
                 topology=topology, slices=slices, xids=xids, pods=pods)
+
+
+def _sharing(settings: Settings, backend: Backend, session: NvmlSession) -> SharingRuntime:
+    """The sharing tools from settings: ``nvidia-smi`` and ``nvidia-cuda-mps-control`` where
+    configured, else under ``<driver root or />/usr/bin`` (the simulator's tools with
+    ``--simulate``); daemons started by the MPS host (``--mps-host-socket``) when set, else by
+    the agent itself."""
+    sim_tools = getattr(backend.sim, "tools_dir", None)
+    default_dir = Path(sim_tools) if sim_tools is not None else \
+        (settings.driver_root or Path("/")) / "usr" / "bin"
+    launcher: MpsLauncher = HostLauncher(settings.mps_host_socket) \
+        if settings.mps_host_socket is not None else DirectLauncher()
+    assert settings.mps_root is not None, "resolved settings always have one"
+
+    async def usage(device: str) -> dict[int, int]:
+        found = await session.read(partial(mps_processes, session, device))
+        return {p.pid: p.used_mib for p in found}
+
+    return SharingRuntime(
+        nvidia_smi=NvidiaSmi(settings.nvidia_smi or default_dir / "nvidia-smi"),
+        mps=MpsControl(settings.mps_control or default_dir / "nvidia-cuda-mps-control",
+                       launcher),
+        mps_root=settings.mps_root, usage=usage)
 
 
 def _pod_resources(settings: Settings, inventory: GpuInventory,

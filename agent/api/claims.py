@@ -5,19 +5,27 @@ from __future__ import annotations
 import json
 import re
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from aiohttp import web
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    Field,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from agent.api.body import parse_body
 from agent.api.context import AGENT
 from agent.api.models import Strict
 from agent.api.node import require_ready
 from agent.api.routing import json_response
-from agent.claims.checkpoint import ClaimRecord
+from agent.claims.checkpoint import ClaimRecord, PreparedDevice
 from agent.claims.service import ClaimService, DeviceRequest
-from agent.device_names import ascii_integer
+from agent.claims.sharing import MpsConfig, SharingConfig
+from agent.device_names import ascii_integer, quantity_mib
 from agent.errors import InvalidRequest
 
 _UID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
@@ -25,6 +33,71 @@ _UID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 
 class PlacementStart(Strict):
     start: int = Field(ge=0, le=7)
+
+
+def _mib(value: object) -> int:
+    return quantity_mib(value)
+
+
+#: A memory quantity in, whole MiB (rounded up) out: integer bytes or a Kubernetes quantity
+#: string (``10Gi``, ``512Mi``).
+Quantity = Annotated[int, BeforeValidator(_mib), WithJsonSchema({
+    "oneOf": [{"type": "integer", "minimum": 1}, {"type": "string", "examples": ["10Gi"]}],
+    "description": "A memory quantity: integer bytes or a Kubernetes quantity ('10Gi')"})]
+
+
+class TimeSlicingConfigIn(Strict):
+    interval: Literal["Default", "Short", "Medium", "Long"] = "Default"
+
+
+class MpsConfigIn(Strict):
+    """NVIDIA's ``mpsConfig``, its field names as NVIDIA spells them."""
+
+    default_active_thread_percentage: int | None = Field(
+        default=None, ge=1, le=100, alias="defaultActiveThreadPercentage")
+    default_pinned_device_memory_limit: Quantity | None = Field(
+        default=None, alias="defaultPinnedDeviceMemoryLimit")
+    default_per_device_pinned_memory_limit: dict[
+        Annotated[str, Field(min_length=1, max_length=96)], Quantity] | None = Field(
+        default=None, max_length=16, alias="defaultPerDevicePinnedMemoryLimit",
+        description="Per device (a UUID, or an index into the claim's sorted MPS device "
+        "UUIDs): overrides the default limit")
+
+
+class SharingIn(Strict):
+    """NVIDIA's ``sharing`` (GpuConfig / MigDeviceConfig), strict."""
+
+    strategy: Literal["TimeSlicing", "MPS"]
+    time_slicing_config: TimeSlicingConfigIn | None = Field(default=None,
+                                                             alias="timeSlicingConfig")
+    mps_config: MpsConfigIn | None = Field(default=None, alias="mpsConfig")
+
+    @model_validator(mode="after")
+    def _one_config(self) -> SharingIn:
+        if self.strategy == "TimeSlicing" and self.mps_config is not None:
+            raise ValueError("mpsConfig is for strategy MPS, not TimeSlicing")
+        if self.strategy == "MPS" and self.time_slicing_config is not None:
+            raise ValueError("timeSlicingConfig is for strategy TimeSlicing, not MPS")
+        return self
+
+    def value(self) -> SharingConfig:
+        mps = self.mps_config
+        return SharingConfig(
+            strategy=self.strategy,
+            interval=(self.time_slicing_config.interval if self.time_slicing_config
+                      else "Default") if self.strategy == "TimeSlicing" else None,
+            mps=MpsConfig(
+                thread_percentage=mps.default_active_thread_percentage,
+                pinned_mib=mps.default_pinned_device_memory_limit,
+                per_device_mib=tuple(sorted(
+                    (mps.default_per_device_pinned_memory_limit or {}).items())))
+            if mps is not None else None)
+
+
+class CapacityIn(Strict):
+    """DRA consumable capacity: a counted share of a full GPU's memory."""
+
+    memory: Quantity
 
 
 #: The device field that names what kind of device is asked for, and its old spelling (it
@@ -56,6 +129,12 @@ class DeviceRequestIn(Strict):
     gpu: str | None = Field(default=None, max_length=96)
     placement: PlacementStart | None = None
     admin_access: bool = False
+    sharing: SharingIn | None = Field(default=None, description="GPU sharing (NVIDIA's "
+                                      "GpuConfig/MigDeviceConfig 'sharing' shape)")
+    capacity: CapacityIn | None = Field(default=None, description="A counted share of a full "
+                                        "GPU (DRA consumable capacity)")
+    share_id: str | None = Field(default=None, min_length=1, max_length=64,
+                                 description="The allocation result's shareID, echoed back")
 
     @model_validator(mode="before")
     @classmethod
@@ -87,6 +166,10 @@ class DeviceRequestIn(Strict):
             raise ValueError("kind 'slice' gives a profile or a device name, not both")
         elif self.device is not None and (self.gpu or self.placement):
             raise ValueError("a slice device name already fixes GPU and placement")
+        if self.kind == "slice" and (self.sharing is not None or self.capacity is not None
+                                     or self.share_id is not None):
+            raise ValueError("sharing and capacity apply to existing devices (kind 'gpu'); "
+                             "claim the MIG device once it exists to share it")
         return self
 
     def value(self) -> DeviceRequest:
@@ -95,7 +178,10 @@ class DeviceRequestIn(Strict):
             kind="gpu" if self.kind == "gpu" else "slice", device=self.device,
             profile=self.profile, gpu=self.gpu,
             start=self.placement.start if self.placement else None,
-            admin_access=self.admin_access)
+            admin_access=self.admin_access,
+            sharing=self.sharing.value() if self.sharing is not None else None,
+            memory_mib=self.capacity.memory if self.capacity is not None else None,
+            share_id=self.share_id)
 
 
 class ClaimMetadata(Strict):
@@ -119,6 +205,28 @@ class ClaimRequest(Strict):
     issued_at_ns: int | None = Field(default=None, ge=0, description=STAMP_DESCRIPTION)
 
 
+class EffectiveSharingModel(BaseModel):
+    strategy: Literal["TimeSlicing", "MPS"]
+    interval: str | None = Field(description="TimeSlicing: the interval applied")
+    thread_percentage: int | None = Field(description="MPS: the daemon's default active "
+                                          "thread percentage (None: MPS's default, 100)")
+    pinned_limit_mib: int | None = Field(description="MPS: the device's pinned memory limit "
+                                         "per client process (None: no limit)")
+
+
+class ShareModel(BaseModel):
+    memory_mib: int
+    share_id: str | None
+
+
+class MpsDaemonModel(BaseModel):
+    root: str
+    pipe_directory: str
+    devices: list[str]
+    state: Literal["starting", "running", "failed"]
+    reason: str | None
+
+
 class PreparedDeviceModel(BaseModel):
     request: str
     kind: Literal["gpu", "mig"]
@@ -130,6 +238,24 @@ class PreparedDeviceModel(BaseModel):
                                         "unprepare)")
     admin_access: bool = Field(description="Held for monitoring, non-exclusively")
     cdi_devices: list[str]
+    sharing: EffectiveSharingModel | None = None
+    share: ShareModel | None = None
+
+    @classmethod
+    def of(cls, device: PreparedDevice, pool: str) -> PreparedDeviceModel:
+        sharing = device.sharing_state
+        return cls(
+            request=device.request, kind=device.kind, uuid=device.uuid,
+            parent_uuid=device.gpu if device.kind == "mig" else None, pool=pool,
+            device_name=device.device_name, on_demand=device.slice is not None,
+            admin_access=device.admin_access, cdi_devices=[device.cdi_device],
+            sharing=EffectiveSharingModel(
+                strategy=sharing.strategy, interval=sharing.interval,
+                thread_percentage=sharing.thread_percentage,
+                pinned_limit_mib=sharing.pinned_mib) if sharing is not None else None,
+            share=ShareModel(memory_mib=device.share.memory_mib,
+                             share_id=device.share.share_id)
+            if device.share is not None else None)
 
 
 class ClaimModel(BaseModel):
@@ -143,6 +269,8 @@ class ClaimModel(BaseModel):
     lost_reason: str | None
     issued_at_ns: int | None = Field(description="The newest stamp of a prepare this claim "
                                      "answered (" + STAMP_DESCRIPTION + ")")
+    mps: MpsDaemonModel | None = Field(default=None, description="The claim's MPS control "
+                                       "daemon, when any device of it runs under MPS")
 
     @classmethod
     def of(cls, record: ClaimRecord, pool: str) -> ClaimModel:
@@ -151,12 +279,10 @@ class ClaimModel(BaseModel):
             metadata=record.metadata, created_at=record.created_at,
             updated_at=record.updated_at, lost_reason=record.lost_reason,
             issued_at_ns=record.issued_at_ns,
-            devices=[PreparedDeviceModel(
-                request=d.request, kind=d.kind, uuid=d.uuid,
-                parent_uuid=d.gpu if d.kind == "mig" else None, pool=pool,
-                device_name=d.device_name, on_demand=d.slice is not None,
-                admin_access=d.admin_access, cdi_devices=[d.cdi_device])
-                for d in record.devices])
+            devices=[PreparedDeviceModel.of(d, pool) for d in record.devices],
+            mps=MpsDaemonModel(root=record.mps.root, pipe_directory=record.mps.root + "/pipe",
+                               devices=list(record.mps.devices), state=record.mps.state,
+                               reason=record.mps.reason) if record.mps is not None else None)
 
 
 class ClaimList(BaseModel):

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from aiohttp import web
 
 from agent.api.context import AGENT, AgentContext
-from agent.api.models import GpuList, GpuModel
+from agent.api.models import GpuList, GpuModel, GpuSharesModel, ShareHolderModel
 from agent.api.node import require_ready
 from agent.api.routing import json_response
+from agent.errors import AgentError
+from agent.gpu.nvidia_smi import compute_mode
 from agent.gpu.types import Gpu
 
 
@@ -15,16 +19,31 @@ async def list_gpus(request: web.Request) -> web.Response:
     ctx = request.app[AGENT]
     require_ready(ctx)
     gpus = await ctx.node.inventory.refresh()
-    return json_response(GpuList(gpus=[_model(ctx, g) for g in gpus]))
+    return json_response(GpuList(gpus=[await _model(ctx, g) for g in gpus]))
 
 
 async def get_gpu(request: web.Request) -> web.Response:
     ctx = request.app[AGENT]
     require_ready(ctx)
     await ctx.node.inventory.refresh()
-    return json_response(_model(ctx, ctx.node.inventory.find(request.match_info["gpu"])))
+    return json_response(await _model(ctx, ctx.node.inventory.find(request.match_info["gpu"])))
 
 
-def _model(ctx: AgentContext, gpu: Gpu) -> GpuModel:
-    """The inventory with what the ledger adds: availability, holders, drain marks."""
-    return GpuModel.of(gpu, ctx.node.ledger)
+async def _model(ctx: AgentContext, gpu: Gpu) -> GpuModel:
+    """The inventory with what the ledger adds (availability, holders, drain marks) and who
+    shares the GPU."""
+    model = GpuModel.of(gpu, ctx.node.ledger)
+    shares = await ctx.node.claims.shares_of(gpu)
+    if shares is None:
+        return model
+    session = ctx.node.session
+    try:
+        # One NVML read, for shared GPUs only: whether MPS runs it exclusively or shared.
+        mode: str | None = await session.read(partial(compute_mode, session, gpu.uuid))
+    except AgentError:
+        mode = None
+    return model.model_copy(update={"shares": GpuSharesModel(
+        capacity_mib=shares.capacity_mib, left_mib=shares.left_mib, compute_mode=mode,
+        holders=[ShareHolderModel(claim=h.claim, memory_mib=h.memory_mib, share_id=h.share_id,
+                                  used_mib=h.used_mib, mps_state=h.mps_state)
+                 for h in shares.holders])})

@@ -92,6 +92,25 @@ class HoldModel(BaseModel):
                    else f"slices {placement.start}:{placement.size}")
 
 
+class ShareHolderModel(BaseModel):
+    claim: str
+    memory_mib: int | None = Field(description="Its counted share; null: the whole GPU, "
+                                   "under MPS")
+    share_id: str | None
+    used_mib: int | None = Field(description="Device memory its MPS clients use now (NVML "
+                                 "MPS compute processes); null when not readable")
+    mps_state: str | None = Field(description="Its MPS daemon: running or failed")
+
+
+class GpuSharesModel(BaseModel):
+    capacity_mib: int = Field(description="Shareable memory: the total in whole GiB")
+    left_mib: int
+    compute_mode: str | None = Field(default=None, description="DEFAULT (shares: several "
+                                     "daemons) or EXCLUSIVE_PROCESS (one claim's daemon), as "
+                                     "NVML reports it; null when unreadable")
+    holders: list[ShareHolderModel]
+
+
 class MigDeviceModel(BaseModel):
     index: int = Field(description="NVML MIG device index")
     uuid: str
@@ -135,6 +154,8 @@ class GpuModel(BaseModel):
     holds: list[HoldModel] = Field(description="Every claim's hold on the GPU or a device "
                                                "on it, reservations included")
     transition: str | None = Field(description="The MIG transition owning the GPU, if any")
+    shares: GpuSharesModel | None = Field(default=None, description="The claims sharing the "
+                                          "GPU (MPS, memory shares) and what is left")
 
     @classmethod
     def of(cls, gpu: Gpu, ledger: NodeLedger) -> GpuModel:

@@ -26,7 +26,7 @@ from cdi.nvidia import (
     parse_mig_minors,
     parse_proc_devices,
 )
-from cdi.spec import ContainerEdits
+from cdi.spec import ContainerEdits, Mount
 from cdi.store import SpecStore
 
 log = logging.getLogger("agent.claims.cdi")
@@ -34,6 +34,25 @@ _LIBRARIES = ("libcuda.so.*", "libnvidia-ml.so.*", "libnvidia-ptxjitcompiler.so.
               "libnvidia-nvvm.so.*", "libcudadebugger.so.*")
 _LIB_DIRS = ("usr/lib/x86_64-linux-gnu", "usr/lib64", "lib/x86_64-linux-gnu", "usr/lib")
 _BINARIES = ("nvidia-smi", "nvidia-debugdump", "nvidia-persistenced")
+
+
+#: Where a container's CUDA clients find the claim's MPS daemon (NVIDIA's default path, so a
+#: client that sets nothing itself still reaches it).
+MPS_PIPE_IN_CONTAINER = "/tmp/nvidia-mps"
+_MPS_MOUNT_OPTIONS = ("rw", "nosuid", "nodev", "bind")
+
+
+def with_mps(edits: ContainerEdits, root: Path) -> ContainerEdits:
+    """A device's edits plus what its MPS clients need, as NVIDIA's driver gives them: the
+    pipe directory's environment variable and bind mounts of ``<root>/pipe`` and
+    ``<root>/shm`` (MPS clients share pinned host memory through ``/dev/shm``)."""
+    mounts = (Mount(host_path=str(root / "pipe"), container_path=MPS_PIPE_IN_CONTAINER,
+                    options=_MPS_MOUNT_OPTIONS),
+              Mount(host_path=str(root / "shm"), container_path="/dev/shm",
+                    options=_MPS_MOUNT_OPTIONS))
+    return edits.model_copy(update={
+        "env": (*(edits.env or ()), f"CUDA_MPS_PIPE_DIRECTORY={MPS_PIPE_IN_CONTAINER}"),
+        "mounts": (*(edits.mounts or ()), *mounts)})
 
 
 def read_host_devices(proc_root: Path) -> HostDevices:
@@ -155,10 +174,18 @@ class CdiWriter:
         """The paths among ``paths`` with no node under the device root yet."""
         return [p for p in paths if not os.path.exists(self.dev_root / p.lstrip("/"))]
 
-    def write_claim(self, uid: str, devices: Sequence[tuple[PreparedDevice, int]]) -> Path:
-        """The claim's transient spec (``k8s.gpu.nodeagent.dev-claim_<uid>.json``)."""
+    def write_claim(self, uid: str, devices: Sequence[tuple[PreparedDevice, int]], *,
+                    mps_root: Path | None = None) -> Path:
+        """The claim's transient spec (``k8s.gpu.nodeagent.dev-claim_<uid>.json``); a device
+        under the claim's MPS daemon (``mps_root``) also gets its pipe and shm directories."""
+        def edits(device: PreparedDevice, minor: int) -> ContainerEdits:
+            own = self.device_edits(device, minor)
+            state = device.sharing_state
+            if mps_root is None or state is None or state.strategy != "MPS":
+                return own
+            return with_mps(own, mps_root)
         spec = build_spec(CLAIM_KIND, [
-            NamedEdits((claim_device(uid, d.device_name),), self.device_edits(d, minor))
+            NamedEdits((claim_device(uid, d.device_name),), edits(d, minor))
             for d, minor in devices], self._common())
         return self.store.write(spec, spec_id=uid)
 

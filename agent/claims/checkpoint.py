@@ -56,6 +56,44 @@ class SliceRecord(_Record):
     ci_id: int | None = None
 
 
+class DeviceSharingRecord(_Record):
+    """What a device's sharing does (the plan of ``agent/claims/sharing.py``), and whether
+    the agent applied the GPU-wide settings: ``None`` = intended, maybe applied (recorded
+    before nvidia-smi ran, so a crash then still resets it), True = applied, False = not."""
+
+    strategy: Literal["TimeSlicing", "MPS"]
+    interval: str | None = None
+    timeslice: int | None = None
+    exclusive_process: bool = False
+    thread_percentage: int | None = None
+    pinned_mib: int | None = None
+    timeslice_applied: bool | None = None
+    compute_mode_applied: bool | None = None
+
+
+class ShareRecord(_Record):
+    """A counted share of a full GPU's memory (DRA consumable capacity)."""
+
+    memory_mib: int
+    share_id: str | None = None
+    counted: bool = Field(default=True, description="Held as a counted share; False: the "
+                          "share is all of the GPU's shareable memory, held as the whole GPU")
+
+
+MpsState = Literal["starting", "running", "failed"]
+
+
+class MpsDaemonRecord(_Record):
+    """The claim's MPS control daemon: recorded (``starting``) before it is started."""
+
+    root: str
+    devices: list[str]
+    thread_percentage: int | None = None
+    pinned_limits_mib: dict[str, int] = {}
+    state: MpsState = "starting"
+    reason: str | None = None
+
+
 class PreparedDevice(_Record):
     request: str
     kind: Literal["gpu", "mig"]
@@ -70,6 +108,9 @@ class PreparedDevice(_Record):
         default=None, description="Memory slices (start, size) of an existing MIG device")
     admin_access: bool = Field(
         default=False, description="Held for monitoring (DRA adminAccess): non-exclusive")
+    #: Named apart from ``sharing``, a name fixtures use for a newer agent's unknown field.
+    sharing_state: DeviceSharingRecord | None = None
+    share: ShareRecord | None = None
 
 
 class ClaimRecord(_Record):
@@ -85,6 +126,7 @@ class ClaimRecord(_Record):
     issued_at_ns: int | None = Field(
         default=None, description="The newest ordering stamp (CLOCK_BOOTTIME ns of this boot) "
         "of a prepare this claim answered; None when no caller stamped one")
+    mps: MpsDaemonRecord | None = None
 
 
 class CheckpointData(_Record):

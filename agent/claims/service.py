@@ -13,14 +13,15 @@ writes are group-committed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import Literal
@@ -31,13 +32,23 @@ from agent.claims.checkpoint import (
     CheckpointData,
     ClaimCheckpoint,
     ClaimRecord,
+    DeviceSharingRecord,
     PreparedDevice,
+    ShareRecord,
     SliceRecord,
     decode,
     encode,
 )
 from agent.claims.placement import Candidate, choose
-from agent.device_names import gpu_device_name, mig_device_name, parse_device_name, profile_label
+from agent.claims.sharing import MEMORY_MIB, DevicePlan, SharingConfig, SharingPlan, Target, plan
+from agent.claims.sharing_runtime import SharingRuntime
+from agent.device_names import (
+    gpu_device_name,
+    mig_device_name,
+    parse_device_name,
+    profile_label,
+    shareable_mib,
+)
 from agent.durable import write_atomic
 from agent.errors import (
     AgentError,
@@ -58,7 +69,7 @@ from agent.gpu.inventory import GpuInventory
 from agent.gpu.session import NvmlSession
 from agent.gpu.types import Gpu, MigDevice, Placement
 from agent.ledger.keys import DeviceKey, key_of, resolve
-from agent.ledger.ledger import Hold, NodeLedger
+from agent.ledger.ledger import Hold, NodeLedger, Share
 from agent.mig.catalog import catalog_of
 from agent.mig.executor import GpuMutator, RestoreFailed
 from agent.mig.geometry import Geometry, Instance
@@ -87,6 +98,36 @@ class DeviceRequest:
     start: int | None = None
     #: DRA ``adminAccess``: held non-exclusively, for monitoring (existing devices only).
     admin_access: bool = False
+    #: GPU sharing (MPS, time-slicing) and a counted memory share (MiB) of a full GPU, with
+    #: the allocation's shareID (existing devices only).
+    sharing: SharingConfig | None = None
+    memory_mib: int | None = None
+    share_id: str | None = None
+
+
+@dataclass(frozen=True)
+class ShareHolder:
+    """A claim sharing a GPU: its counted share (None: it holds the GPU whole, under MPS),
+    the shareID, and the memory its MPS clients use now (None: not readable)."""
+
+    claim: str
+    memory_mib: int | None
+    share_id: str | None
+    used_mib: int | None
+    mps_state: str | None
+
+
+@dataclass(frozen=True)
+class GpuShares:
+    """Who shares a GPU and what is left of its shareable memory."""
+
+    capacity_mib: int
+    taken_mib: int
+    holders: tuple[ShareHolder, ...]
+
+    @property
+    def left_mib(self) -> int:
+        return max(0, self.capacity_mib - self.taken_mib)
 
 
 class _Stale(Exception):
@@ -97,11 +138,15 @@ async def _true() -> bool:
     return True
 
 
+#: Fields added after the first checkpoints: in the digest only when set, so requests
+#: recorded before they existed keep their digest and their retries after an upgrade still
+#: answer the same claim.
+_NEWER_FIELDS = frozenset({"admin_access", "sharing", "memory_mib", "share_id"})
+
+
 def _digest(requests: Sequence[DeviceRequest]) -> str:
-    # ``admin_access`` only when set: requests recorded before it existed keep their digest,
-    # so their retries after an upgrade still answer the same claim.
-    return hashlib.sha256(json.dumps([{k: v for k, v in r.__dict__.items()
-                                       if k != "admin_access" or v} for r in requests],
+    return hashlib.sha256(json.dumps([{k: v for k, v in asdict(r).items()
+                                       if k not in _NEWER_FIELDS or v} for r in requests],
                                      sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -118,15 +163,38 @@ def _key(device: PreparedDevice) -> DeviceKey:
 
 def _hold(uid: str, device: PreparedDevice, profile: str | None, *,
           state: Literal["reserved", "prepared"] = "reserved") -> Hold:
+    share = device.share
+    shares = (Share(MEMORY_MIB, share.memory_mib),) if share is not None and share.counted \
+        else ()
     return Hold(uid, _key(device), state, profile=profile, on_demand=device.slice is not None,
-                admin=device.admin_access)
+                admin=device.admin_access, shares=shares)
+
+
+#: A recorded hold is a fact: at start-up it is put back whatever the capacity says.
+_UNBOUNDED = {MEMORY_MIB: 2**62}
+
+
+def _sharing_record(device: DevicePlan | None) -> DeviceSharingRecord | None:
+    if device is None or device.strategy is None:
+        return None
+    return DeviceSharingRecord(strategy=device.strategy, interval=device.interval,
+                               timeslice=device.timeslice,
+                               exclusive_process=device.exclusive_process,
+                               thread_percentage=device.thread_percentage,
+                               pinned_mib=device.pinned_mib)
+
+
+def _has_effects(record: ClaimRecord) -> bool:
+    """Whether undoing the claim touches the hardware beyond its holds and spec."""
+    return record.mps is not None or any(d.sharing_state is not None for d in record.devices)
 
 
 class ClaimService:
     def __init__(self, *, session: NvmlSession, inventory: GpuInventory, ledger: NodeLedger,
                  journal: TransitionJournal, checkpoint: ClaimCheckpoint, cdi: CdiWriter,
                  events: EventLog, tombstone_s: float = 600.0,
-                 run_dir: Path | None = None, device_node_wait_s: float = 5.0) -> None:
+                 run_dir: Path | None = None, device_node_wait_s: float = 5.0,
+                 sharing: SharingRuntime | None = None, dynamic_mig: bool = False) -> None:
         self._session = session
         self._inventory = inventory
         self._ledger = ledger
@@ -136,6 +204,9 @@ class ClaimService:
         self._events = events
         self._tombstone_s = tombstone_s
         self._device_node_wait_s = device_node_wait_s
+        self.sharing = sharing or SharingRuntime(
+            nvidia_smi=None, mps=None, mps_root=(run_dir or Path("/run/gpu-agent")) / "mps")
+        self._dynamic_mig = dynamic_mig
         self._marker = run_dir / MARKER if run_dir is not None else None
         self._marked = False
         self._previous_boot: str | None = None
@@ -167,6 +238,32 @@ class ClaimService:
         if record is None:
             raise NotFound(f"no claim {uid!r} is prepared on this node", claim=uid)
         return record
+
+    async def shares_of(self, gpu: Gpu) -> GpuShares | None:
+        """The claims sharing ``gpu`` (counted shares or MPS on the whole GPU) with the
+        memory each uses, or None when nobody shares it."""
+        holders: list[ShareHolder] = []
+        taken = 0
+        for record in self.records():
+            for device in record.devices:
+                state = device.sharing_state
+                if device.gpu != gpu.uuid or device.kind != "gpu" or (
+                        device.share is None and (state is None or state.strategy != "MPS")):
+                    continue
+                counted = device.share is not None and device.share.counted
+                used = await self.sharing.used_mib(record.mps, gpu.uuid) \
+                    if record.mps is not None else None
+                holders.append(ShareHolder(
+                    claim=record.uid, memory_mib=device.share.memory_mib if counted and
+                    device.share is not None else None,
+                    share_id=device.share.share_id if device.share is not None else None,
+                    used_mib=used, mps_state=record.mps.state if record.mps else None))
+                taken += device.share.memory_mib if counted and device.share is not None \
+                    else shareable_mib(gpu.static.memory_total_mib)
+        if not holders:
+            return None
+        return GpuShares(capacity_mib=shareable_mib(gpu.static.memory_total_mib),
+                         taken_mib=taken, holders=tuple(holders))
 
     def _usable(self) -> None:
         if self.corrupt is not None:
@@ -262,18 +359,24 @@ class ClaimService:
                           confirm: bool, issued_at_ns: int | None,
                           supersedes: bool) -> ClaimRecord:
         targets = self._targets(requests, gpus, confirm=confirm)
+        shared = self._sharing_plan(requests, targets)
+        self.sharing.check(shared)  # 503 before anything changes
         now = time.time()
         record = ClaimRecord(uid=uid, state="prepare_started", devices=[],
                              request_digest=digest, metadata=dict(metadata),
                              created_at=now, updated_at=now, issued_at_ns=issued_at_ns)
         tombstone = self._tombstone_of(uid) if supersedes else None
         try:
-            for request, gpu, device in targets:
-                self._reserve_existing(uid, record, request, gpu, device)
+            positions = [i for i, r in enumerate(requests) if r.kind == "gpu"]
+            for position, (request, gpu, device) in zip(positions, targets, strict=True):
+                self._reserve_existing(uid, record, request, gpu, device,
+                                       shared=shared.device(position))
             for request in requests:
                 if request.kind == "slice":
                     await self._make_slice(uid, record, request, gpus)
             await self._await_device_nodes(record, gpus)
+            if _has_effects(record) or shared.daemon is not None:
+                await self._apply_sharing(record, shared)
             record.cdi_spec = str(self.cdi.claim_path(uid))
             record.state = "prepare_completed"
             record.updated_at = time.time()
@@ -284,15 +387,72 @@ class ClaimService:
                 self._unknown_stamps.pop(uid, None)
             if not await self._record(record, requests, gpus, confirm=confirm):
                 raise _Stale  # recorded on a stale snapshot: undone just below
-        except BaseException:
+        except BaseException as failure:
             if tombstone is not None:
                 self._restore_tombstone(uid, tombstone)
-            await self._undo(record)
+            await self._undo_failed(record, failure)
             raise
         self._ledger.settle(uid)
         self._events.append("claim.prepared", f"claim {uid} prepared: " + ", ".join(
             d.device_name for d in record.devices), details=_claim_details(record))
         return record
+
+    def _sharing_plan(self, requests: Sequence[DeviceRequest],
+                      targets: Sequence[tuple[DeviceRequest, Gpu, MigDevice | None]]
+                      ) -> SharingPlan:
+        """The claim's sharing, checked against the devices it resolved to (pure; a 422
+        naming every offending field before anything is reserved)."""
+        positions = [i for i, r in enumerate(requests) if r.kind == "gpu"]
+        return plan([Target(
+            position=position, uuid=device.uuid if device else gpu.uuid, gpu=gpu.uuid,
+            kind="mig" if device else "gpu",
+            memory_mib=device.memory_mib if device else gpu.static.memory_total_mib,
+            mig_enabled=bool(gpu.mig_mode and gpu.mig_mode.current),
+            sharing=request.sharing, memory_share_mib=request.memory_mib,
+            admin_access=request.admin_access)
+            for position, (request, gpu, device) in zip(positions, targets, strict=True)],
+            dynamic_mig=self._dynamic_mig)
+
+    async def _apply_sharing(self, record: ClaimRecord, shared: SharingPlan) -> None:
+        """Record the claim (``prepare_started``, with its sharing intent and daemon) durably,
+        then set compute modes and time slices and start its daemon: a crash from here on is
+        rolled back at start-up, resetting exactly what the record says it may have set."""
+        record.mps = self.sharing.daemon_record(record.uid, shared)
+        self.checkpoint.data.claims[record.uid] = record
+        await self.checkpoint.commit()
+        await self.sharing.apply(record)
+
+    def _still_needed(self, record: ClaimRecord) -> Callable[[str, str], bool]:
+        """Whether a claim other than ``record`` still needs a GPU's sharing setting."""
+        def needed(gpu: str, what: str) -> bool:
+            for other in self.checkpoint.data.claims.values():
+                if other.uid == record.uid or other.state == "lost":
+                    continue
+                for device in other.devices:
+                    sharing = device.sharing_state
+                    if device.gpu == gpu and sharing is not None and (
+                            (what == "timeslice" and sharing.timeslice is not None) or
+                            (what == "exclusive_process" and sharing.exclusive_process)):
+                        return True
+            return False
+        return needed
+
+    async def _undo_failed(self, record: ClaimRecord, failure: BaseException) -> None:
+        """Undo a prepare that failed. When its sharing cannot be undone (a daemon that
+        will not stop, nvidia-smi failing), the claim stays recorded (``prepare_started``,
+        with why) and keeps its holds, so no other claim gets a GPU in an unknown state;
+        start-up, a retry or an unprepare tries again."""
+        try:
+            await self._undo(record)
+        except AgentError as err:
+            record.lost_reason = f"could not be cleaned up: {err.detail}"
+            record.updated_at = time.time()
+            self.checkpoint.data.claims[record.uid] = record
+            with contextlib.suppress(Exception):
+                await self.checkpoint.commit()
+            self._events.append("claim.cleanup_failed", f"claim {record.uid}: "
+                                f"{record.lost_reason} (after: {failure})",
+                                severity=Severity.ERROR, details=_claim_details(record))
 
     def _tombstone_of(self, uid: str) -> tuple[tuple[float, int] | None, tuple[float, int] | None]:
         """The claim's durable and in-memory tombstones (time, stamp), to put back when a
@@ -378,7 +538,8 @@ class ClaimService:
         # On the loop: a claim spec is a few KiB written without fsync to /var/run/cdi, a
         # tmpfs on hosts (tens of microseconds); handing it to a thread cost more than that.
         try:
-            self.cdi.write_claim(record.uid, [(d, minors[d.gpu]) for d in record.devices])
+            self.cdi.write_claim(record.uid, [(d, minors[d.gpu]) for d in record.devices],
+                                 mps_root=_mps_root(record))
         except BaseException:
             await asyncio.gather(committed, confirmed, return_exceptions=True)
             raise
@@ -396,7 +557,8 @@ class ClaimService:
         return all(mig.still_there(self._session, gpu, device) for gpu, device in targets)
 
     def _reserve_existing(self, uid: str, record: ClaimRecord, request: DeviceRequest,
-                          gpu: Gpu, device: MigDevice | None) -> None:
+                          gpu: Gpu, device: MigDevice | None, *,
+                          shared: DevicePlan | None = None) -> None:
         """Check the device can be handed out and reserve it in the ledger (no await)."""
         self._ledger.check_usable(gpu, device)
         if device is None:
@@ -423,7 +585,22 @@ class ClaimService:
                 placement=(device.placement.start, device.placement.size),
                 cdi_device=self.cdi.qualified_name(uid, name), admin_access=request.admin_access)
             profile = device.profile
-        self._ledger.take(_hold(uid, prepared, profile), name=name)
+        prepared.sharing_state = _sharing_record(shared)
+        capacity = None
+        if request.memory_mib is not None or request.share_id is not None:
+            # A shareID without a capacity (a result that consumed none) is a share of the
+            # whole device: held exclusively, its ID echoed.
+            counted = shared is not None and shared.share_mib is not None
+            memory = request.memory_mib if request.memory_mib is not None else \
+                device.memory_mib if device is not None else \
+                shareable_mib(gpu.static.memory_total_mib)
+            prepared.share = ShareRecord(memory_mib=memory, share_id=request.share_id,
+                                         counted=counted)
+            if counted:
+                assert shared is not None and shared.shareable_mib is not None
+                capacity = {MEMORY_MIB: shared.shareable_mib}
+        self._ledger.take(_hold(uid, prepared, profile), name=f"GPU {gpu.index} ({name})"
+                          if capacity else name, capacity=capacity)
         record.devices.append(prepared)
 
     async def _make_slice(self, uid: str, record: ClaimRecord, request: DeviceRequest,
@@ -616,9 +793,10 @@ class ClaimService:
                 return
             self.checkpoint.tombstone(uid, issued_at_ns)
             self.checkpoint.cap_tombstones(MAX_TOMBSTONES)
-            if any(device.slice is not None for device in record.devices):
-                # Marked durably before a slice is destroyed, so that start-up finishes the
-                # job after a crash.
+            if any(device.slice is not None for device in record.devices) or \
+                    _has_effects(record):
+                # Marked durably before a slice is destroyed or a daemon stopped, so that
+                # start-up finishes the job after a crash.
                 record.state = "unprepare_started"
                 await self.checkpoint.commit()
                 await self._undo(record)
@@ -645,6 +823,10 @@ class ClaimService:
         it from the checkpoint (durably). Its holds keep others off the devices until then,
         but no longer stand in the way of a transition destroying them."""
         self._ledger.settle(record.uid, "releasing")
+        if _has_effects(record):
+            # Before the holds go: a GPU is handed on only once its daemon is stopped and its
+            # compute mode and time slice are back (an error here keeps the holds).
+            await self.sharing.undo(record, self._still_needed(record))
         for device in record.devices:
             if device.slice is not None:
                 gpu = device.slice.gpu
@@ -685,9 +867,13 @@ class ClaimService:
             return  # every claim of the previous boot is lost (reconcile marks them)
         gpus = {g.uuid: g for g in self._inventory.gpus}
         for record in self.checkpoint.data.claims.values():
-            if record.state != "prepare_completed":
+            # A half-done claim's shared GPUs stay held until reconcile has reset them.
+            half_done = record.state in ("prepare_started", "unprepare_started")
+            if record.state != "prepare_completed" and not half_done:
                 continue
             for device in record.devices:
+                if half_done and device.sharing_state is None and device.share is None:
+                    continue
                 gpu = gpus.get(device.gpu)
                 mig = next((d for d in gpu.mig_devices if d.uuid == device.uuid), None) \
                     if gpu is not None and device.kind == "mig" else None
@@ -697,7 +883,7 @@ class ClaimService:
                     device.placement = (mig.placement.start, mig.placement.size)
                 profile = device.slice.profile if device.slice else mig.profile if mig else None
                 self._ledger.take(_hold(record.uid, device, profile, state="prepared"),
-                                  name=device.device_name)
+                                  name=device.device_name, capacity=_UNBOUNDED)
 
     def _evidence(self) -> str | None:
         """What shows claims were prepared on this boot though the checkpoint is gone: claim
@@ -765,9 +951,13 @@ class ClaimService:
                 if not lost:  # a lost GPU's devices stay held: nobody else may get them
                     self._ledger.release(record.uid)
                 continue
-            path = await asyncio.to_thread(self.cdi.write_claim, record.uid, [
-                (d, gpus[d.gpu].static.minor) for d in record.devices])
+            path = await asyncio.to_thread(partial(
+                self.cdi.write_claim, record.uid,
+                [(d, gpus[d.gpu].static.minor) for d in record.devices],
+                mps_root=_mps_root(record)))
             owned.add(str(path))
+            if record.mps is not None:
+                await self._adopt_daemon(record)
         for path in await asyncio.to_thread(self.cdi.claim_specs):
             if str(path) not in owned:
                 await asyncio.to_thread(self.cdi.store.remove, path)
@@ -776,6 +966,65 @@ class ClaimService:
         await self.checkpoint.commit()
         await self._mark_boot()
         await self.refresh_node_spec()
+
+    async def _adopt_daemon(self, record: ClaimRecord) -> None:
+        """At start-up: a prepared claim's daemon that still answers is adopted as it runs
+        (its clients keep their contexts); one that does not is reported failed, and the
+        claim keeps its holds until it is unprepared (nothing else gets the GPU before its
+        compute mode is reset)."""
+        assert record.mps is not None
+        if await self.sharing.alive(record.mps):
+            if record.mps.state != "running":
+                record.mps.state, record.mps.reason = "running", None
+            self._events.append("claim.mps_adopted", f"claim {record.uid}: MPS control daemon "
+                                f"at {record.mps.root} still runs; adopted",
+                                details=_claim_details(record))
+        elif record.mps.state != "failed":
+            self._daemon_failed(record, "its MPS control daemon was not running when the "
+                                "agent started")
+
+    def _daemon_failed(self, record: ClaimRecord, reason: str) -> None:
+        assert record.mps is not None
+        record.mps.state, record.mps.reason = "failed", reason
+        record.updated_at = time.time()
+        self._events.append("claim.mps_failed", f"claim {record.uid}: {reason} "
+                            f"({record.mps.root}); its pods' CUDA clients have lost MPS; "
+                            "unprepare the claim to free its GPUs", severity=Severity.ERROR,
+                            details=_claim_details(record))
+
+    async def check_daemons(self) -> int:
+        """Report every prepared claim whose MPS daemon stopped answering (event, claim
+        ``mps.state`` failed, durably); returns how many were found dead."""
+        if self.corrupt is not None:
+            return 0
+        dead = 0
+        running = [r for r in self.checkpoint.data.claims.values()
+                   if r.state == "prepare_completed" and r.mps is not None
+                   and r.mps.state == "running"]
+        # All at once: each check is a short nvidia-cuda-mps-control run.
+        answers = await asyncio.gather(*(self.sharing.alive(r.mps) for r in running if r.mps))
+        for record, alive in zip(running, answers, strict=True):
+            if alive or record.mps is None:
+                continue
+            async with self._claim_lock(record.uid):
+                if self.checkpoint.data.claims.get(record.uid) is not record \
+                        or record.state != "prepare_completed" or record.mps.state != "running":
+                    continue  # unprepared (or re-checked) meanwhile
+                if await self.sharing.alive(record.mps):
+                    continue
+                self._daemon_failed(record, "its MPS control daemon stopped answering")
+                await self.checkpoint.commit()
+                dead += 1
+        return dead
+
+    async def supervise_daemons(self, interval_s: float) -> None:
+        """Check the claims' MPS daemons every ``interval_s`` (a task of the node)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.check_daemons()
+            except (AgentError, OSError) as err:
+                log.warning("MPS daemon check failed", extra={"error": str(err)})
 
     async def _mark_boot(self) -> None:
         """Note, outside the state directory, that this boot has a checkpoint: if the state
@@ -878,6 +1127,10 @@ class ClaimService:
                 await self.checkpoint.commit()
             self._events.append("claim.lost", f"claim {record.uid}: {record.lost_reason}",
                                 severity=Severity.WARNING, details=_claim_details(record))
+
+
+def _mps_root(record: ClaimRecord) -> Path | None:
+    return Path(record.mps.root) if record.mps is not None else None
 
 
 def _present(device: PreparedDevice, gpus: Mapping[str, Gpu]) -> bool:

@@ -177,23 +177,37 @@ class NodeLedger:
         if hold in entry.holds:
             return  # taken already (a start-up retried from the beginning)
         blocking = [h for h in entry.holds if not hold.compatible(h)]
-        if not blocking and hold.shares:
-            blocking = self._over_capacity(entry, hold, capacity or {})
         if blocking:
             holders = list(dict.fromkeys(h.holder for h in blocking))
             raise DeviceBusy(f"{name} is held by claim {', '.join(holders)}", device=name,
                              holders=holders)
+        if hold.shares:
+            over = self._over_capacity(entry, hold, capacity or {}, name)
+            if over is not None:
+                raise over
         entry.holds.append(hold)
 
     @staticmethod
-    def _over_capacity(entry: GpuLedger, hold: Hold, capacity: Mapping[str, int]) -> list[Hold]:
+    def _over_capacity(entry: GpuLedger, hold: Hold,
+                       capacity: Mapping[str, int], name: str) -> DeviceBusy | None:
+        """The refusal of a share that would take more than the capacity left, saying what is
+        taken, by whom, and what is left; None when it fits."""
         sharing = [h for h in entry.holds if h.key == hold.key and h.holder != hold.holder
                    and h.kind == "share"]
         for share in hold.shares:
             used = sum(s.amount for h in sharing for s in h.shares if s.capacity == share.capacity)
-            if used + share.amount > capacity.get(share.capacity, 0):
-                return sharing
-        return []
+            total = capacity.get(share.capacity, 0)
+            if used + share.amount <= total:
+                continue
+            holders = list(dict.fromkeys(h.holder for h in sharing))
+            unit = " MiB" if share.capacity.endswith("_mib") else ""
+            what = share.capacity.removesuffix("_mib")
+            by = f" by claim {', '.join(holders)}" if holders else ""
+            return DeviceBusy(
+                f"{name}: a share of {share.amount}{unit} of {what} would overcommit "
+                f"it: {used}{unit} of {total}{unit} are taken{by}, {max(0, total - used)}{unit} "
+                "left", device=name, holders=holders)
+        return None
 
     def settle(self, holder: str, state: HoldState = "prepared") -> None:
         """The holder's holds are now ``prepared`` (its claim is durable) or ``releasing``."""

@@ -2,6 +2,10 @@
 a seeded mix of geometry changes and claim prepares/unprepares, SIGKILLed at seeded random
 moments and at deterministic points (the simulator's CRASH fault at the k-th mutating NVML
 call of a transition, of a slice prepare and of a slice unprepare), restarted, and checked.
+MPS prepares (a whole GPU under MPS, memory shares) are killed at seeded moments too, while
+nvidia-smi runs or the daemon starts: after the restart no daemon runs that no prepared claim
+owns, every prepared claim's daemon runs, and a full GPU is in EXCLUSIVE_PROCESS exactly when
+a whole-GPU MPS claim holds it.
 Each restart is met the way kubelet meets a plugin socket: prepares, unprepares, claim reads
 and geometry requests from the moment the socket accepts, not after ``/readyz``; every one
 answered before ready must be 503 ``not-ready`` with ``Retry-After`` (nothing acknowledged).
@@ -13,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import random
+import shutil
 import signal
 import tempfile
 import threading
@@ -33,7 +39,12 @@ MUTATING = {"destroy_ci": "nvmlComputeInstanceDestroy", "destroy_gi": "nvmlGpuIn
             "create_ci": "nvmlGpuInstanceCreateComputeInstance"}
 LATENCY_S = 0.01
 GEOMETRY_GPUS = ("0", "1", "2", "3")  # geometry changes only; no claim uses them
-FULL_GPUS = ("4", "5")  # whole-GPU claims
+FULL_GPUS = ("4", "5")  # whole-GPU claims, MPS ones and memory shares included
+MPS_DEVICES: tuple[dict[str, Any], ...] = (
+    {"sharing": {"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 50}}},
+    {"capacity": {"memory": "10Gi"}},
+    {"capacity": {"memory": "20Gi"}},
+)
 SLICE_GPUS = ("6", "7")  # MIG on, on-demand slices only
 TARGETS: tuple[dict[str, Any], ...] = (
     {"profiles": ["7g.80gb"]},
@@ -91,8 +102,10 @@ def mutation_sequence(plan: dict[str, Any]) -> list[str]:
 
 
 class Harness:
-    def __init__(self, workdir: Path, seed: int) -> None:
+    def __init__(self, workdir: Path, seed: int, mps_root: Path) -> None:
         self.state = workdir / "state"
+        self.mps_root = mps_root
+        self.extra = ["--mps-root", str(mps_root)]
         self.rng = random.Random(seed)
         # Requests sent from bind are as many as the start-up takes: their own generator keeps
         # the seeded trial sequence independent of timing.
@@ -102,7 +115,7 @@ class Harness:
         self.unprepare_sent: set[str] = set()
         self.geometry: dict[str, list[str]] = {}
         self.serial = 0
-        self.agent = start_agent(self.state)
+        self.agent = start_agent(self.state, extra=self.extra)
         for gpu in SLICE_GPUS:
             self._wait(self.agent.request("PUT", f"/v1/gpus/{gpu}/mig", {"profiles": []}))
         for gpu in GEOMETRY_GPUS:
@@ -141,6 +154,8 @@ class Harness:
             reply = self._req("PUT", f"/v1/claims/{uid}", {"devices": devices})
         except OSError:
             return
+        if any("sharing" in d or "capacity" in d for d in devices):
+            self.figures.outcomes[f"mps prepare: {reply.status}"] += 1
         if reply.status == 200:
             self.acknowledged[uid] = [d["uuid"] for d in reply.body["devices"]]
             self.figures.acknowledged_prepares += 1
@@ -167,7 +182,7 @@ class Harness:
     def trial(self) -> None:
         self.figures.trials += 1
         kind = self.rng.choice(("transition", "transition", "prepare", "unprepare", "random",
-                                "random"))
+                                "random", "mps"))
         if kind == "unprepare" and not self._slice_claims():
             kind = "prepare"
         self.figures.kinds[kind] += 1
@@ -208,9 +223,33 @@ class Harness:
                 self._await_death()
             else:
                 raise InvariantBroken(f"an unprepare of {uid} that crashed was answered")
+        elif kind == "mps":
+            self._mps_burst()
         else:
             changing = self._random_burst()
         self._restart_and_check(changing)
+
+    def _mps_device(self) -> dict[str, Any]:
+        return {"kind": "gpu", "device": self.rng.choice(FULL_GPUS),
+                **self.rng.choice(MPS_DEVICES)}
+
+    def _mps_burst(self) -> None:
+        """MPS prepares and unprepares in flight, SIGKILLed at a seeded moment (nvidia-smi
+        running, a daemon starting, a checkpoint being written)."""
+        ops: list[Any] = [("prepare", [self._mps_device()])
+                          for _ in range(self.rng.randrange(1, 4))]
+        if self.acknowledged and self.rng.random() < 0.5:
+            ops.append(("unprepare", self.rng.choice(sorted(self.acknowledged))))
+        threads = [threading.Thread(target=self._prepare if op == "prepare" else
+                                    self._unprepare, args=(arg,)) for op, arg in ops]
+        for t in threads:
+            t.start()
+        # An MPS prepare takes a few hundred ms (the daemon's start): some finish, most not.
+        time.sleep(self.rng.uniform(0.0, 0.8))
+        self.agent.stop(signal.SIGKILL)
+        self.figures.kills += 1
+        for t in threads:
+            t.join()
 
     def _profile(self) -> str:
         return self.rng.choice(("1g.10gb", "1g.10gb", "2g.20gb", "3g.40gb"))
@@ -233,9 +272,11 @@ class Harness:
         ops: list[Any] = []
         for _ in range(self.rng.randrange(2, 8)):
             choice = self.rng.random()
-            if choice < 0.3:
+            if choice < 0.2:
                 ops.append(("prepare", [{"kind": "gpu",
                                          "device": self.rng.choice(FULL_GPUS)}]))
+            elif choice < 0.3:
+                ops.append(("prepare", [self._mps_device()]))
             elif choice < 0.7:
                 ops.append(("prepare", [{"kind": "slice",
                                          "profile": self._profile(),
@@ -300,7 +341,7 @@ class Harness:
         # The client starts first, so it is there when the socket binds.
         client = Background(self.state / "agent.sock", self.agent.token, self._early_call,
                             timeout=30)
-        self.agent = start_agent(self.state, wait_ready=False)
+        self.agent = start_agent(self.state, wait_ready=False, extra=self.extra)
         early = client.join()
         if early.died is not None:
             raise InvariantBroken(f"from bind: {early.died}:\n{self.agent.log()[-4000:]}")
@@ -364,6 +405,7 @@ class Harness:
                 stray = {d["uuid"] for d in g["mig_devices"]} - owned
                 if stray:
                     raise InvariantBroken(f"GPU {g['index']}: MIG devices nobody owns {stray}")
+        self._check_mps(claims, sim)
         if any(t["state"] not in ("succeeded", "rolled_back", "aborted") for t in
                self.agent.request("GET", "/v1/transitions", token=None).body["transitions"]):
             raise InvariantBroken("a transition ended neither succeeded nor rolled back")
@@ -375,13 +417,58 @@ class Harness:
             for uid in self.rng.sample(sorted(self.acknowledged), 3):
                 self._unprepare(uid)
 
+    def _check_mps(self, claims: dict[str, Any], sim: dict[str, Any]) -> None:
+        """No daemon runs that no prepared claim owns; every prepared MPS claim's daemon runs
+        (re-adopted); a full GPU is EXCLUSIVE_PROCESS exactly when a whole-GPU MPS claim
+        holds it."""
+        daemons = {d["pipe_directory"] for d in sim["mps_daemons"]}
+        owned = {c["mps"]["pipe_directory"]: uid for uid, c in claims.items() if c["mps"]}
+        if daemons - set(owned):
+            raise InvariantBroken(f"MPS daemons no claim owns: {sorted(daemons - set(owned))}")
+        for pipe, uid in owned.items():
+            if pipe not in daemons or claims[uid]["mps"]["state"] != "running":
+                raise InvariantBroken(f"claim {uid}: its MPS daemon is not running "
+                                      f"({claims[uid]['mps']})")
+        exclusive = {d["uuid"] for c in claims.values() for d in c["devices"]
+                     if d["kind"] == "gpu" and d["sharing"] and d["sharing"]["strategy"] == "MPS"
+                     and d["share"] is None}
+        for g in sim["gpus"]:
+            if (g["compute_mode"] == "EXCLUSIVE_PROCESS") != (g["uuid"] in exclusive):
+                raise InvariantBroken(f"GPU {g['index']} is {g['compute_mode']}; whole-GPU MPS "
+                                      f"claims hold {sorted(exclusive)}")
+        self.figures.outcomes["mps daemons running"] += len(owned)
+
     def close(self) -> None:
+        """Unprepare every claim (no daemon outlives the run), then kill the agent; daemons
+        left by an agent that is already dead are found by their pipe directory and killed."""
+        with contextlib.suppress(Exception):
+            if self.agent.proc.poll() is None:
+                for claim in self.agent.request("GET", "/v1/claims", token=None).body["claims"]:
+                    self.agent.request("DELETE", f"/v1/claims/{claim['uid']}")
         self.agent.stop(signal.SIGKILL)
+        kill_daemons_under(self.mps_root)
+
+
+def kill_daemons_under(root: Path) -> None:
+    """SIGKILL this user's processes whose CUDA_MPS_PIPE_DIRECTORY is under ``root``."""
+    marker = f"CUDA_MPS_PIPE_DIRECTORY={root}/".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if marker in environ:
+            with contextlib.suppress(OSError):
+                os.kill(int(entry.name), signal.SIGKILL)
 
 
 def run(trials: int, seed: int, workdir: Path) -> Figures:
     started = time.monotonic()
-    harness = Harness(workdir, seed)
+    # A short MPS root: pipe directories hold Unix sockets, whose paths have 107 bytes.
+    mps_root = Path(tempfile.mkdtemp(prefix="mps-"))
+    harness = Harness(workdir, seed, mps_root)
     try:
         for _ in range(trials):
             harness.trial()
@@ -391,6 +478,7 @@ def run(trials: int, seed: int, workdir: Path) -> Figures:
         raise
     finally:
         harness.close()
+        shutil.rmtree(mps_root, ignore_errors=True)
     harness.figures.seconds = time.monotonic() - started
     return harness.figures
 
