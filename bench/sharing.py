@@ -14,7 +14,11 @@ ResourceClaim as the scheduler leaves it, and unprepares each after it:
   ``consumedCapacity``), enforced with an implicit MPS daemon.
 
 The three rotate sample by sample, so all see the same machine at the same time; the
-medians and their ratio to the plain claim's are the result.
+medians and their ratio to the plain claim's are the result. Beside them, one call of the
+simulator's ``nvidia-cuda-mps-control`` (a ``get_server_list`` that finds no daemon): what
+each control command costs here, a Python process start; an MPS prepare makes about eight
+such calls (``agent/gpu/mps.py``: a liveness check, ``-d``, the start check, two settings
+and their read-backs, and ``nvidia-smi -c``), where NVIDIA's are C programs.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+import subprocess
 import tempfile
 import time
 import uuid
@@ -108,9 +113,20 @@ def _one(agent: AgentProcess, kind: Kind, samples: Samples) -> None:
     samples.unprepare_s.append(unprepared)
 
 
+def _tool_call_s(tools: Path, pipe: Path) -> float:
+    """One ``get_server_list`` of the simulator's control tool, start to exit."""
+    started = time.perf_counter()
+    subprocess.run([str(tools / "nvidia-cuda-mps-control")], input=b"get_server_list\n",
+                   env={**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe)},
+                   capture_output=True, timeout=30, check=False)
+    return time.perf_counter() - started
+
+
 def run(samples: int = SAMPLES) -> dict[str, Samples]:
-    """Every kind's samples, interleaved, against one agent process."""
+    """Every kind's samples, interleaved, against one agent process; ``tool`` holds the
+    control tool's calls (in ``prepare_s``)."""
     found = {k.name: Samples([], [], []) for k in KINDS}
+    found["tool"] = Samples([], [], [])
     with tempfile.TemporaryDirectory(prefix="bench-sharing-") as tmp:
         directory = Path(tmp)
         agent = start_agent(directory / "agent-state", preset="l40s",
@@ -120,9 +136,12 @@ def run(samples: int = SAMPLES) -> dict[str, Samples]:
             agent.request("PUT", "/v1/sim/latency", {})
             for kind in KINDS:  # one warm-up each, not counted
                 _one(agent, kind, Samples([], [], []))
+            tools = directory / "agent-state" / "sim" / "bin"
             for _ in range(samples):
                 for kind in KINDS:
                     _one(agent, kind, found[kind.name])
+                if (tools / "nvidia-cuda-mps-control").exists():
+                    found["tool"].prepare_s.append(_tool_call_s(tools, directory / "no-daemon"))
         finally:
             agent.stop()
     return found
@@ -157,6 +176,10 @@ def main(samples: int = SAMPLES) -> None:
         print(f"{kind.name + ': ' + kind.what:<58}{len(got.prepare_s):>4}"
               f"{_ms(got.prepare_s, 0.5):>10}{_ms(got.prepare_s, 0.9):>9}"
               f"{_ms(got.unprepare_s, 0.5):>12}{_ms(got.unprepare_s, 0.9):>9}{ratio:>10}")
+    tool = found["tool"].prepare_s
+    if tool:
+        print(f"{'one simulated nvidia-cuda-mps-control call (get_server_list)':<58}"
+              f"{len(tool):>4}{_ms(tool, 0.5):>10}{_ms(tool, 0.9):>9}")
     for kind in KINDS:
         errors = found[kind.name].errors
         if errors:
