@@ -178,7 +178,7 @@ def main(samples: int = SAMPLES) -> None:
               f"{_ms(got.unprepare_s, 0.5):>12}{_ms(got.unprepare_s, 0.9):>9}{ratio:>10}")
     tool = found["tool"].prepare_s
     if tool:
-        print(f"{'one simulated nvidia-cuda-mps-control call (get_server_list)':<58}"
+        print(f"{'one sim nvidia-cuda-mps-control call (get_server_list)':<58}"
               f"{len(tool):>4}{_ms(tool, 0.5):>10}{_ms(tool, 0.9):>9}")
     for kind in KINDS:
         errors = found[kind.name].errors
