@@ -131,32 +131,37 @@ def start_pods(running: Stack, memory: str, uuid: str, count: int) -> list[str]:
     return names
 
 
+@pytest.mark.parametrize("version", VERSIONS)
 def test_kubelet_prepares_four_shares_and_gets_back_each_share_id(
-        kube_apiservers: StartApiServer, stack: StartStack) -> None:
-    """On 1.37, four pods each with a claim of memory 10Gi of one L40S are allocated on it
-    from the published slices, and kubelet's DRA manager prepares each through the plugin
-    and the agent: each device comes back with its allocation's shareID (PodResources shows
-    it), the agent holds each as a 10 GiB share of that GPU, and a fifth claim is not
-    allocated. After unprepare the agent holds nothing."""
-    server = kube_apiservers("1.37")
-    running = stack(server, "l40s", node="share-e2e", agent_extra=["--gpu-shares"])
+        version: str, kube_apiservers: StartApiServer, stack: StartStack) -> None:
+    """Four pods each with a claim of memory 10Gi of one L40S are allocated on it from the
+    published slices, and kubelet's DRA manager prepares each through the plugin and the
+    agent: the agent holds each as a 10 GiB share of that GPU with its allocation's shareID,
+    and a fifth claim is not allocated. 1.37's kubelet gets each shareID back (PodResources
+    shows it); 1.34's protocol has no share_id, so its kubelet has none (the plugin's field
+    is ignored, nothing fails). After unprepare the agent holds nothing."""
+    gates = DRA_GATES[version]
+    server = kube_apiservers(version)
+    running = stack(server, "l40s", node=f"share-e2e-{version}".replace(".", "-"),
+                    agent_extra=["--gpu-shares"], kubelet_gates=gates)
     assert running.kubelet is not None
     uuid = gpu_uuid(running.agent, 0)
     names = start_pods(running, "10Gi", uuid, 5)
     allocated: dict[str, Json] = {}
     for name in names[:4]:
-        answer = allocate_pod(running, name)
+        answer = allocate_pod(running, name, feature_gates=gates)
         assert answer.allocated, answer.reason
         [result] = answer.results[0]["allocation"]["devices"]["results"]
         assert result["device"] == "gpu-0", result
         allocated[name] = result
-    assert not allocate_pod(running, names[4]).allocated
+    assert not allocate_pod(running, names[4], feature_gates=gates).allocated
 
     for name in names[:4]:
         prepared = running.kubelet.prepare(f"default/{name}")
         assert prepared["ok"], f"{prepared}\n{running.plugin.log()}"
     assert share_ids(running.kubelet.pod_resources_socket) == {
-        name: [allocated[name]["shareID"]] for name in names[:4]}
+        name: [allocated[name]["shareID"] if version != "1.34" else None]
+        for name in names[:4]}
     held = {c["uid"]: c["devices"] for c in running.agent_claims()}
     assert set(held) == {claim_uid(running, n) for n in names[:4]}
     for name in names[:4]:
