@@ -200,6 +200,10 @@ def test_a_134_server_without_the_gate_gets_whole_gpus(kube_apiservers: StartApi
 
     uuid = gpu_uuid(running.agent, 0)
     names = start_pods(running, "10Gi", uuid, 2)
+    status, stored = server.request(
+        "GET", f"/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/{names[0]}")
+    assert status == 200 and "capacity" not in stored["spec"]["devices"]["requests"][0][
+        "exactly"], stored  # dropped with the gate off, as the slices' fields are
     first = allocate_pod(running, names[0])
     assert first.allocated, first.reason
     [result] = first.results[0]["allocation"]["devices"]["results"]
