@@ -221,7 +221,8 @@ def build_node(settings: Settings, backend: Backend, *,
                                ledger=ledger)
     slices = SliceService(inventory=inventory, topology=topology, ledger=ledger,
                           state_dir=state, node_name=settings.node_name,
-                          driver=settings.driver_name, dynamic_mig=settings.dynamic_mig)
+                          driver=settings.driver_name, dynamic_mig=settings.dynamic_mig,
+                          gpu_shares=settings.gpu_shares)
     pods = _pod_resources(settings, inventory, metrics)
     collector = Collector(session=session, inventory=inventory, metrics=metrics, health=health,
                           interval_s=settings.collect_interval_s, hostname=settings.node_name,
