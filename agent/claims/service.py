@@ -956,6 +956,7 @@ class ClaimService:
                 [(d, gpus[d.gpu].static.minor) for d in record.devices],
                 mps_root=_mps_root(record)))
             owned.add(str(path))
+            await self._reapply_sharing(record)
             if record.mps is not None:
                 await self._adopt_daemon(record)
         for path in await asyncio.to_thread(self.cdi.claim_specs):
@@ -966,6 +967,17 @@ class ClaimService:
         await self.checkpoint.commit()
         await self._mark_boot()
         await self.refresh_node_spec()
+
+    async def _reapply_sharing(self, record: ClaimRecord) -> None:
+        """At start-up: a prepared claim's compute mode and time slice are set again (a GPU
+        reset while the agent was down would have put back the defaults); a failure is
+        reported and the claim kept (its holds keep the GPU from anyone else)."""
+        try:
+            await self.sharing.reapply(record)
+        except AgentError as err:
+            self._events.append("claim.sharing_not_reapplied", f"claim {record.uid}: its "
+                                f"sharing settings could not be set again: {err.detail}",
+                                severity=Severity.ERROR, details=_claim_details(record))
 
     async def _adopt_daemon(self, record: ClaimRecord) -> None:
         """At start-up: a prepared claim's daemon that still answers is adopted as it runs

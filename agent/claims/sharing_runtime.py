@@ -118,6 +118,20 @@ class SharingRuntime:
             await self._mps().start(spec_of(daemon))
             daemon.state, daemon.reason = "running", None
 
+    async def reapply(self, record: ClaimRecord) -> None:
+        """At start-up, for a prepared claim: set again the compute mode and time slice it
+        applied (both idempotent), so a GPU reset or driver reload while the agent was down
+        does not leave the claim's GPU with the defaults. Raises :class:`SharingUnavailable`
+        (the caller reports it). The daemon is the caller's to adopt."""
+        for device in record.devices:
+            sharing = device.sharing_state
+            if sharing is None:
+                continue
+            if sharing.timeslice is not None and sharing.timeslice_applied:
+                await self._smi().set_timeslice(device.gpu, sharing.timeslice)
+            if sharing.exclusive_process and sharing.compute_mode_applied:
+                await self._smi().set_compute_mode(device.gpu, "EXCLUSIVE_PROCESS")
+
     async def undo(self, record: ClaimRecord, still_needed: StillNeeded) -> None:
         """Stop the claim's daemon, then put back compute mode (``DEFAULT``) and time slice
         (0) where this claim may have set them and no other claim still needs them. Raises

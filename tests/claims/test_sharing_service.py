@@ -213,6 +213,33 @@ async def test_restart_adopts_live_daemons_and_reports_dead_ones(tmp_path: Path,
         await node.close()
 
 
+async def test_restart_sets_the_time_slice_and_exclusive_process_again(tmp_path: Path,
+                                                                        tools: Tools) -> None:
+    """After a restart, a prepared claim's time slice and EXCLUSIVE_PROCESS are set again (a
+    GPU reset while the agent was down puts back the defaults); a claim whose setting cannot
+    be set again is reported and kept."""
+    node = await open_node(tmp_path, tools)
+    ts, mps = (await node.gpu(2)).uuid, (await node.gpu(3)).uuid
+    await node.claims.prepare("c-ts", [gpu("2", sharing=SharingConfig(
+        "TimeSlicing", interval="Medium"))], {})
+    await node.claims.prepare("c-mps", [gpu("3", sharing=MPS_50)], {})
+    await node.close()
+    tools.smi.calls.clear()
+    node = await open_node(tmp_path, tools)
+    try:
+        assert sorted(tools.smi.calls) == [(mps, "compute_mode", "EXCLUSIVE_PROCESS"),
+                                           (ts, "timeslice", 2)]
+    finally:
+        await node.close()
+    tools.smi.fail = True
+    node = await open_node(tmp_path, tools)
+    try:
+        assert node.claims.claim("c-ts").state == "prepare_completed"
+        assert any(e.kind == "claim.sharing_not_reapplied" for e in node.events.since())
+    finally:
+        await node.close()
+
+
 async def test_the_supervisor_reports_a_daemon_that_dies(node: ServiceNode,
                                                          tools: Tools) -> None:
     """A daemon that dies while its claim is prepared is found by the daemon check: the
