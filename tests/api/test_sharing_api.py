@@ -5,7 +5,6 @@ missing tools as problems."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,26 +18,16 @@ from agent.api.auth import TokenStore
 from agent.api.context import AgentContext
 from agent.api.problems import PROBLEM_BASE
 from agent.claims.sharing import short_id
+from tests.api.test_claim_requests import TOKEN
+from tests.api.test_claim_requests import Api as ClaimsApi
 from tests.claims.fake_tools import FakeMps, FakeSmi, Tools, open_node
-from tests.service_node import ServiceNode
-
-TOKEN = "t1"
 
 
 @dataclass
-class Api:
-    client: TestClient[Any, Any]
-    node: ServiceNode
+class Api(ClaimsApi):
+    """The claims API client of test_claim_requests, with the fake sharing tools."""
+
     tools: Tools
-
-    async def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        reply = await self.client.request(method, path, json=body,
-                                          headers={"Authorization": f"Bearer {TOKEN}"})
-        text = await reply.text()
-        return reply.status, json.loads(text) if text else None
-
-    async def prepare(self, uid: str, *devices: dict[str, Any]) -> tuple[int, Any]:
-        return await self.call("PUT", f"/v1/claims/{uid}", {"devices": list(devices)})
 
 
 async def _api(tmp_path: Path, aiohttp_client: Any, tools: Tools) -> Api:
