@@ -33,9 +33,20 @@ def documents(path: Path) -> list[Json]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
-def template(example: str) -> Json:
-    """The example's ResourceClaimTemplate."""
-    return next(d for d in documents(EXAMPLES / example) if d["kind"] == "ResourceClaimTemplate")
+#: An example's claim object: a template each pod gets a claim of, or one claim its pods share.
+CLAIM_KINDS = {"ResourceClaimTemplate": ("resourceclaimtemplates", "resourceClaimTemplateName"),
+               "ResourceClaim": ("resourceclaims", "resourceClaimName")}
+
+
+def claim_object(example: str) -> Json:
+    """The example's ResourceClaimTemplate or ResourceClaim (there is one of them)."""
+    [made] = [d for d in documents(EXAMPLES / example) if d["kind"] in CLAIM_KINDS]
+    return made
+
+
+def claim_spec(made: Json) -> Json:
+    """The ResourceClaim spec of a template or a claim."""
+    return made["spec"]["spec"] if made["kind"] == "ResourceClaimTemplate" else made["spec"]
 
 
 def ensure_namespace(server: ApiServer, namespace: str) -> None:
@@ -44,17 +55,20 @@ def ensure_namespace(server: ApiServer, namespace: str) -> None:
 
 
 def claim_of(server: ApiServer, example: str) -> Json:
-    """The ResourceClaim the example's pod gets: its template as the server stored it after
-    `kubectl apply` (with the API's defaults, such as allocationMode ExactCount)."""
+    """The ResourceClaim the example's pod gets: its template or its claim as the server
+    stored it after `kubectl apply` (with the API's defaults, such as allocationMode
+    ExactCount)."""
     ensure_namespace(server, NAMESPACE)
     server.kubectl("apply", "-n", NAMESPACE, "-f", str(EXAMPLES / example))
-    name = template(example)["metadata"]["name"]
+    made = claim_object(example)
+    name = made["metadata"]["name"]
+    resource, _ = CLAIM_KINDS[made["kind"]]
     status, stored = server.request(
-        "GET", f"/apis/resource.k8s.io/v1/namespaces/{NAMESPACE}/resourceclaimtemplates/{name}")
+        "GET", f"/apis/resource.k8s.io/v1/namespaces/{NAMESPACE}/{resource}/{name}")
     assert status == 200, stored
     return {"apiVersion": RESOURCE, "kind": "ResourceClaim",
             "metadata": {"name": name, "namespace": NAMESPACE, "uid": str(uuid.uuid4())},
-            "spec": stored["spec"]["spec"]}
+            "spec": claim_spec({**made, "spec": stored["spec"]})}
 
 
 def attribute(device: Json, name: str) -> Any:
@@ -66,28 +80,31 @@ def attribute(device: Json, name: str) -> Any:
 def test_shipped_classes_and_examples_are_accepted(version: str,
                                                    kube_apiservers: StartApiServer) -> None:
     """`kubectl apply` of the DeviceClasses and of every example succeeds on the real
-    server (its validation compiles each CEL selector), and each example's pod names the
-    claim template that came with it."""
+    server (its validation compiles each CEL selector), and each example's pods name the
+    claim template or the claim that came with it, as the server stored them."""
     server = kube_apiservers(version)
     namespace = NAMESPACE
     ensure_namespace(server, namespace)
     server.kubectl("apply", "-f", str(CLASSES))
     applied = {path.name: server.kubectl("apply", "-n", namespace, "-f", str(path)).stdout
                for path in sorted(EXAMPLES.glob("*.yaml"))}
-    assert set(applied) == {"dynamic-mig.yaml", "full-gpu.yaml", "mig-1g10gb.yaml",
-                            "tensor-parallel-4gpu.yaml"}
+    assert set(applied) == {"dynamic-mig.yaml", "full-gpu.yaml", "memory-share.yaml",
+                            "mig-1g10gb.yaml", "mps-shared.yaml", "tensor-parallel-4gpu.yaml"}
     classes = {d["metadata"]["name"] for d in documents(CLASSES)}
     status, listing = server.request("GET", "/apis/resource.k8s.io/v1/deviceclasses")
     assert status == 200 and classes <= {c["metadata"]["name"] for c in listing["items"]}
     for name in applied:
-        made = template(name)
-        pod = next(d for d in documents(EXAMPLES / name) if d["kind"] == "Pod")
-        status, stored = server.request(
-            "GET", f"/api/v1/namespaces/{namespace}/pods/{pod['metadata']['name']}")
-        assert status == 200, stored
-        assert [c["resourceClaimTemplateName"] for c in stored["spec"]["resourceClaims"]] == [
-            made["metadata"]["name"]]
-        for request in made["spec"]["spec"]["devices"]["requests"]:
+        made = claim_object(name)
+        _, key = CLAIM_KINDS[made["kind"]]
+        pods = [d for d in documents(EXAMPLES / name) if d["kind"] == "Pod"]
+        assert pods
+        for pod in pods:
+            status, stored = server.request(
+                "GET", f"/api/v1/namespaces/{namespace}/pods/{pod['metadata']['name']}")
+            assert status == 200, stored
+            assert [c.get(key) for c in stored["spec"]["resourceClaims"]] == [
+                made["metadata"]["name"]]
+        for request in claim_spec(made)["devices"]["requests"]:
             assert request["exactly"]["deviceClassName"] in classes
 
 
@@ -97,18 +114,22 @@ Check = Callable[[list[Json], AgentProcess], None]
 @dataclass(frozen=True)
 class Example:
     """One example's claim on one kind of node: the devices it must get (``expect`` checks
-    the allocated devices), or None where the allocator must refuse it."""
+    the allocated devices), or None where the allocator must refuse it; ``consumed``: the
+    memory each allocated device must be a share of (None: each is whole, no share)."""
 
     file: str
     preset: str
     expect: Check | None
     dynamic_mig: bool = False
+    gpu_shares: bool = False
     geometry: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    consumed: str | None = None
 
     @property
     def id(self) -> str:
         return "-".join([self.file.removesuffix(".yaml"), self.preset,
                          *(["dynamic"] if self.dynamic_mig else []),
+                         *(["shares"] if self.gpu_shares else []),
                          *(["mig"] if self.geometry else []),
                          "fits" if self.expect else "refused"])
 
@@ -139,6 +160,12 @@ def one_island(devices: list[Json], agent: AgentProcess) -> None:
     assert len({attribute(d, "nvlinkIsland") for d in devices}) == 1
 
 
+def whole_l40s(devices: list[Json], agent: AgentProcess) -> None:
+    """The first GPU of the node: an L40S."""
+    assert [d["name"] for d in devices] == ["gpu-0"]
+    assert attribute(devices[0], "productName").startswith("NVIDIA L40S")
+
+
 CASES = [
     Example("full-gpu.yaml", "dgx-h100", whole_h100),
     Example("full-gpu.yaml", "a100-pcie-bridged", None),  # not an H100
@@ -152,6 +179,11 @@ CASES = [
     Example("dynamic-mig.yaml", "dgx-h100", None),  # no --dynamic-mig: no placements
     Example("tensor-parallel-4gpu.yaml", "dgx-h100", one_island),
     Example("tensor-parallel-4gpu.yaml", "a100-pcie-bridged", None),  # pairs only
+    Example("mps-shared.yaml", "l40s", whole_l40s),
+    Example("memory-share.yaml", "l40s", whole_l40s, gpu_shares=True, consumed="10Gi"),
+    # Without --gpu-shares the allocator takes a capacity request of a device that allows
+    # one allocation as a minimum: the claim gets the whole GPU, not a share of it.
+    Example("memory-share.yaml", "l40s", whole_l40s),
 ]
 
 
@@ -164,7 +196,8 @@ def test_example_claims_are_allocated_where_they_fit(version: str, case: Example
     allocator on the node kind it targets, with the devices the docs promise; on a node
     that cannot satisfy it, nothing is allocated. The claim is the template as the real
     server stored it."""
-    agent = agent_node(case.preset, node_name=NODE, dynamic_mig=case.dynamic_mig)
+    agent = agent_node(case.preset, node_name=NODE, dynamic_mig=case.dynamic_mig,
+                       extra=("--gpu-shares",) if case.gpu_shares else ())
     for gpu, profiles in case.geometry:
         set_mig(agent, gpu, list(profiles))
     slices = slices_of(agent, SLICE_RULES[version])
@@ -179,6 +212,9 @@ def test_example_claims_are_allocated_where_they_fit(version: str, case: Example
     assert {(r["driver"], r["pool"]) for r in results} == {(DRIVER, NODE)}
     offered = devices_of(slices)
     case.expect([offered[name] for name in answer.devices()], agent)
+    for result in results:
+        shared = (result.get("consumedCapacity"), "shareID" in result)
+        assert shared == (({"memory": case.consumed}, True) if case.consumed else (None, False))
 
 
 @pytest.mark.parametrize(("least", "fits"), [("80G", True), ("79Gi", True), ("80Gi", False),
