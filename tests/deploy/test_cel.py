@@ -70,12 +70,15 @@ def _h100_geometry(env: Env) -> None:
 
 
 def _example_requests() -> dict[str, tuple[str, str | None]]:
-    """Each example request: (its DeviceClass, its own selector or None)."""
+    """Each example request, by its template's or claim's name: (its DeviceClass, its own
+    selector or None)."""
     out = {}
     for path in sorted(EXAMPLES.glob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text()):
-            if doc and doc["kind"] == "ResourceClaimTemplate":
-                for request in doc["spec"]["spec"]["devices"]["requests"]:
+            if doc and doc["kind"] in ("ResourceClaimTemplate", "ResourceClaim"):
+                template = doc["kind"] == "ResourceClaimTemplate"
+                spec = doc["spec"]["spec"] if template else doc["spec"]
+                for request in spec["devices"]["requests"]:
                     exactly = request["exactly"]
                     selectors = [s["cel"]["expression"] for s in exactly.get("selectors", [])]
                     assert len(selectors) <= 1
@@ -118,6 +121,12 @@ EXAMPLE_CASES = [
     ("dgx-h100", False, "dynamic-mig-3g40gb", set()),
     ("dgx-h100", True, "dynamic-mig-3g40gb", {"gpu-1-mig-3g40gb-9-0", "gpu-1-mig-3g40gb-9-4"}
      | {f"gpu-{i}-mig-3g40gb-9-{s}" for i in range(2, 8) for s in (0, 4)}),
+    # The sharing examples take any whole GPU (MIG off): the GPU's sharing is in the claim's
+    # config or its capacity request, not in a selector.
+    ("l40s", False, "mps-shared-gpu", {f"gpu-{i}" for i in range(4)}),
+    ("l40s", False, "gpu-10gi-share", {f"gpu-{i}" for i in range(4)}),
+    ("l40s", False, "time-sliced-gpu", {f"gpu-{i}" for i in range(4)}),
+    ("dgx-h100", False, "mps-shared-gpu", {f"gpu-{i}" for i in range(2, 8)}),
 ]
 
 

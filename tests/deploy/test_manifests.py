@@ -72,22 +72,36 @@ def test_every_manifest_validates(tree: str, version: str) -> None:
             kubernetes_validate.validate(doc, version, strict=True)
 
 
+def claim_spec(doc: dict[str, Any]) -> dict[str, Any]:
+    """The ResourceClaim spec of an example's ResourceClaimTemplate or ResourceClaim."""
+    spec: dict[str, Any] = doc["spec"]["spec"] if doc["kind"] == "ResourceClaimTemplate" \
+        else doc["spec"]
+    return spec
+
+
+def pod_claim(entry: dict[str, Any]) -> tuple[str, str]:
+    """(kind, name) of the template or the claim a pod's resourceClaims entry names."""
+    if "resourceClaimTemplateName" in entry:
+        return "ResourceClaimTemplate", entry["resourceClaimTemplateName"]
+    return "ResourceClaim", entry["resourceClaimName"]
+
+
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_examples_validate_and_name_shipped_classes(version: str) -> None:
-    """The worked examples are valid objects and ask only for DeviceClasses the manifests
-    ship."""
+    """The worked examples are valid objects, ask only for DeviceClasses the manifests ship,
+    and each pod uses only claims (templates or claims it shares) that its examples define."""
     docs = examples()
-    assert {d["kind"] for d in docs} == {"ResourceClaimTemplate", "Pod"}
+    assert {d["kind"] for d in docs} == {"ResourceClaimTemplate", "ResourceClaim", "Pod"}
     for doc in docs:
         kubernetes_validate.validate(doc, version, strict=True)
     shipped = {d["metadata"]["name"] for d in render("daemonset") if d["kind"] == "DeviceClass"}
-    asked = {r["exactly"]["deviceClassName"] for d in docs if d["kind"] == "ResourceClaimTemplate"
-             for r in d["spec"]["spec"]["devices"]["requests"]}
+    specs = {(d["kind"], d["metadata"]["name"]): claim_spec(d) for d in docs if d["kind"] != "Pod"}
+    asked = {r["exactly"]["deviceClassName"] for spec in specs.values()
+             for r in spec["devices"]["requests"]}
     assert asked == shipped
-    templates = {d["metadata"]["name"] for d in docs if d["kind"] == "ResourceClaimTemplate"}
     for pod in (d for d in docs if d["kind"] == "Pod"):
-        claims = {c["name"]: c["resourceClaimTemplateName"] for c in pod["spec"]["resourceClaims"]}
-        assert set(claims.values()) <= templates
+        claims = {c["name"]: pod_claim(c) for c in pod["spec"]["resourceClaims"]}
+        assert set(claims.values()) <= set(specs)
         used = {c["name"] for ct in pod["spec"]["containers"] for c in ct["resources"]["claims"]}
         assert used == set(claims)
 

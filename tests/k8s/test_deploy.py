@@ -89,7 +89,8 @@ def test_shipped_classes_and_examples_are_accepted(version: str,
     applied = {path.name: server.kubectl("apply", "-n", namespace, "-f", str(path)).stdout
                for path in sorted(EXAMPLES.glob("*.yaml"))}
     assert set(applied) == {"dynamic-mig.yaml", "full-gpu.yaml", "memory-share.yaml",
-                            "mig-1g10gb.yaml", "mps-shared.yaml", "tensor-parallel-4gpu.yaml"}
+                            "mig-1g10gb.yaml", "mps-shared.yaml", "tensor-parallel-4gpu.yaml",
+                            "time-slicing.yaml"}
     classes = {d["metadata"]["name"] for d in documents(CLASSES)}
     status, listing = server.request("GET", "/apis/resource.k8s.io/v1/deviceclasses")
     assert status == 200 and classes <= {c["metadata"]["name"] for c in listing["items"]}
@@ -180,6 +181,7 @@ CASES = [
     Example("tensor-parallel-4gpu.yaml", "dgx-h100", one_island),
     Example("tensor-parallel-4gpu.yaml", "a100-pcie-bridged", None),  # pairs only
     Example("mps-shared.yaml", "l40s", whole_l40s),
+    Example("time-slicing.yaml", "l40s", whole_l40s),
     Example("memory-share.yaml", "l40s", whole_l40s, gpu_shares=True, consumed="10Gi"),
     # Without --gpu-shares the allocator takes a capacity request of a device that allows
     # one allocation as a minimum: the claim gets the whole GPU, not a share of it.
