@@ -162,7 +162,7 @@ def one_island(devices: list[Json], agent: AgentProcess) -> None:
 
 
 def whole_l40s(devices: list[Json], agent: AgentProcess) -> None:
-    """The first GPU of the node: an L40S."""
+    """The first GPU of the node, an L40S (whole, or a share of it where ``consumed`` says)."""
     assert [d["name"] for d in devices] == ["gpu-0"]
     assert attribute(devices[0], "productName").startswith("NVIDIA L40S")
 
@@ -196,8 +196,9 @@ def test_example_claims_are_allocated_where_they_fit(version: str, case: Example
                                                      agent_node: StartAgent) -> None:
     """Each example's claim, with the shipped DeviceClasses, is allocated by the scheduler's
     allocator on the node kind it targets, with the devices the docs promise; on a node
-    that cannot satisfy it, nothing is allocated. The claim is the template as the real
-    server stored it."""
+    that cannot satisfy it, nothing is allocated; a share only where the example asks for one
+    of a node with --gpu-shares. The claim is the template or the claim as the real server
+    stored it."""
     agent = agent_node(case.preset, node_name=NODE, dynamic_mig=case.dynamic_mig,
                        extra=("--gpu-shares",) if case.gpu_shares else ())
     for gpu, profiles in case.geometry:
