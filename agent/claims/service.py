@@ -445,6 +445,13 @@ class ClaimService:
         try:
             await self._undo(record)
         except AgentError as err:
+            if not any(h.holder == record.uid for h in self._ledger.holds()):
+                # Everything was undone and released; only the final checkpoint write failed
+                # (a full disk): the claim stays dropped in memory, and a record left on disk
+                # (prepare_started) is rolled back at start-up.
+                log.warning("claim undone but not yet durably dropped", extra={
+                    "claim": record.uid, "error": err.detail})
+                return
             record.lost_reason = f"could not be cleaned up: {err.detail}"
             record.updated_at = time.time()
             self.checkpoint.data.claims[record.uid] = record
