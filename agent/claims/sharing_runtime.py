@@ -164,11 +164,11 @@ class SharingRuntime:
                                                            "error": err.detail})
             return False
 
-    async def clients(self, daemon: MpsDaemonRecord) -> set[int]:
-        """The pids of the daemon's servers and their clients (empty when it does not answer):
-        to attribute per-process GPU memory to the claim."""
+    async def clients(self, daemon: MpsDaemonRecord) -> set[int] | None:
+        """The pids of the daemon's servers and their clients (None when it does not
+        answer): to attribute per-process GPU memory to the claim."""
         if self.mps is None:
-            return set()
+            return None
         root = Path(daemon.root)
         try:
             pids: set[int] = set()
@@ -177,16 +177,18 @@ class SharingRuntime:
                 pids.update(await self.mps.clients(root, server))
             return pids
         except AgentError:
-            return set()
+            return None
 
     async def used_mib(self, daemon: MpsDaemonRecord, device: str) -> int | None:
-        """The device memory the daemon's processes use on ``device`` (None when it cannot
-        be read: no usage source, or the daemon does not answer)."""
+        """The device memory the daemon's processes use on ``device`` (0 with no clients;
+        None when it cannot be read: no usage source, or the daemon does not answer)."""
         if self.usage is None:
             return None
         pids = await self.clients(daemon)
-        if not pids:
+        if pids is None:
             return None
+        if not pids:
+            return 0
         try:
             used = await self.usage(device)
         except AgentError:
