@@ -96,8 +96,9 @@ class MpsControl:
         return done.returncode, done.output
 
     async def command(self, root: Path, line: str) -> str:
-        """Send one control command to the daemon of ``root``; its reply (stripped).
-        :class:`SharingUnavailable` when no daemon answers or the command fails."""
+        """Send a control command (or several, one per line, in one client run) to the daemon
+        of ``root``; its reply (stripped). :class:`SharingUnavailable` when no daemon answers
+        or a command fails."""
         code, out = await self._client(root, line)
         if code != 0:
             raise SharingUnavailable(
@@ -129,11 +130,13 @@ class MpsControl:
         stopped and :class:`SharingUnavailable` raised."""
         if not self.available():
             raise self._missing()
-        for directory in (spec.root, spec.pipe, spec.log, spec.shm):
-            await asyncio.to_thread(directory.mkdir, mode=0o755, parents=True, exist_ok=True)
+        # Asked before the directories are made: a pipe directory that did not exist has no
+        # daemon, and answering that costs no client run.
         if await self.alive(spec.root):
             await self._configure(spec)
             return
+        for directory in (spec.root, spec.pipe, spec.log, spec.shm):
+            await asyncio.to_thread(directory.mkdir, mode=0o755, parents=True, exist_ok=True)
         try:
             result = await self.launcher.launch([str(self.binary), "-d"],
                                                 self._env(spec.root, spec.devices),
@@ -165,22 +168,35 @@ class MpsControl:
             await asyncio.sleep(_POLL_S)
 
     async def _configure(self, spec: MpsDaemonSpec) -> None:
+        # Two client runs whatever the number of devices: every set, then every get read
+        # back (a get answers one line each; what a set prints is not relied on).
+        sets: list[str] = []
+        expected: list[tuple[str, int, str | None]] = []  # (get, value, device)
         if spec.active_thread_percentage is not None:
             pct = int(spec.active_thread_percentage)
-            await self.command(spec.root, f"set_default_active_thread_percentage {pct}")
-            got = await self.command(spec.root, "get_default_active_thread_percentage")
-            if _number(got) != pct:
-                raise SharingUnavailable(
-                    f"{TOOL}: default active thread percentage reads {got!r} after setting "
-                    f"{pct}", tool=TOOL, reason="not applied")
+            sets.append(f"set_default_active_thread_percentage {pct}")
+            expected.append(("get_default_active_thread_percentage", pct, None))
         for device, mib in spec.pinned_limits_mib.items():
-            await self.command(spec.root,
-                               f"set_default_device_pinned_mem_limit {device} {int(mib)}M")
-            got = await self.command(spec.root, f"get_default_device_pinned_mem_limit {device}")
-            if _mib(got) != int(mib):
+            sets.append(f"set_default_device_pinned_mem_limit {device} {int(mib)}M")
+            expected.append((f"get_default_device_pinned_mem_limit {device}", int(mib), device))
+        if not sets:
+            return
+        await self.command(spec.root, "\n".join(sets))
+        replies = (await self.command(spec.root, "\n".join(g for g, _, _ in expected)))
+        lines = [line for line in replies.splitlines() if line.strip()]
+        if len(lines) != len(expected):
+            raise SharingUnavailable(
+                f"{TOOL}: {len(expected)} settings read back as {len(lines)} line(s): "
+                f"{truncated(replies)!r}", tool=TOOL, reason="not applied")
+        for (get, value, on), got in zip(expected, lines, strict=True):
+            read = _mib(got) if on is not None else _number(got)
+            if read != value:
+                what = (f"pinned memory limit of {on}" if on is not None
+                        else "default active thread percentage")
                 raise SharingUnavailable(
-                    f"{TOOL}: pinned memory limit of {device} reads {got!r} after setting "
-                    f"{int(mib)}M", tool=TOOL, reason="not applied", gpu=device)
+                    f"{TOOL}: {what} reads {got!r} after setting {value}"
+                    f"{'M' if on is not None else ''} (`{get}`)", tool=TOOL,
+                    reason="not applied", gpu=on)
 
     async def stop(self, root: Path) -> None:
         """``quit`` the daemon of ``root``, wait (bounded) for its pid file to go, remove
