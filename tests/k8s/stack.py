@@ -356,6 +356,27 @@ class Stack:
                                       log=self.plugin.log)
         return result
 
+    def wait_current(self, timeout: float = 30) -> list[Json]:
+        """This node's slices once the API server holds exactly what the agent renders now:
+        one generation, every slice of the pool, the same devices and counter sets. What a
+        scheduler sees a moment after a change (a claim's prepare switches MIG on or makes
+        an instance) before the publisher has caught up is a pool of mixed generations."""
+        version = self.server.version
+
+        def names(items: list[Json], key: str) -> set[str]:
+            return {entry["name"] for item in items for entry in item["spec"].get(key, [])}
+
+        def current(found: list[Json]) -> bool:
+            rendered = self.agent.request(
+                "GET", f"/v1/resourceslices?kubernetes={version}").body["items"]
+            pools = {(s["spec"]["pool"]["generation"], s["spec"]["pool"]["resourceSliceCount"])
+                     for s in found}
+            return (len(pools) == 1 and next(iter(pools))[1] == len(found)
+                    and names(found, "devices") == names(rendered, "devices")
+                    and names(found, "sharedCounters") == names(rendered, "sharedCounters"))
+
+        return self.wait_slices(current, timeout)
+
     def close(self) -> None:
         for harness in self._kubelets:
             harness.close()

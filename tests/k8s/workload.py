@@ -44,7 +44,10 @@ def create_pod(stack: Stack, name: str, claim: Json) -> None:
 
 def allocate(stack: Stack, name: str, *, namespace: str = "default",
              feature_gates: str = "") -> AllocationAnswer:
-    """Allocate pod ``name``'s claim (same name) in the server, as the scheduler does."""
+    """Allocate pod ``name``'s claim (same name) in the server, as the scheduler does, once
+    the server's slices are the agent's current ones (a scheduler that met a pool mid-update
+    would retry; a refusal asserted here is then a refusal of what the node offers)."""
+    stack.wait_current()
     return allocate_in_cluster(stack.server, node=stack.node, claims=[f"{namespace}/{name}"],
                                pod=f"{namespace}/{name}", feature_gates=feature_gates)
 
