@@ -227,8 +227,8 @@ async def test_restart_sets_the_time_slice_and_exclusive_process_again(tmp_path:
     tools.smi.calls.clear()
     node = await open_node(tmp_path, tools)
     try:
-        assert sorted(tools.smi.calls) == [(mps, "compute_mode", "EXCLUSIVE_PROCESS"),
-                                           (ts, "timeslice", 2)]
+        assert sorted(tools.smi.calls, key=str) == sorted(
+            [(mps, "compute_mode", "EXCLUSIVE_PROCESS"), (ts, "timeslice", 2)], key=str)
     finally:
         await node.close()
     tools.smi.fail = True
