@@ -14,8 +14,6 @@ import ssl
 from pathlib import Path
 
 from aiohttp import web
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
-from tenacity.wait import wait_exponential_jitter
 
 import agent
 from agent.api.access import TokenReloader, set_socket_owner, ssl_context
@@ -26,8 +24,7 @@ from agent.api.context import AgentContext
 from agent.api.metrics_app import build_metrics_app
 from agent.claims.cdi_writer import CdiDirectoryLock
 from agent.durable import ExclusiveLock, write_atomic
-from agent.errors import AgentError, NvmlError, StorageUnavailable
-from agent.events import Severity
+from agent.errors import AgentError, StorageUnavailable
 from agent.gpu import backend as gpu_backend
 from agent.gpu.backend import Backend
 from agent.settings import Listener, Settings
@@ -107,31 +104,6 @@ async def _write_listeners(path: Path, doc: dict[str, object]) -> None:
         log.warning("listeners.json not written; serving anyway", extra={"error": err.detail})
 
 
-async def _become_ready(node: Node) -> None:
-    """Start the node, retrying with backoff while the driver is not there yet; the agent
-    stays up (and unready) meanwhile instead of crash-looping."""
-
-    def before_sleep(state: RetryCallState) -> None:
-        err = state.outcome.exception() if state.outcome else None
-        what = ("recovery needs a write it cannot make" if isinstance(err, StorageUnavailable)
-                else "NVML not available")
-        said = err.detail if isinstance(err, AgentError) else err
-        reason = f"{what}: {said} (attempt {state.attempt_number}, retrying)"
-        node.readiness.storage_blocked = (err.errno or 0, err.path) \
-            if isinstance(err, StorageUnavailable) else None
-        node.readiness.set(reason)
-        log.warning(what.lower(), extra={"attempt": state.attempt_number, "error": str(err)})
-
-    # A full state directory is retried like a missing driver: the agent stays up, serving
-    # what needs no reconciliation, and /readyz says which write recovery is waiting for.
-    retry = retry_if_exception_type((NvmlError, StorageUnavailable))
-    async for attempt in AsyncRetrying(retry=retry,
-                                       wait=wait_exponential_jitter(multiplier=0.5, max=30),
-                                       before_sleep=before_sleep, reraise=True):
-        with attempt:
-            await node.start()
-
-
 async def serve(settings: Settings) -> int:
     """Run the agent until SIGTERM/SIGINT; return the process exit code."""
     lock = ExclusiveLock(settings.state_dir / "agent.lock")
@@ -151,7 +123,9 @@ async def serve(settings: Settings) -> int:
 
 async def _run(settings: Settings, backend: Backend) -> int:
     node = build_node(settings, backend)
-    async with node.running():
+    # Start-up runs beside the listeners (they answer 503 until it is done), retried while
+    # the driver or the state directory is not there yet.
+    async with node.running(wait=False, retry=True):
         return await _serve(node)
 
 
@@ -179,9 +153,9 @@ async def _serve(node: Node) -> int:
         reloader = TokenReloader(ctx, ctx.tokens.source)
         loop.add_signal_handler(signal.SIGHUP, reloader.reload, "SIGHUP")
         reloader.start()
-    startup: asyncio.Task[None] | None = None
-    drift: asyncio.Task[None] | None = None
     notifier = Notifier.attach(node)  # None unless systemd started us with Type=notify
+    stopped = asyncio.ensure_future(stop.wait())
+    started = asyncio.ensure_future(node.started.wait())
     try:
         bound = await _start_sites(runner, settings.listen, tls=ssl_context(settings),
                                    socket_group=settings.socket_group, cap=limits.api_cap,
@@ -196,17 +170,11 @@ async def _serve(node: Node) -> int:
                                      "backend": node.backend.name,
                                      "state_dir": str(settings.state_dir),
                                      "version": agent.__version__})
-        startup = asyncio.create_task(_become_ready(node))
         if notifier is not None:
             notifier.start()
-        stopped = asyncio.create_task(stop.wait())
-        await asyncio.wait({startup, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        if startup.done() and startup.exception() is not None:
-            raise startup.exception()  # type: ignore[misc]
-        if startup.done():
-            drift = asyncio.create_task(node.watch_drift())
-            if notifier is not None:
-                notifier.startup_finished()
+        await asyncio.wait({started, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if started.done() and notifier is not None:
+            notifier.startup_finished()
         await stopped
         log.info("stopping", extra={"reason": "signal"})
         if notifier is not None:
@@ -215,21 +183,15 @@ async def _serve(node: Node) -> int:
         node.metrics.ready.set(0)
         return 0
     finally:
+        for waiter in (started, stopped):
+            waiter.cancel()
         if notifier is not None:
             await notifier.close()
-        for task in (startup, drift):
-            if task is not None and not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
         if reloader is not None:
             await reloader.stop()
-        await node.mig.close()
         # Stops accepting, lets in-flight requests finish (up to shutdown_timeout), closes.
         await runner.cleanup()
         if metrics_runner is not None:
             await metrics_runner.cleanup()
-        node.events.append("agent.stopped", "agent stopped", severity=Severity.INFO)
-        await asyncio.to_thread(node.events.close)  # the history's last write
         with contextlib.suppress(FileNotFoundError):
             (settings.state_dir / "listeners.json").unlink()

@@ -47,11 +47,12 @@ import asyncio
 import contextlib
 import errno
 import fcntl
+import functools
 import hashlib
+import itertools
 import json
 import logging
 import os
-import secrets
 import stat
 import time
 from collections.abc import Callable, Iterator
@@ -116,9 +117,17 @@ class Unreadable(Exception):
 
 def encode_envelope(kind: FileKind, payload: bytes) -> bytes:
     """The file's bytes: the header line, then ``payload`` (serialised JSON) unchanged."""
-    header = json.dumps({"format": kind.format, "version": kind.version,
-                         "sha256": hashlib.sha256(payload).hexdigest()})
-    return header.encode() + b"\n" + payload
+    return b"".join((_header_prefix(kind), hashlib.sha256(payload).hexdigest().encode(),
+                     b'"}\n', payload))
+
+
+@functools.lru_cache(maxsize=64)
+def _header_prefix(kind: FileKind) -> bytes:
+    """The header line up to the digest: ``json.dumps`` of the header dict, as it was, is
+    ``{"format": ..., "version": N, "sha256": "<hex>"}`` (the checkpoint's is written twice
+    per claim)."""
+    return json.dumps({"format": kind.format, "version": kind.version, "sha256": ""}
+                      ).encode()[:-2]
 
 
 def dump_payload(value: Any, *, indent: int | None = 1) -> bytes:
@@ -230,7 +239,7 @@ def _unreadable(path: Path, reason: str, suffix: str) -> Unreadable:
 # -- writing ------------------------------------------------------------------------------------
 
 
-def fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path | str) -> None:
     """Flush a directory entry (a rename or a new file) to disk."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -239,7 +248,8 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, data: bytes, *, mode: int = 0o644, durable: bool = True) -> None:
+def write_atomic(path: Path | str, data: bytes, *, mode: int = 0o644,
+                 durable: bool = True) -> None:
     """Replace ``path`` with ``data``: temp file in the same directory, fsync, rename, fsync dir.
     ``durable=False`` skips both fsyncs: readers still see the old or the new file, never a
     part, but a power loss may lose the change (for files rebuilt at every start).
@@ -248,7 +258,7 @@ def write_atomic(path: Path, data: bytes, *, mode: int = 0o644, durable: bool = 
     the temp file and raises :class:`StorageUnavailable` (an ``OSError`` with the same errno).
     """
     try:
-        _write_atomic(path, data, mode, durable)
+        _write_atomic(os.fspath(path), data, mode, durable)
     except StorageUnavailable:
         raise
     except OSError as err:
@@ -266,13 +276,39 @@ def write_if_changed(path: Path, data: bytes, *, mode: int = 0o644) -> bool:
     return True
 
 
-def _write_atomic(path: Path, data: bytes, mode: int, durable: bool) -> None:
-    directory = path.parent
-    directory.mkdir(parents=True, exist_ok=True)
-    # Unique per call (O_EXCL): two threads writing the same file must never share, and so
-    # rename away, each other's temp file.
-    tmp = directory / f".{path.name}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+# Temp names: the pid and a per-process counter. Unique per call (O_EXCL): two threads writing
+# the same file must never share, and so rename away, each other's temp file; one a crashed
+# process with the same pid left behind is skipped. (A random suffix per write cost a
+# getrandom call; these writes are on every claim's path.)
+_TEMP_SERIAL = itertools.count()
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+_PID = [os.getpid()]  # a getpid call per write, kept; a forked child takes its own
+os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
+
+
+def _open_temp(directory: str, name: str, mode: int) -> tuple[str, int]:
+    """A new temp file beside ``name`` in ``directory`` (made when missing): its path and
+    descriptor."""
+    made_directory = False
+    while True:
+        tmp = f"{directory}/.{name}.tmp.{_PID[0]}.{next(_TEMP_SERIAL)}"
+        try:
+            return tmp, os.open(tmp, _CREATE, mode)
+        except FileExistsError:
+            continue
+        except FileNotFoundError:
+            # The directory itself is missing (first write): made once, then retried. Asking
+            # for it on every write cost a mkdir call per write.
+            if made_directory:
+                raise
+            os.makedirs(directory, exist_ok=True)
+            made_directory = True
+
+
+def _write_atomic(path: str, data: bytes, mode: int, durable: bool) -> None:
+    directory, _, name = path.rpartition("/")
+    directory = directory or ("/" if path.startswith("/") else ".")
+    tmp, fd = _open_temp(directory, name, mode)
     try:
         view = memoryview(data)
         while view:
@@ -283,14 +319,14 @@ def _write_atomic(path: Path, data: bytes, mode: int, durable: bool) -> None:
     except BaseException:
         os.close(fd)
         with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+            os.unlink(tmp)
         raise
     os.close(fd)
     try:
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+            os.unlink(tmp)
         raise
     if durable:
         fsync_dir(directory)

@@ -241,7 +241,7 @@ class EventLog:
 
 def _bounded(lines: list[str]) -> bytes:
     """The payload of at most :data:`MAX_HISTORY_BYTES`, dropping the oldest events."""
-    size = len('{"events":[]}') + sum(len(line) + 2 for line in lines)  # ",\n" between
+    size = len('{"events":[]}') + sum(map(len, lines)) + 2 * len(lines)  # ",\n" between
     start = 0
     while size > MAX_HISTORY_BYTES and start < len(lines):
         size -= len(lines[start]) + 2

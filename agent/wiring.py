@@ -12,21 +12,21 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
+from tenacity.wait import wait_exponential_jitter
+
 import agent
 from agent.claims.attribution import claim_attribution
 from agent.claims.cdi_writer import CdiWriter, agent_id
 from agent.claims.checkpoint import ClaimCheckpoint
 from agent.claims.service import ClaimService
 from agent.claims.sharing_runtime import SharingRuntime
-from agent.dra.service import SliceService
-from agent.errors import AgentError
-from agent.events import EventLog
+from agent.dra.service import ResourceSliceService
+from agent.errors import AgentError, NvmlError, StorageUnavailable
+from agent.events import EventLog, Severity
 from agent.gpu.backend import Backend
 from agent.gpu.inventory import GpuInventory
 from agent.gpu.mps import MpsControl, mps_processes
-from agent.gpu.mps_direct import DirectLauncher
-from agent.gpu.mps_host_client import HostLauncher
-from agent.gpu.mps_launch import MpsLauncher
 from agent.gpu.nvidia_smi import NvidiaSmi
 from agent.gpu.session import NvmlSession
 from agent.gpu.sim.node import SimulatedNode
@@ -36,8 +36,12 @@ from agent.ledger.ledger import NodeLedger
 from agent.metrics.agent import AgentMetrics
 from agent.metrics.collector import Collector
 from agent.metrics.health import GpuHealth
+from agent.mig.devices import MigDevices
 from agent.mig.journal import TransitionJournal
 from agent.mig.service import MigService
+from agent.mps.direct import DirectLauncher
+from agent.mps.host_client import HostLauncher
+from agent.mps.launch import MpsLauncher
 from agent.podresources.poller import PodResourcesPoller
 from agent.readiness import Readiness
 from agent.settings import Settings
@@ -70,25 +74,67 @@ class Node:
     health: GpuHealth
     collector: Collector
     topology: TopologyService
-    slices: SliceService
+    resource_slices: ResourceSliceService
     xids: XidWatcher
     #: Pod attribution from kubelet (--pod-resources-socket), else None.
     pods: PodResourcesPoller | None = None
-    #: Background work started by :meth:`start` and stopped by :meth:`stop`.
-    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    #: Set once start-up (recovery) has finished and the background work runs.
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+    #: The background work :meth:`running` started after start-up.
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list, repr=False)
 
     @property
     def sim(self) -> SimulatedNode | None:
         """The simulated node's controls, with ``--simulate``."""
-        sim = self.backend.sim
-        return sim if isinstance(sim, SimulatedNode) else None
+        return self.backend.sim
+
+    @contextlib.asynccontextmanager
+    async def running(self, *, wait: bool = True, retry: bool = False) -> AsyncIterator[Node]:
+        """The node's one lifecycle. Start-up (:meth:`start`; with ``retry``, retried with
+        backoff while NVML or the state directory is not there yet, the node staying up and
+        unready meanwhile) and then every background task run in one TaskGroup; the block
+        runs beside them (``wait``: only once start-up has finished, so a caller gets a
+        ready node). However the block ends, every task is cancelled and everything started
+        is stopped in reverse, events last. A failure of start-up or of a background task
+        ends the block with that exception."""
+        try:
+            async with asyncio.TaskGroup() as group:
+                work = group.create_task(self._start_then_run(group, retry=retry))
+                try:
+                    if wait:
+                        started = asyncio.ensure_future(self.started.wait())
+                        await asyncio.wait({work, started}, return_when=asyncio.FIRST_COMPLETED)
+                        started.cancel()
+                        if work.done():
+                            work.result()  # start-up failed: its error, plainly
+                    yield self
+                finally:
+                    for task in (work, *self._tasks):
+                        task.cancel()
+        except BaseExceptionGroup as failed:
+            first = failed.exceptions[0]
+            raise first from first.__cause__
+        finally:
+            await self._stop()
+
+    async def _start_then_run(self, group: asyncio.TaskGroup, *, retry: bool) -> None:
+        await (self._start_retrying() if retry else self.start())
+        background = [self._publish_availability(), self._watch_drift(),
+                      self.claims.node_spec.run(),
+                      self.claims.supervise_daemons(MPS_SUPERVISE_INTERVAL_S)]
+        if self.pods is not None:
+            background.append(self.pods.run())
+        for work in background:
+            self._tasks.append(group.create_task(work))
+        self.started.set()
 
     async def start(self) -> None:
         """Bring the node up: NVML, inventory, topology, then recovery in the order that keeps
         held devices safe (claims' holds loaded, journal resolved, claims reconciled, desired
         geometry re-applied), then metrics and XIDs. Until recovery ends, ``readiness`` is
-        not reconciled, and the API serves no mutation. NVML errors propagate (the daemon
-        retries); a corrupt checkpoint leaves the node reconciled but unready."""
+        not reconciled, and the API serves no mutation. NVML errors propagate (``running``
+        retries them with ``retry``); a corrupt checkpoint leaves the node reconciled but
+        unready. Call it through :meth:`running`, which also stops what it started."""
         self.readiness.set("initialising NVML")
         await self.session.initialise()
         self.readiness.set("loading inventory")
@@ -110,13 +156,9 @@ class Node:
             # One answer before the first round, so the first scrape already has pod labels
             # (a kubelet that does not answer costs at most one bounded call).
             await self.pods.poll()
-            self.tasks.append(asyncio.create_task(self.pods.run()))
         await self.collector.start()
         self.xids.start(gpu.static for gpu in self.inventory.gpus)
         self.publish_availability()
-        self.tasks.append(asyncio.create_task(self._publish_availability()))
-        self.tasks.append(asyncio.create_task(
-            self.claims.supervise_daemons(MPS_SUPERVISE_INTERVAL_S)))
         # From here on mutations are served: in the same step as /readyz turns ready, so
         # nothing is acknowledged while the agent still reports itself not ready.
         self.readiness.reconciled = True
@@ -131,6 +173,32 @@ class Node:
         self.events.append("agent.ready", f"agent ready with {len(self.inventory.gpus)} GPUs",
                            details={"backend": self.backend.name})
 
+    async def _start_retrying(self) -> None:
+        """:meth:`start`, retried with backoff while the driver or the state directory is not
+        there yet; the agent stays up (and unready) meanwhile instead of crash-looping."""
+
+        def before_sleep(state: RetryCallState) -> None:
+            err = state.outcome.exception() if state.outcome else None
+            what = ("recovery needs a write it cannot make"
+                    if isinstance(err, StorageUnavailable) else "NVML not available")
+            said = err.detail if isinstance(err, AgentError) else err
+            reason = f"{what}: {said} (attempt {state.attempt_number}, retrying)"
+            self.readiness.storage_blocked = (err.errno or 0, err.path) \
+                if isinstance(err, StorageUnavailable) else None
+            self.readiness.set(reason)
+            log.warning(what.lower(), extra={"attempt": state.attempt_number,
+                                             "error": str(err)})
+
+        # A full state directory is retried like a missing driver: the agent stays up,
+        # serving what needs no reconciliation, and /readyz says which write recovery waits
+        # for.
+        retry = retry_if_exception_type((NvmlError, StorageUnavailable))
+        async for attempt in AsyncRetrying(retry=retry,
+                                           wait=wait_exponential_jitter(multiplier=0.5, max=30),
+                                           before_sleep=before_sleep, reraise=True):
+            with attempt:
+                await self.start()
+
     def publish_availability(self) -> None:
         """``gpu_agent_gpu_available`` from the ledger's one availability model."""
         for gpu in self.inventory.gpus:
@@ -144,7 +212,7 @@ class Node:
             await asyncio.sleep(self.settings.collect_interval_s)
             self.publish_availability()
 
-    async def watch_drift(self) -> None:
+    async def _watch_drift(self) -> None:
         """Report MIG geometries changed behind the agent's back (nvidia-smi, mig-parted)."""
         while True:
             await asyncio.sleep(self.settings.drift_check_interval_s)
@@ -154,30 +222,19 @@ class Node:
             except AgentError as err:
                 log.warning("drift check failed", extra={"error": err.detail})
 
-    async def stop(self) -> None:
-        """Stop background work (transitions in flight are abandoned; the journal resolves
-        them at the next start), metrics, XIDs and NVML."""
-        for task in self.tasks:
-            task.cancel()
-        for task in self.tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self.tasks.clear()
+    async def _stop(self) -> None:
+        """Everything :meth:`start` started, in reverse (transitions in flight are abandoned;
+        the journal resolves them at the next start); the event history written last."""
+        self._tasks.clear()
         await self.mig.close()
+        await self.claims.checkpoint.idle()
+        await asyncio.to_thread(self.xids.stop)  # up to one wait slice: off the event loop
+        self.collector.stop()
         if self.pods is not None:
             await self.pods.close()
-        self.xids.stop()
-        self.collector.stop()
         self.session.close()
-
-    @contextlib.asynccontextmanager
-    async def running(self) -> AsyncIterator[Node]:
-        """The node's one lifecycle: yields the node and stops it however the block ends
-        (start it inside with :meth:`start`)."""
-        try:
-            yield self
-        finally:
-            await self.stop()
+        self.events.append("agent.stopped", "agent stopped", severity=Severity.INFO)
+        await asyncio.to_thread(self.events.close)  # the history's last write
 
 
 def _after_reset(session: NvmlSession, health: GpuHealth, uuid: str) -> None:
@@ -199,27 +256,28 @@ def build_node(settings: Settings, backend: Backend, *,
     state = settings.state_dir
     ledger = NodeLedger(quarantine_path=state / "mig" / "quarantine.json", events=events,
                         xid_reasons=health.xid_reasons, lost_reason=session.lost_reason)
-    journal = TransitionJournal(state / "mig" / "journal")
-    mig = MigService(session=session, inventory=inventory, events=events, metrics=metrics,
-                     ledger=ledger, journal=journal, state_dir=state,
-                     proc_root=settings.proc_root, reset_command=settings.gpu_reset_command,
-                     reapply=settings.reapply_mig,
-                     on_reset=lambda uuid: _after_reset(session, health, uuid))
+    devices = MigDevices(session=session, ledger=ledger,
+                         journal=TransitionJournal(state / "mig" / "journal"), events=events,
+                         metrics=metrics, reset_command=settings.gpu_reset_command,
+                         on_reset=lambda uuid: _after_reset(session, health, uuid))
+    mig = MigService(devices=devices, inventory=inventory, events=events, metrics=metrics,
+                     ledger=ledger, state_dir=state, proc_root=settings.proc_root,
+                     reapply=settings.reapply_mig)
     claims = ClaimService(
-        session=session, inventory=inventory, ledger=ledger, journal=journal, events=events,
+        inventory=inventory, ledger=ledger, devices=devices, events=events,
         checkpoint=ClaimCheckpoint(state / "claims.checkpoint", boot_id(settings.proc_root),
                                    on_write=metrics.claims_checkpoint_writes.inc),
         cdi=CdiWriter(settings.cdi_dir, settings.proc_root, settings.driver_root,
                       owner=agent_id(settings.state_dir),
                       dev_root=settings.dev_root or backend.dev_root
-                      or getattr(backend.sim, "dev_root", None)),
+                      or (backend.sim.dev_root if backend.sim is not None else None)),
         tombstone_s=settings.claim_tombstone_s, run_dir=settings.run_dir,
         device_node_wait_s=settings.device_node_wait_s,
         sharing=sharing or _sharing(settings, backend, session),
         dynamic_mig=settings.dynamic_mig)
     topology = TopologyService(session=session, inventory=inventory, sys_root=backend.sys_root,
                                ledger=ledger)
-    slices = SliceService(inventory=inventory, topology=topology, ledger=ledger,
+    resource_slices = ResourceSliceService(inventory=inventory, topology=topology, ledger=ledger,
                           state_dir=state, node_name=settings.node_name,
                           driver=settings.driver_name, dynamic_mig=settings.dynamic_mig,
                           gpu_shares=settings.gpu_shares)
@@ -233,7 +291,7 @@ def build_node(settings: Settings, backend: Backend, *,
     return Node(settings=settings, backend=backend, session=session, inventory=inventory,
                 events=events, metrics=metrics, readiness=Readiness(), ledger=ledger,
                 mig=mig, claims=claims, health=health, collector=collector,
-                topology=topology, slices=slices, xids=xids, pods=pods)
+                topology=topology, resource_slices=resource_slices, xids=xids, pods=pods)
 
 
 def _sharing(settings: Settings, backend: Backend, session: NvmlSession) -> SharingRuntime:
@@ -241,8 +299,7 @@ def _sharing(settings: Settings, backend: Backend, session: NvmlSession) -> Shar
     configured, else under ``<driver root or />/usr/bin`` (the simulator's tools with
     ``--simulate``); daemons started by the MPS host (``--mps-host-socket``) when set, else by
     the agent itself."""
-    sim_tools = getattr(backend.sim, "tools_dir", None)
-    default_dir = Path(sim_tools) if sim_tools is not None else \
+    default_dir = backend.sim.tools_dir if backend.sim is not None else \
         (settings.driver_root or Path("/")) / "usr" / "bin"
     launcher: MpsLauncher = HostLauncher(settings.mps_host_socket) \
         if settings.mps_host_socket is not None else DirectLauncher()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from bench import (
+    claim_cost,
     claims,
     dra,
     load,
@@ -18,7 +19,7 @@ from bench import (
 )
 
 BENCHMARKS = ("startup", "mig-disruption", "mig-transition", "topology-select", "metrics-scrape",
-              "claims", "packing", "load", "dra", "sharing")
+              "claims", "packing", "load", "dra", "sharing", "claim-cost")
 
 
 def main() -> None:
@@ -68,6 +69,10 @@ def main() -> None:
         print()
     if args.only in (None, "sharing"):
         sharing.main()
+    if args.only is None:
+        print()
+    if args.only in (None, "claim-cost"):
+        claim_cost.main(["--baseline", "HEAD"])  # this tree beside its last commit
 
 
 if __name__ == "__main__":

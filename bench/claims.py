@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from agent.claims.checkpoint import encode
-from agent.claims.service import DeviceRequest
+from agent.claims.requests import DeviceRequest
 from agent.durable import write_atomic
 from agent.errors import AgentError
 from tests.agent_process import AgentProcess, cpu_seconds, start_agent

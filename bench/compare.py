@@ -49,9 +49,9 @@ SIZES: dict[str, dict[str, Any]] = {
     "metrics-scrape": {"scrapes": 200, "rounds": 2},
 }
 QUICK: dict[str, dict[str, Any]] = {
-    "claims": {"clients": [1, 2], "cycles": 32, "samples": 20},
+    "claims": {"clients": [1, 2], "cycles": 8, "samples": 10},
     "mig-transition": {"runs": 1, "scenarios": 1},
-    "metrics-scrape": {"scrapes": 20, "rounds": 0},
+    "metrics-scrape": {"scrapes": 10, "rounds": 0},
 }
 TITLES = {
     "claims": "claims: prepare/unprepare over HTTP (gpu, mig, slice) and in-process",

@@ -3,11 +3,13 @@ the reference library's rules (``pkg/parser``; reference B3)."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 _VENDOR_OR_CLASS = re.compile(r"^[A-Za-z]([A-Za-z0-9_.-]*[A-Za-z0-9])?\Z")
 # Device names may start with a digit and contain ':' (MIG devices are named "0:1").
 _DEVICE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.:-]*[A-Za-z0-9])?\Z")
+_SPEC_ID = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
 class CdiNameError(ValueError):
@@ -35,6 +37,7 @@ def check_device(name: str) -> str:
     return name
 
 
+@functools.lru_cache(maxsize=64)  # a handful of kinds, checked on every claim's spec
 def split_kind(kind: str) -> tuple[str, str]:
     """``vendor/class`` → (vendor, class), both checked."""
     vendor, sep, cls = kind.partition("/")
@@ -52,7 +55,7 @@ def qualified(kind: str, device: str) -> str:
 def transient_file_name(kind: str, spec_id: str) -> str:
     """``<vendor>-<class>_<id>.json`` (``GenerateTransientSpecName``)."""
     vendor, cls = split_kind(kind)
-    if not re.match(r"^[A-Za-z0-9_.-]+$", spec_id):
+    if not _SPEC_ID.match(spec_id):
         raise CdiNameError(f"invalid transient spec id {spec_id!r}")
     return f"{vendor}-{cls}_{spec_id}.json"
 

@@ -27,6 +27,8 @@ from cdi.spec import Spec
 from cdi.version import minimum_version
 
 log = logging.getLogger("cdi.store")
+#: An ownership mark holds one agent id (``gpu-agent-<16 hex>``); more is not a mark of ours.
+_MARK_BYTES = 4096
 
 
 class SpecStore:
@@ -48,7 +50,7 @@ class SpecStore:
         path = self.directory / name
         if self.owner is not None:
             # The mark goes first: a spec is never on disk unmarked (then adopted by another).
-            write_atomic(mark_path(path), f"{self.owner}\n".encode(), mode=0o644,
+            write_atomic(_mark_name(str(path)), f"{self.owner}\n".encode(), mode=0o644,
                          durable=False)
         write_atomic(path, spec.to_json(), mode=0o644, durable=False)
         return path
@@ -56,8 +58,16 @@ class SpecStore:
     def owner_of(self, path: Path) -> str | None:
         """The id in ``path``'s ownership mark; None when it has none."""
         try:
-            return mark_path(path).read_text().strip() or None
-        except (FileNotFoundError, NotADirectoryError, UnicodeDecodeError):
+            fd = os.open(_mark_name(os.fspath(path)), os.O_RDONLY | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        try:
+            raw = os.read(fd, _MARK_BYTES)
+        finally:
+            os.close(fd)
+        try:
+            return raw.decode().strip() or None
+        except UnicodeDecodeError:
             return None
 
     def is_ours(self, path: Path) -> bool:
@@ -74,14 +84,15 @@ class SpecStore:
             log.warning("not removing a CDI spec another agent owns",
                         extra={"path": str(path), "owner": self.owner_of(path)})
             return False
+        name = os.fspath(path)
         try:
-            path.unlink()
+            os.unlink(name)
         except FileNotFoundError:
             removed = False
         else:
             removed = True
         with contextlib.suppress(FileNotFoundError):
-            mark_path(path).unlink()
+            os.unlink(_mark_name(name))
         return removed
 
     def owned(self) -> list[Path]:
@@ -104,3 +115,10 @@ class SpecStore:
 def mark_path(spec: Path) -> Path:
     """The ownership mark of a spec file: ``.<name>.owner`` beside it."""
     return spec.with_name(f".{spec.name}.owner")
+
+
+def _mark_name(spec: str) -> str:
+    """:func:`mark_path` on a path string (claim specs are written and removed on every
+    prepare and unprepare; pathlib's parsing cost more than the file calls)."""
+    directory, slash, name = spec.rpartition("/")
+    return f"{directory}{slash}.{name}.owner"

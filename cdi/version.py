@@ -12,8 +12,13 @@ KNOWN_VERSIONS = ("0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0",
 EARLIEST = "0.3.0"
 
 
-def _key(version: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in version.split("."))
+#: Every version this module names is one of KNOWN_VERSIONS, in order: compared by rank, not
+#: parsed per comparison (this runs on every claim spec written).
+_RANK = {version: rank for rank, version in enumerate(KNOWN_VERSIONS)}
+
+
+def _latest(versions: list[str]) -> str:
+    return max(versions, key=_RANK.__getitem__)
 
 
 def _edits_need(edits: ContainerEdits | None) -> str:
@@ -30,7 +35,7 @@ def _edits_need(edits: ContainerEdits | None) -> str:
             edits.intel_rdt.schemata is not None or
             edits.intel_rdt.enable_monitoring is not None)):
         needed.append("1.1.0")
-    return max(needed, key=_key)
+    return _latest(needed)
 
 
 def minimum_version(spec: Spec) -> str:
@@ -44,4 +49,4 @@ def minimum_version(spec: Spec) -> str:
         needed.append(_edits_need(device.container_edits))
         if device.name[:1].isdigit():
             needed.append("0.5.0")
-    return max(needed, key=_key)
+    return _latest(needed)

@@ -10,11 +10,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tests.waiting import wait_for
 
 
 @dataclass
@@ -44,6 +45,15 @@ def exchange(conn: http.client.HTTPConnection, method: str, path: str, data: byt
     """Send one request on ``conn`` (then closed) and read the reply, JSON bodies parsed."""
     try:
         conn.request(method, path, body=data, headers=headers)
+    except BaseException:
+        conn.close()
+        raise
+    return receive(conn)
+
+
+def receive(conn: http.client.HTTPConnection) -> Reply:
+    """The reply to the request sent on ``conn`` (then closed), JSON bodies parsed."""
+    try:
         response = conn.getresponse()
         payload = response.read()
     finally:
@@ -53,6 +63,38 @@ def exchange(conn: http.client.HTTPConnection, method: str, path: str, data: byt
     if payload and out.get("content-type", "").split(";")[0].endswith("json"):
         parsed = json.loads(payload)
     return Reply(response.status, out, parsed)
+
+
+def _queues(local_port: int, remote_port: int) -> tuple[int, int] | None:
+    """The (unsent or unacknowledged, unread) bytes of the loopback TCP socket from
+    ``local_port`` to ``remote_port``, from /proc/net/tcp; None if there is none."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].rsplit(":", 1)[1], 16) == local_port \
+                and int(fields[2].rsplit(":", 1)[1], 16) == remote_port:
+            tx, rx = fields[4].split(":")
+            return int(tx, 16), int(rx, 16)
+    return None
+
+
+@dataclass
+class Pending:
+    """A request sent on a connection of its own whose reply is read later: a long-poll a
+    test holds open while it changes something."""
+
+    conn: http.client.HTTPConnection
+    agent_port: int
+
+    def read_by_agent(self) -> bool:
+        """Whether the agent has read the whole request: the client has nothing unsent or
+        unacknowledged, and the agent's side of the connection nothing unread."""
+        mine = self.conn.sock.getsockname()[1]
+        client, agent = _queues(mine, self.agent_port), _queues(self.agent_port, mine)
+        return client is not None and agent is not None and client[0] == 0 and agent[1] == 0
+
+    def reply(self) -> Reply:
+        """The reply (blocking until it came), the connection closed."""
+        return receive(self.conn)
 
 
 @dataclass
@@ -98,25 +140,51 @@ class AgentProcess:
             conn = http.client.HTTPConnection(*self.address, timeout=30)
         return exchange(conn, method, path, data, sent)
 
-    def poll(self, path: str, until: Callable[[Any], bool], interval: float = 0.002) -> Any:
-        """GET ``path`` until ``until(body)`` holds; that body."""
-        while True:
+    def send(self, method: str, path: str, body: Any = None, *,
+             headers: dict[str, str] | None = None) -> Pending:
+        """A request sent over TCP, its reply read later (:meth:`Pending.reply`); it returns
+        once the agent has read the whole request (its handler is running)."""
+        sent = dict(headers or {})
+        if self.token:
+            sent["Authorization"] = f"Bearer {self.token}"
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            sent["Content-Type"] = "application/json"
+        conn = http.client.HTTPConnection(*self.address, timeout=30)
+        try:
+            conn.request(method, path, body=data, headers=sent)
+            pending = Pending(conn, self.address[1])
+            wait_for(pending.read_by_agent, f"the agent to read {method} {path}", 10,
+                     every_s=0.005)
+        except BaseException:
+            conn.close()
+            raise
+        return pending
+
+    def poll(self, path: str, until: Callable[[Any], bool], interval: float = 0.002,
+             timeout: float = 300) -> Any:
+        """GET ``path`` until ``until(body)`` holds; that body. The interval is short: the
+        benchmarks time what they poll for."""
+        def holds() -> list[Any]:
             body = self.request("GET", path).body
-            if until(body):
-                return body
-            time.sleep(interval)
+            return [body] if until(body) else []
+        return wait_for(holds, f"GET {path} to answer as wanted", timeout,
+                        every_s=interval)[0]
 
     def wait_ready(self, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if self.request("GET", "/readyz", token=None).status == 200:
-                    return
-            except OSError:
-                pass  # not accepting (yet, or any more): the liveness check below says which
+        def ready() -> bool:
             self._check_alive()
-            time.sleep(0.05)
-        raise AssertionError(f"agent not ready after {timeout}s:\n{self.log()}")
+            try:
+                return self.request("GET", "/readyz", token=None).status == 200
+            except OSError:
+                return False  # not accepting (yet, or any more): the liveness check says which
+        try:
+            wait_for(ready, "/readyz to answer 200", timeout, every_s=0.05)
+        except AssertionError as err:
+            if self.proc.poll() is not None:
+                raise  # it exited: _check_alive's message has the log
+            raise AssertionError(f"{err}; agent not ready:\n{self.log()}") from None
 
     def _check_alive(self) -> None:
         if self.proc.poll() is not None:
@@ -151,13 +219,16 @@ def start_agent(state_dir: Path, *, preset: str | None = "dgx-h100", extra: list
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, **(env or {})}, start_new_session=True)
     agent = AgentProcess(proc, state_dir, log_path, args=args)
-    deadline = time.monotonic() + 30
-    while not listeners.exists():
+    def listening() -> bool:
         agent._check_alive()
-        if time.monotonic() > deadline:
-            agent.stop(signal.SIGKILL)
-            raise AssertionError(f"agent did not listen:\n{agent.log()}")
-        time.sleep(0.02)
+        return listeners.exists()
+    try:
+        wait_for(listening, f"{listeners} (the agent listening)", 30)
+    except AssertionError as err:
+        if agent.proc.poll() is not None:
+            raise  # it exited: _check_alive's message has the log
+        agent.stop(signal.SIGKILL)
+        raise AssertionError(f"{err}:\n{agent.log()}") from None
     bound = json.loads(listeners.read_text())["listeners"]
     agent.url = next(u for u in bound if u.startswith(("http://", "https://")))
     tokens = state_dir / "tokens"

@@ -6,6 +6,7 @@ the module's ``go`` line counts as missing: a skip on a developer machine, a fai
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
@@ -16,6 +17,10 @@ from tests.tools import unavailable
 
 #: Where the Go toolchain is installed on the project's machines, besides PATH.
 KNOWN_GO = (Path("/usr/local/go/bin/go"),)
+#: Where the programs are built (ignored by git): one path per program, so a build whose
+#: binary is current costs Go's up-to-date check (a second), not a link (several CPU seconds,
+#: in every pytest worker).
+BUILD = Path(__file__).resolve().parent.parent / "build"
 
 
 def _version(go: str) -> tuple[int, ...] | None:
@@ -51,10 +56,15 @@ def find_go(module: Path) -> str:
 
 def build(module: Path, output: Path, timeout_s: float) -> Path:
     """``go build`` the main package in ``module`` to ``output``, with the dependencies exactly
-    as go.sum pins them (-mod=readonly) and no automatic toolchain download."""
+    as go.sum pins them (-mod=readonly) and no automatic toolchain download. A file lock
+    beside ``output`` keeps parallel pytest workers from building it at once; the later one
+    finds it up to date."""
     go = find_go(module)
     env = {**os.environ, "GOTOOLCHAIN": "local", "GOFLAGS": "-mod=readonly", "GO111MODULE": "on"}
-    done = subprocess.run([go, "build", "-o", str(output), "."], cwd=module, env=env,
-                          capture_output=True, text=True, timeout=timeout_s, check=False)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with output.with_name(f".{output.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = subprocess.run([go, "build", "-o", str(output), "."], cwd=module, env=env,
+                              capture_output=True, text=True, timeout=timeout_s, check=False)
     assert done.returncode == 0, f"go build in {module} failed:\n{done.stderr}"
     return output

@@ -5,6 +5,7 @@ soak tests and the claims benchmark use it."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,8 @@ class ServiceNode:
     node: Node
     state: Path
     cdi_dir: Path
+    #: Leaves the node's ``running()`` block: stops it as the daemon would.
+    _running: AsyncExitStack
 
     @property
     def sim(self) -> SimulatedNode:
@@ -85,8 +88,12 @@ class ServiceNode:
                 if outcome.transition.state != TransitionState.SUCCEEDED:
                     raise RuntimeError(f"MIG change ended {outcome.transition.state}")
 
+    async def stop(self) -> None:
+        """Stop the node (the simulated hardware stays open)."""
+        await self._running.aclose()
+
     async def close(self) -> None:
-        await self.node.stop()
+        await self.stop()
         self.sim.close()
 
 
@@ -104,6 +111,11 @@ async def open_services(directory: Path, *, spec_dir: Path | None = None,
                         **(settings or {})}, env={})
     backend = gpu_backend.open_backend(simulate=resolved.simulate, state_dir=state,
                                        proc_root=proc)
-    node = build_node(resolved, backend)
-    await node.start()
-    return ServiceNode(node, state, cdi_dir)
+    return await start(build_node(resolved, backend), state, cdi_dir)
+
+
+async def start(node: Node, state: Path, cdi_dir: Path) -> ServiceNode:
+    """``node`` started through its one lifecycle (``Node.running``), until closed."""
+    running = AsyncExitStack()
+    await running.enter_async_context(node.running())
+    return ServiceNode(node, state, cdi_dir, running)

@@ -27,6 +27,7 @@ from agent.durable import (
     write_durable,
 )
 from agent.errors import AgentError, StateLocked
+from tests.waiting import until
 
 
 def test_write_atomic_replaces_content_and_leaves_no_temp_file(tmp_path: Path) -> None:
@@ -242,10 +243,8 @@ async def test_durable_map_concurrent_and_cancelled_changes_all_land(tmp_path: P
     changes[3].cancel()
     await asyncio.gather(*changes, return_exceptions=True)
     await dmap.delete("never-there")
-    for _ in range(100):  # the cancelled caller's write finishes in its own time
-        if len(dmap.items()) == 8:
-            break
-        await asyncio.sleep(0.01)
+    # The cancelled caller's write finishes in its own time.
+    await until(lambda: len(dmap.items()) == 8, "the cancelled caller's write to land")
     assert dmap.items() == [(f"k{i}", i) for i in range(8)]
     assert DurableMap(tmp_path / "m.json").items() == dmap.items()
 

@@ -33,9 +33,11 @@ LAYER_OF = {
     # hardware: the one door to NVML, and the simulator behind it
     "agent.gpu": "hardware",
     "agent.gpu.sim": "hardware",
+    # starting MPS daemons: the launch seam, the agent's own launcher, the MPS host's protocol
+    # and the agent's client of it; imported by the agent and by the MPS host alike
+    "agent.mps": "hardware",
     # the MPS host: a process of its own that starts MPS daemons outside the agent's cgroup
-    # (test_mps_host_imports_only_the_launch_seam narrows what it may import); hardware, as
-    # the agent's HostLauncher (agent.gpu.mps_host_client) speaks its protocol
+    # (test_mps_host_imports_only_the_launch_seam narrows what it may import)
     "agent.mpshost": "hardware",
     # ledger: the one owner of each GPU's instances and their holders
     "agent.ledger": "ledger",
@@ -161,8 +163,26 @@ def test_kubeplugin_talks_to_the_agent_only_over_rest() -> None:
     assert reached == []
 
 
+#: What the claims may import of agent.mig: the one owner of the instances and the values it
+#: speaks in (geometry, catalog, the pure MIG-mode rule); never the executor, the journal,
+#: the transitions or the session behind it.
+MIG_OWNER_API = {"agent.mig.devices", "agent.mig.geometry", "agent.mig.catalog",
+                 "agent.mig.mode"}
+
+
+def test_claims_reach_mig_instances_only_through_the_one_owner() -> None:
+    """agent.claims imports of agent.mig only the one owner's API (MigDevices and its value
+    types), and nothing of the NVML session: every change to a GPU's instances goes through
+    one door."""
+    claims = [m for m in MODULES if m.startswith("agent.claims")]
+    reached = sorted(f"{m} -> {t}" for m in claims for t in imports_of(m)
+                     if (t.startswith("agent.mig") and t not in MIG_OWNER_API)
+                     or t == "agent.gpu.session")
+    assert reached == []
+
+
 #: What the MPS host may import besides foundation modules and itself.
-MPS_HOST_SEAM = {"agent.gpu.mps_launch", "agent.gpu.mps_direct"}
+MPS_HOST_SEAM = {"agent.mps.launch", "agent.mps.direct", "agent.mps.protocol"}
 
 
 def test_mps_host_imports_only_the_launch_seam() -> None:
@@ -177,12 +197,22 @@ def test_mps_host_imports_only_the_launch_seam() -> None:
     assert reached == []
 
 
-def test_mps_host_is_reached_only_by_its_client_and_command() -> None:
-    """Only the agent's HostLauncher (the protocol) and the CLI subcommand import
-    agent.mpshost: the agent never runs the server in its own process."""
+def test_mps_host_is_reached_only_by_its_command() -> None:
+    """Only the CLI subcommand imports agent.mpshost: the agent never runs the server in its
+    own process, and reaches it through agent.mps (the protocol both speak)."""
     users = sorted(m for m in MODULES if not m.startswith("agent.mpshost")
                    and any(t.startswith("agent.mpshost") for t in imports_of(m)))
-    assert users == ["agent.cli.mps_host", "agent.gpu.mps_host_client"]
+    assert users == ["agent.cli.mps_host"]
+
+
+def test_the_mps_seam_imports_neither_side() -> None:
+    """agent.mps imports only foundation modules and itself: neither the GPU layer that uses
+    it nor the MPS host."""
+    allowed = {m for m in MODULES if layer_of(m) == "foundation"}
+    seam = [m for m in MODULES if m.startswith("agent.mps.") or m == "agent.mps"]
+    reached = sorted(f"{m} -> {t}" for m in seam for t in imports_of(m)
+                     if not t.startswith("agent.mps.") and t != "agent.mps" and t not in allowed)
+    assert reached == []
 
 
 def test_every_package_needs_its_own_row() -> None:

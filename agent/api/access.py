@@ -13,6 +13,7 @@ import grp
 import json
 import logging
 import os
+import re
 import socket
 import ssl
 import struct
@@ -29,6 +30,7 @@ audit_log = logging.getLogger("agent.audit")
 
 #: Body fields never written to an audit line, whatever their value.
 _SECRET_WORDS = ("token", "secret", "password", "authorization", "key", "credential")
+_SECRET_FIELD = re.compile("|".join(_SECRET_WORDS))
 _SUMMARY_CHARS = 300
 _SUMMARY_PARSE_BYTES = 16 * 1024
 
@@ -89,7 +91,7 @@ def _redact(value: Any, depth: int = 0) -> Any:
     if isinstance(value, dict | list) and depth >= _SUMMARY_DEPTH:
         return "..."
     if isinstance(value, dict):
-        return {k: "<redacted>" if any(w in str(k).lower() for w in _SECRET_WORDS)
+        return {k: "<redacted>" if _SECRET_FIELD.search(str(k).lower())
                 else _redact(v, depth + 1) for k, v in list(value.items())[:16]}
     if isinstance(value, list):
         return [_redact(v, depth + 1) for v in value[:8]]
@@ -98,19 +100,27 @@ def _redact(value: Any, depth: int = 0) -> Any:
     return value
 
 
-def summarise_body(raw: bytes, content_type: str) -> str:
-    """A short, secret-free description of a request body for the audit line. It never
-    raises, whatever the body: the audit line of a refused request matters most."""
+#: ``parsed`` not given: :func:`summarise_body` parses ``raw`` itself.
+UNPARSED = object()
+
+
+def summarise_body(raw: bytes, content_type: str, parsed: Any = UNPARSED) -> str:
+    """A short, secret-free description of a request body for the audit line; ``parsed``:
+    the document ``raw`` already parsed to (:func:`~agent.api.body.load_json`), when the
+    handler did. It never raises, whatever the body: the audit line of a refused request
+    matters most."""
     if not raw:
         return "-"
     kind = content_type[:64] or "unknown type"
     # Parsing is bounded too: the line is written for requests without a token as well.
     if not content_type.endswith("json") or len(raw) > _SUMMARY_PARSE_BYTES:
         return f"<{len(raw)} bytes {kind}>"
-    try:
-        doc = load_json(raw)
-    except BodyError as err:
-        return f"<{len(raw)} bytes, refused: {err}>"
+    doc = parsed
+    if doc is UNPARSED:
+        try:
+            doc = load_json(raw)
+        except BodyError as err:
+            return f"<{len(raw)} bytes, refused: {err}>"
     try:
         text = json.dumps(_redact(doc), separators=(",", ":"), default=str)
     except (ValueError, TypeError, RecursionError):  # pragma: no cover - bounded by _redact

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 from aiohttp import web
 
 import agent
@@ -154,6 +157,13 @@ def all_routes(*, simulated: bool) -> list[Route]:
             + (SIM_ROUTES if simulated else []))
 
 
+@functools.cache
+def openapi_document(*, simulated: bool) -> dict[str, Any]:
+    """The OpenAPI document of :func:`all_routes`, built on first use: the routes are constants
+    and rendering every model's schema costs about half a second of CPU."""
+    return build_openapi(all_routes(simulated=simulated), version=agent.__version__)
+
+
 def build_app(ctx: AgentContext) -> web.Application:
     """The application for one agent; ``/v1/sim`` exists only when ``ctx.node.sim`` is set."""
     app = web.Application(
@@ -162,8 +172,8 @@ def build_app(ctx: AgentContext) -> web.Application:
     )
     app[AGENT] = ctx
     app[MAX_BODY_BYTES] = ctx.node.settings.max_body_bytes
-    routes = all_routes(simulated=ctx.node.sim is not None)
-    register(app, routes)
-    app[node.OPENAPI] = build_openapi(routes, version=agent.__version__)
+    simulated = ctx.node.sim is not None
+    register(app, all_routes(simulated=simulated))
+    app[node.OPENAPI] = lambda: openapi_document(simulated=simulated)
     app.on_shutdown.append(dra.release_waiters)  # before in-flight requests are awaited
     return app

@@ -22,6 +22,10 @@ from agent.errors import BadRequest, InvalidRequest
 
 M = TypeVar("M", bound=BaseModel)
 
+#: The document :func:`parse_body` parsed, kept for the request's audit line (which would
+#: otherwise parse the same bytes again).
+PARSED_BODY = web.RequestKey("parsed_body", object)
+
 #: Deepest nesting of arrays and objects a body may have (the API's own need is under 6).
 MAX_DEPTH = 400
 #: Most digits an integer in a body may have: every integer the API takes fits in 64 bits.
@@ -140,14 +144,15 @@ def validation_problem(err: ValidationError, what: str = "body") -> InvalidReque
     return InvalidRequest(detail, errors)
 
 
-def validate_body(raw: bytes, model: type[M]) -> M:
-    """Validate a raw JSON body against ``model``: :class:`BadRequest` (400) for a document
-    this module refuses, :class:`InvalidRequest` (422) naming each field the model refuses."""
+def _document(raw: bytes) -> Any:
     try:
-        doc = load_json(raw or b"null")
+        return load_json(raw or b"null")
     except BodyError as err:
         raise BadRequest(f"body is {err}" if str(err).startswith("not")
                          else f"body refused: {err}") from None
+
+
+def _validated(doc: Any, model: type[M]) -> M:
     # Strict mode: each JSON value keeps its type (a string never becomes a number or a
     # boolean, a boolean never a count). Validated from the parsed document, not the text:
     # pydantic's JSON parser stops at about 200 levels with no field named.
@@ -155,6 +160,12 @@ def validate_body(raw: bytes, model: type[M]) -> M:
         return model.model_validate(doc, strict=True)
     except ValidationError as err:
         raise validation_problem(err) from None
+
+
+def validate_body(raw: bytes, model: type[M]) -> M:
+    """Validate a raw JSON body against ``model``: :class:`BadRequest` (400) for a document
+    this module refuses, :class:`InvalidRequest` (422) naming each field the model refuses."""
+    return _validated(_document(raw), model)
 
 
 async def parse_body(request: web.Request, model: type[M]) -> M:
@@ -168,4 +179,7 @@ async def parse_body(request: web.Request, model: type[M]) -> M:
         # A body that is not what its Content-Encoding says (or was cut short).
         raise BadRequest(f"body could not be read: {str(err).splitlines()[-1].strip()}") \
             from None
-    return validate_body(raw, model)
+    doc = _document(raw)
+    if raw:
+        request[PARSED_BODY] = doc
+    return _validated(doc, model)

@@ -23,7 +23,8 @@ from agent.api.models import Strict
 from agent.api.node import require_ready
 from agent.api.routing import json_response
 from agent.claims.checkpoint import ClaimRecord, PreparedDevice
-from agent.claims.service import ClaimService, DeviceRequest
+from agent.claims.requests import DeviceRequest
+from agent.claims.service import ClaimService
 from agent.claims.sharing import MpsConfig, SharingConfig
 from agent.device_names import ascii_integer, quantity_mib
 from agent.errors import InvalidRequest

@@ -208,38 +208,47 @@ class _Guarded(asyncio.Protocol):
             self._transport.close()
 
     def _frame(self, data: bytes) -> None:
+        # Each step that starts or ends a deadline only notes it; the deadline of the state the
+        # chunk leaves the request in is set once at the end (the same instant): a whole
+        # request in one chunk, the usual case, arms and cancels no timer.
+        moved = False
         view = data
         while view and self._state != "untracked":
             if self._state == "idle":
-                self._state = "head"
+                self._state = "head"  # a new request: its head's deadline starts now
                 self._head = b""
-                self._arm(self._limits.header_timeout_s)
+                moved = True
             if self._state == "head":
                 joined = self._head + view
                 end = joined.find(b"\r\n\r\n")
                 if end < 0:
                     self._head = joined[-_MAX_HEAD_BYTES:]
-                    return
+                    break
                 head, view = joined[:end], joined[end + 4:]
                 self._head = b""
                 self._body_left = _content_length(head)
+                moved = True
                 if self._body_left < 0:
                     self._state = "untracked"
-                    self._disarm()
-                    return
-                if self._body_left == 0:
+                elif self._body_left == 0:
                     self._state = "idle"
-                    self._disarm()
                 else:
-                    self._state = "body"
-                    self._arm(self._limits.body_timeout_s)
+                    self._state = "body"  # the body's deadline starts now
             elif self._state == "body":
                 taken = min(len(view), self._body_left)
                 self._body_left -= taken
                 view = view[taken:]
                 if self._body_left == 0:
                     self._state = "idle"
-                    self._disarm()
+                    moved = True
+        if not moved:
+            return
+        if self._state == "head":
+            self._arm(self._limits.header_timeout_s)
+        elif self._state == "body":
+            self._arm(self._limits.body_timeout_s)
+        else:
+            self._disarm()
 
 
 def _content_length(head: bytes) -> int:

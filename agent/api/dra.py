@@ -16,8 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from agent.api.context import AGENT
 from agent.api.node import require_ready
 from agent.api.routing import QueryParam, Route, json_response
+from agent.dra.resource_slices import API_VERSION, KUBERNETES_VERSIONS
 from agent.dra.service import Rendered
-from agent.dra.slices import API_VERSION, KUBERNETES_VERSIONS
 from agent.errors import InvalidRequest, NotReady
 
 DEFAULT_KUBERNETES = (1, 35)
@@ -86,7 +86,7 @@ async def list_slices(request: web.Request) -> web.Response:
     kubernetes = _version(request.query.get("kubernetes"))
     wait_s = _wait(request.query.get("wait_s"))
     tags = _tags(request.headers.get("If-None-Match"))
-    service = ctx.node.slices
+    service = ctx.node.resource_slices
     current = await service.render(kubernetes)
     if tags is None or not (current.etag in tags or "*" in tags):
         return _answer(current, kubernetes)
@@ -100,7 +100,7 @@ async def list_slices(request: web.Request) -> web.Response:
 async def release_waiters(app: web.Application) -> None:
     """At shutdown: answer every held request now (304), so that a long-poll never holds
     the agent's stop for the shutdown timeout."""
-    await app[AGENT].node.slices.release()
+    await app[AGENT].node.resource_slices.release()
 
 
 ROUTES = [

@@ -38,7 +38,7 @@ from agent.mig.parted_config import (
     parse_config,
     selection,
 )
-from agent.mig.parted_config import export_config as export_parted
+from agent.mig.parted_export import export_config as export_parted
 from agent.mig.service import ApplyRecord, MigService
 from agent.mig.transition import DrainPolicy
 

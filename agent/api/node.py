@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -15,7 +17,8 @@ from agent.errors import InvalidRequest, NotReady
 from agent.host import boot_id
 from agent.metrics import exposition
 
-OPENAPI = web.AppKey("openapi", dict)
+OpenApiDocument = Callable[[], dict[str, Any]]
+OPENAPI: web.AppKey[OpenApiDocument] = web.AppKey("openapi")
 
 
 def require_ready(ctx: AgentContext) -> None:
@@ -83,4 +86,4 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return web.json_response(request.app[OPENAPI])
+    return web.json_response(request.app[OPENAPI]())

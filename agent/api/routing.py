@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import os
 import re
 import secrets
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 from pydantic import BaseModel
 
-from agent.api.access import audit_log, peer_credentials, summarise_body
+from agent.api.access import UNPARSED, audit_log, peer_credentials, summarise_body
+from agent.api.body import PARSED_BODY
 from agent.api.context import AGENT, PRINCIPAL, REQUEST_ID
 from agent.errors import BadRequest, Forbidden, NotReady, StorageUnavailable
 
@@ -87,9 +91,16 @@ def register(app: web.Application, routes: list[Route]) -> None:
     for spec in routes:
         route = app.router.add_route(spec.method, spec.path, spec.handler)
         specs[(spec.method, route.resource.canonical if route.resource else spec.path)] = spec
+    if _COUNTED not in app:
+        app[_COUNTED] = {}
 
 
 _SPECS = web.AppKey("route_specs", dict[tuple[str, str], Route])
+#: The request counter's children by (method, route, status): ``labels()`` validates and
+#: locks on every call, and every request counts itself.
+_COUNTED = web.AppKey("counted_requests", dict[tuple[str, str, int], Any])
+#: The spec of the request's route, looked up once for the middlewares that all need it.
+_ROUTE = web.RequestKey("route_spec", object)
 
 
 def route_specs(app: web.Application) -> dict[tuple[str, str], Route]:
@@ -99,10 +110,34 @@ def route_specs(app: web.Application) -> dict[tuple[str, str], Route]:
 
 
 def _spec_of(request: web.Request) -> Route | None:
+    known = request.get(_ROUTE)
+    if isinstance(known, Route):
+        return known
     resource = request.match_info.route.resource
     if resource is None:
         return None
-    return request.app[_SPECS].get((request.method, resource.canonical))
+    spec = request.app[_SPECS].get((request.method, resource.canonical))
+    if spec is not None:
+        request[_ROUTE] = spec
+    return spec
+
+
+def _count(request: web.Request, method: str, route: str, status: int) -> None:
+    counted = request.app.get(_COUNTED)
+    key = (method, route, status)
+    child = counted.get(key) if counted is not None else None
+    if child is None:
+        child = request.app[AGENT].node.metrics.http_requests.labels(method, route,
+                                                                      str(status))
+        if counted is not None and len(counted) < _MAX_COUNTED:
+            counted[key] = child
+    child.inc()
+
+
+#: Request counter children kept (routes x methods x statuses: a few hundred in practice).
+_MAX_COUNTED = 4096
+#: Each Unix socket connection's peer, read once (SO_PEERCRED is fixed at connect).
+_PEERS: weakref.WeakKeyDictionary[asyncio.BaseTransport, str] = weakref.WeakKeyDictionary()
 
 
 @web.middleware
@@ -127,7 +162,7 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
         route = spec.path if spec else "unmatched"
         # Any token is a method to aiohttp; the label set stays closed.
         method = request.method if request.method in _METHODS else "other"
-        request.app[AGENT].node.metrics.http_requests.labels(method, route, str(status)).inc()
+        _count(request, method, route, status)
         if spec.mutating if spec else request.method not in ("GET", "HEAD", "OPTIONS"):
             await _audit(request, status, _peer(request), elapsed_ms)
         else:
@@ -144,8 +179,14 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
 def _peer(request: web.Request) -> str:
     """The caller: its address over TCP, its uid/gid/pid (SO_PEERCRED) on the Unix socket."""
     transport = request.transport
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    return peer_credentials(sock) or request.remote or "unix"
+    if transport is None:
+        return request.remote or "unix"
+    known = _PEERS.get(transport)
+    if known is None:
+        sock = transport.get_extra_info("socket")
+        known = peer_credentials(sock) or ""
+        _PEERS[transport] = known
+    return known or request.remote or "unix"
 
 
 async def _audit(request: web.Request, status: int, peer: str, elapsed_ms: float) -> None:
@@ -154,7 +195,7 @@ async def _audit(request: web.Request, status: int, peer: str, elapsed_ms: float
     summarised is described by its size, and any failure here still writes the line."""
     try:
         raw = await request.read()
-        body = summarise_body(raw, request.content_type)
+        body = summarise_body(raw, request.content_type, request.get(PARSED_BODY, UNPARSED))
     except Exception as err:  # e.g. a body that is not the gzip it says it is; still audited
         body = f"<unreadable body: {type(err).__name__}>"
     audit_log.info("audit", extra={

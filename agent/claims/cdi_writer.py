@@ -34,6 +34,8 @@ _LIBRARIES = ("libcuda.so.*", "libnvidia-ml.so.*", "libnvidia-ptxjitcompiler.so.
               "libnvidia-nvvm.so.*", "libcudadebugger.so.*")
 _LIB_DIRS = ("usr/lib/x86_64-linux-gnu", "usr/lib64", "lib/x86_64-linux-gnu", "usr/lib")
 _BINARIES = ("nvidia-smi", "nvidia-debugdump", "nvidia-persistenced")
+#: Devices whose edits are kept (a node has at most a few hundred GPU and MIG minors).
+_EDITS_CACHED = 4096
 
 
 #: Where a container's CUDA clients find the claim's MPS daemon (NVIDIA's default path, so a
@@ -141,7 +143,14 @@ class CdiWriter:
         self._proc_root = proc_root
         self._driver_root = driver_root
         self.dev_root = dev_root if dev_root is not None else default_dev_root(driver_root)
+        self._dev_prefix = str(self.dev_root).rstrip("/")
         self._host: HostDevices | None = None
+        # Edits are a function of the host facts (read once, above) and the device's minors:
+        # built once per device and reused, as every prepare builds them twice (its device
+        # nodes, then its spec). The common edits are cached only without a driver root,
+        # whose files may change under a running agent.
+        self._edits: dict[tuple[int, int, int], ContainerEdits] = {}
+        self._common_edits: ContainerEdits | None = None
 
     @property
     def host(self) -> HostDevices:
@@ -149,15 +158,30 @@ class CdiWriter:
             self._host = read_host_devices(self._proc_root)
         return self._host
 
+    def _nodes_and_env(self) -> ContainerEdits:
+        """The common edits without the driver's files."""
+        if self._common_edits is None:
+            self._common_edits = common_edits(self.host)
+        return self._common_edits
+
     def _common(self) -> ContainerEdits:
-        driver = find_driver_files(self._driver_root) if self._driver_root else None
-        return common_edits(self.host, driver)
+        if self._driver_root is not None:
+            return common_edits(self.host, find_driver_files(self._driver_root))
+        return self._nodes_and_env()
 
     def device_edits(self, device: PreparedDevice, parent_minor: int) -> ContainerEdits:
         if device.kind == "gpu":
-            return gpu_edits(parent_minor)
-        assert device.gi_id is not None and device.ci_id is not None
-        return mig_edits(self.host, parent_minor, device.gi_id, device.ci_id)
+            key = (parent_minor, -1, -1)
+        else:
+            assert device.gi_id is not None and device.ci_id is not None
+            key = (parent_minor, device.gi_id, device.ci_id)
+        edits = self._edits.get(key)
+        if edits is None:
+            edits = gpu_edits(parent_minor) if key[1] < 0 else \
+                mig_edits(self.host, parent_minor, key[1], key[2])
+            if len(self._edits) < _EDITS_CACHED:
+                self._edits[key] = edits
+        return edits
 
     def device_nodes(self, devices: Sequence[tuple[PreparedDevice, int]]) -> list[str]:
         """The device node paths of a claim's spec that must exist on the host before it is
@@ -166,13 +190,13 @@ class CdiWriter:
         (nvidia-modprobe), and the spec gives their type, major and minor, so a runtime
         makes them in the container without a host node."""
         edits = [self.device_edits(d, minor) for d, minor in devices]
-        edits.append(common_edits(self.host))
+        edits.append(self._nodes_and_env())
         return list(dict.fromkeys(n.path for e in edits for n in e.device_nodes or ()
                                   if not n.path.startswith("/dev/nvidia-caps/")))
 
     def missing_nodes(self, paths: Sequence[str]) -> list[str]:
         """The paths among ``paths`` with no node under the device root yet."""
-        return [p for p in paths if not os.path.exists(self.dev_root / p.lstrip("/"))]
+        return [p for p in paths if not os.path.exists(f"{self._dev_prefix}/{p.lstrip('/')}")]
 
     def write_claim(self, uid: str, devices: Sequence[tuple[PreparedDevice, int]], *,
                     mps_root: Path | None = None) -> Path:

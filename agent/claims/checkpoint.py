@@ -14,6 +14,7 @@ write that covers all of their changes, and each returns only once its change is
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from agent.durable import (
     Envelope,
@@ -159,6 +160,43 @@ def encode(data: CheckpointData) -> bytes:
     return encode_envelope(KIND, data.model_dump_json().encode())
 
 
+_TOMBSTONES = TypeAdapter(dict[str, float])
+_STAMPS = TypeAdapter(dict[str, int])
+#: The last fields of :class:`CheckpointData`, in order, encoded apart by :class:`_Encoder`.
+_TOMBSTONE_FIELDS = ("tombstones", "tombstone_stamps")
+if tuple(CheckpointData.model_fields)[-2:] != _TOMBSTONE_FIELDS:  # pragma: no cover
+    raise RuntimeError("CheckpointData must end with the tombstone fields (see _Encoder)")
+
+
+class _Encoder:
+    """:func:`encode`, reusing the tombstones' JSON while they are unchanged.
+
+    Tombstones are most of a busy node's checkpoint (up to 4,096 claims unprepared in the
+    window, about 330 KB) and a prepare leaves them as they are, yet every commit encoded them
+    again: a millisecond of the loop per commit at the cap. The bytes are exactly
+    :func:`encode`'s (the tombstone fields are the model's last; extra fields are ignored);
+    a change is found by comparing with a copy of what was encoded, keys in order (a few
+    percent of encoding them)."""
+
+    def __init__(self) -> None:
+        self._seen: tuple[dict[str, float], dict[str, int], bytes] | None = None
+
+    def encode(self, data: CheckpointData) -> bytes:
+        tombstones, stamps = data.tombstones, data.tombstone_stamps
+        seen = self._seen
+        if seen is None or not (_same(seen[0], tombstones) and _same(seen[1], stamps)):
+            tail = b"".join((b',"tombstones":', _TOMBSTONES.dump_json(tombstones),
+                             b',"tombstone_stamps":', _STAMPS.dump_json(stamps), b"}"))
+            seen = self._seen = (dict(tombstones), dict(stamps), tail)
+        head = data.model_dump_json(exclude=set(_TOMBSTONE_FIELDS)).encode()
+        return encode_envelope(KIND, head[:-1] + seen[2])
+
+
+def _same(seen: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Equal, keys in the same order."""
+    return seen == now and list(seen) == list(now)
+
+
 def _parse(envelope: Envelope) -> tuple[CheckpointData, bytes | None]:
     """The data, and the file's bytes when re-encoding it gives exactly those (then a commit
     with nothing changed needs no write: a start-up on a full disk)."""
@@ -192,6 +230,7 @@ class ClaimCheckpoint:
         self._durable = 0
         self._writing: asyncio.Future[None] | None = None
         self._on_disk: bytes | None = None  # what the file holds, when known
+        self._encoder = _Encoder()
 
     def load(self) -> str | None:
         """Read the file. Returns the previous boot id when the node rebooted since it was
@@ -231,6 +270,13 @@ class ClaimCheckpoint:
             return asyncio.shield(writing)
         return asyncio.ensure_future(self._until(self._version))
 
+    async def idle(self) -> None:
+        """Return once no write is under way (its outcome is its waiters' to see): the node
+        stops only then, so nothing writes in the state directory after it has stopped."""
+        if self._writing is not None and not self._writing.done():
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._writing)
+
     async def _until(self, target: int) -> None:
         while self._durable < target:
             if self._writing is None or self._writing.done():
@@ -240,7 +286,7 @@ class ClaimCheckpoint:
 
     def _start_write(self) -> asyncio.Future[None]:
         version = self._version
-        data = encode(self.data)
+        data = self._encoder.encode(self.data)
         loop = asyncio.get_running_loop()
         if data == self._on_disk:  # nothing changed since the file was written or read
             self._durable = max(self._durable, version)

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM (0), or answer ``--ping``; 2 when it cannot start."""
     from agent import logs  # noqa: PLC0415 - keeps the client verbs fast
     from agent.errors import AgentError  # noqa: PLC0415
-    from agent.gpu.mps_host_client import HostLauncher  # noqa: PLC0415
+    from agent.mps.host_client import HostLauncher  # noqa: PLC0415
     from agent.mpshost.policy import LaunchPolicy  # noqa: PLC0415
     from agent.mpshost.server import MpsHost, group_id  # noqa: PLC0415
     from agent.mpshost.server import run as serve  # noqa: PLC0415

@@ -3,7 +3,7 @@ availability, holds and marks, and the topology, with the pool generation kept i
 ``<state>/dra/pool.json``.
 
 Change notification for the publisher: every answer carries an ETag (a digest of the items),
-and :meth:`SliceService.wait_for_change` holds a caller until the content differs. While
+and :meth:`ResourceSliceService.wait_for_change` holds a caller until the content differs. While
 anyone waits, one watcher task serves them all: the ledger's watchers wake it at once after
 a geometry change (it then re-reads the inventory); holds, drain marks, quarantine, XID and
 lost marks are in-memory state it compares every ``poll_s`` (no NVML call, a few GpuFacts
@@ -22,7 +22,7 @@ from typing import Any
 
 from agent.dra import rules
 from agent.dra.generation import PoolGeneration, fingerprint
-from agent.dra.slices import DEFAULT_DRIVER, GpuFacts, RenderOptions, render
+from agent.dra.resource_slices import DEFAULT_DRIVER, GpuFacts, RenderOptions, render
 from agent.errors import AgentError, SlicesInvalid
 from agent.gpu.inventory import GpuInventory
 from agent.ledger.ledger import NodeLedger
@@ -41,7 +41,7 @@ class Rendered:
     facts: tuple[GpuFacts, ...]
 
 
-class SliceService:
+class ResourceSliceService:
     def __init__(self, *, inventory: GpuInventory, topology: TopologyService,
                  ledger: NodeLedger, state_dir: Path, node_name: str,
                  driver: str = DEFAULT_DRIVER, dynamic_mig: bool = False,
@@ -93,7 +93,7 @@ class SliceService:
                 pcie_root=node.pcie_root if node else None))
         return found
 
-    async def slices(self, kubernetes: tuple[int, int]) -> list[dict[str, Any]]:
+    async def of_version(self, kubernetes: tuple[int, int]) -> list[dict[str, Any]]:
         """The pool for a Kubernetes version, from a fresh inventory read."""
         return (await self.render(kubernetes)).items
 

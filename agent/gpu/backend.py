@@ -7,16 +7,36 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from agent.gpu.sim.node import SimulatedNode
+
+
+class NvmlErrorType(Exception):
+    """What ``pynvml.NVMLError`` is: an exception carrying NVML's return code."""
+
+    value: int
+
+
+class Nvml(Protocol):
+    """The ``pynvml`` module's surface, or the simulator's object with the same names,
+    argument order, return types and ``NVMLError`` codes. Functions and constants are looked
+    up by name (:meth:`agent.gpu.session.NvmlSession.call`), so only the error type, which the
+    session catches, is declared."""
+
+    NVMLError: type[NvmlErrorType]
+
+    def __getattr__(self, name: str) -> Any: ...
 
 
 @dataclass(frozen=True)
 class Backend:
     """The NVML implementation, and the simulator's controls when simulated."""
 
-    nvml: Any
+    nvml: Nvml
     name: str
-    sim: Any = None
+    sim: SimulatedNode | None = None
     sys_root: Path = Path("/sys")
     #: The root under which device nodes are looked for (None: the host's, see CdiWriter).
     dev_root: Path | None = None

@@ -16,7 +16,7 @@ from typing import Any
 
 from agent.device_names import ascii_integer
 from agent.errors import GpuLost, NotFound, NvmlError
-from agent.gpu.mig import mig_device_handles, read_instances
+from agent.gpu.mig import mig_device_handles, read_instances, still_there
 from agent.gpu.naming import mig_profile_name
 from agent.gpu.session import NvmlSession
 from agent.gpu.types import (
@@ -271,6 +271,12 @@ class GpuInventory:
         self._gpus = tuple(gpus)
         self.refreshed_at = time.monotonic()
         return self._gpus
+
+    async def still_there(self, devices: Sequence[tuple[Gpu, MigDevice | None]]) -> bool:
+        """Whether the hardware still shows what a snapshot says of each (GPU, MIG device):
+        one cheap NVML read per device (read pool), no walk."""
+        return await self._session.read(lambda: all(
+            still_there(self._session, gpu, device) for gpu, device in devices))
 
     def find(self, ref: str) -> Gpu:
         """A GPU by index (``"0"``) or UUID; :class:`NotFound` otherwise."""

@@ -31,8 +31,9 @@ _NOT_AVAILABLE = ("NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_INVALID_ARGUMENT")
 _GONE = ("NVML_ERROR_INVALID_ARGUMENT", "NVML_ERROR_NOT_FOUND")
 # NVML reports "no instance" in process records as 0xFFFFFFFF.
 _NO_INSTANCE = 0xFFFFFFFF
-# Enough room for every CI a GI can hold (7 on a 7g).
+# Enough room for every CI a GI can hold (7 on a 7g), and for every GI of one profile (7 1g).
 _MAX_CIS = 8
+_MAX_GIS = 8
 
 
 def _ci_profiles(session: NvmlSession, gi: Any, uuid: str) -> list[Any]:
@@ -68,33 +69,54 @@ def _compute_instances(session: NvmlSession, gi: Any, uuid: str) -> list[tuple[A
     return found
 
 
+def _instances_of(session: NvmlSession, handle: Any, uuid: str, profile_id: int,
+                  capacity: int) -> Iterator[tuple[Any, Any]]:
+    """(handle, info) of every GPU instance of one profile; one destroyed while this walk
+    ran (a read racing a mutation) is simply not there."""
+    nvml = session.nvml
+    array = (nvml.c_nvmlGpuInstance_t * capacity)()
+    count = ctypes.c_uint(capacity)
+    session.call("nvmlDeviceGetGpuInstances", handle, profile_id, array, ctypes.byref(count),
+                 gpu=uuid)
+    for gi in array[: count.value]:
+        try:
+            yield gi, session.call("nvmlGpuInstanceGetInfo", gi, gpu=uuid)
+        except NvmlError as err:
+            if err.name not in _GONE:
+                raise
+
+
+def _state(session: NvmlSession, gi: Any, info: Any, uuid: str) -> GpuInstanceState:
+    """A GPU instance with its compute instances (ordered by CI id)."""
+    cis = tuple(sorted(
+        (ComputeInstanceState(int(ci.id), int(ci.profileId),
+                              Placement(int(ci.placement.start), int(ci.placement.size)))
+         for _, ci in _compute_instances(session, gi, uuid)), key=lambda c: c.id))
+    return GpuInstanceState(
+        id=int(info.id), profile_id=int(info.profileId),
+        placement=Placement(int(info.placement.start), int(info.placement.size)),
+        compute_instances=cis)
+
+
 def read_instances(session: NvmlSession, handle: Any, uuid: str,
                    profiles: Sequence[GiProfile]) -> tuple[GpuInstanceState, ...]:
     """Every GPU instance with its compute instances, ordered by GI id."""
-    nvml = session.nvml
-    found: list[GpuInstanceState] = []
-    for profile in profiles:
-        capacity = max(profile.max_instances, 1)
-        array = (nvml.c_nvmlGpuInstance_t * capacity)()
-        count = ctypes.c_uint(capacity)
-        session.call("nvmlDeviceGetGpuInstances", handle, profile.id, array, ctypes.byref(count),
-                     gpu=uuid)
-        for gi in array[: count.value]:
-            try:
-                info = session.call("nvmlGpuInstanceGetInfo", gi, gpu=uuid)
-            except NvmlError as err:
-                if err.name not in _GONE:
-                    raise
-                continue  # destroyed while this walk ran (a read racing a mutation)
-            cis = tuple(sorted(
-                (ComputeInstanceState(int(ci.id), int(ci.profileId),
-                                      Placement(int(ci.placement.start), int(ci.placement.size)))
-                 for _, ci in _compute_instances(session, gi, uuid)), key=lambda c: c.id))
-            found.append(GpuInstanceState(
-                id=int(info.id), profile_id=int(info.profileId),
-                placement=Placement(int(info.placement.start), int(info.placement.size)),
-                compute_instances=cis))
+    found = [_state(session, gi, info, uuid) for profile in profiles
+             for gi, info in _instances_of(session, handle, uuid, profile.id,
+                                           max(profile.max_instances, 1))]
     return tuple(sorted(found, key=lambda g: g.id))
+
+
+def instance_at(session: NvmlSession, handle: Any, uuid: str, profile_id: int,
+                placement: Placement) -> GpuInstanceState | None:
+    """The GPU instance of ``profile_id`` at ``placement`` with its compute instances, or None:
+    one profile's walk, not the whole GPU's (a step of a transition asks this of one
+    instance)."""
+    for gi, info in _instances_of(session, handle, uuid, profile_id, _MAX_GIS):
+        if (int(info.placement.start), int(info.placement.size)) == \
+                (placement.start, placement.size):
+            return _state(session, gi, info, uuid)
+    return None
 
 
 def create_gpu_instance(session: NvmlSession, handle: Any, uuid: str, profile_id: int,
@@ -139,8 +161,13 @@ def destroy_gpu_instance(session: NvmlSession, handle: Any, uuid: str, gi_id: in
 
 def mig_enabled(session: NvmlSession, handle: Any, uuid: str) -> bool:
     """Whether MIG is on now (the current mode, not the pending one)."""
-    current, _ = session.call("nvmlDeviceGetMigMode", handle, gpu=uuid)
-    return bool(current)
+    return mig_mode(session, handle, uuid).current
+
+
+def mig_mode(session: NvmlSession, handle: Any, uuid: str) -> MigMode:
+    """The current and the pending MIG mode."""
+    current, pending = session.call("nvmlDeviceGetMigMode", handle, gpu=uuid)
+    return MigMode(current=bool(current), pending=bool(pending))
 
 
 def still_there(session: NvmlSession, gpu: Gpu, device: MigDevice | None) -> bool:

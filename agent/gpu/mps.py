@@ -1,5 +1,5 @@
 """MPS control daemons as NVIDIA documents them: ``nvidia-cuda-mps-control -d`` started
-through an :class:`~agent.gpu.mps_launch.MpsLauncher`, commands sent to
+through an :class:`~agent.mps.launch.MpsLauncher`, commands sent to
 ``nvidia-cuda-mps-control`` on its standard input with ``CUDA_MPS_PIPE_DIRECTORY`` set, and
 the MPS processes NVML reports (``nvmlDeviceGetMPSComputeRunningProcesses_v3``)."""
 
@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from agent.errors import SharingUnavailable
-from agent.gpu.mps_launch import MpsLauncher
 from agent.gpu.session import NvmlSession
 from agent.gpu.tools import executable, run_tool, truncated
+from agent.mps.launch import MpsLauncher
 
 TOOL = "nvidia-cuda-mps-control"
 PID_FILE = "nvidia-cuda-mps-control.pid"

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from agent.errors import GpuLost, NvmlError
+from agent.gpu.backend import Nvml
 
 T = TypeVar("T")
 log = logging.getLogger("agent.gpu")
@@ -53,7 +54,7 @@ class NvmlSession:
     function and GPU, and remembers GPUs that answered ``GPU_IS_LOST``.
     """
 
-    def __init__(self, nvml: Any, *, read_workers: int = 4,
+    def __init__(self, nvml: Nvml, *, read_workers: int = 4,
                  on_error: Callable[[NvmlError], None] | None = None) -> None:
         self.nvml = nvml
         self._reads = ThreadPoolExecutor(read_workers, thread_name_prefix="nvml-read")

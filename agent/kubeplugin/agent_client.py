@@ -1,5 +1,5 @@
-"""The plugin's one way to the agent: its REST API over the Unix socket (aiohttp), with the
-``claims``-scoped token from a file.
+"""The plugin's one way to the agent: its REST API over the Unix socket
+(:mod:`agent.kubeplugin.agent_http`), with the ``claims``-scoped token from a file.
 
 Statuses become the errors of :mod:`agent.kubeplugin.errors`: 503 is :class:`AgentNotReady`
 (with ``Retry-After``), any other error status :class:`AgentRefused` with the problem body,
@@ -8,6 +8,7 @@ and no answer at all :class:`AgentUnreachable`.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import stat
@@ -17,9 +18,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-import aiohttp
 from multidict import CIMultiDict
 
+from agent.kubeplugin.agent_http import UnixHttp
 from agent.kubeplugin.errors import (
     AgentNotReady,
     AgentRefused,
@@ -39,7 +40,7 @@ MAX_CONNECTIONS = 256
 
 
 @dataclass(frozen=True)
-class SlicesAnswer:
+class ResourceSlicesAnswer:
     """``GET /v1/resourceslices``: the ETag, and the items (None: unchanged, a 304)."""
 
     etag: str | None
@@ -105,21 +106,14 @@ def _retry_after(value: str | None) -> float:
 
 class AgentClient:
     """The agent's claims and ResourceSlice API on ``socket``, authenticated with the token in
-    ``token_file``. One aiohttp session, opened on first use (inside the event loop)."""
+    ``token_file``. Connections are opened on first use (inside the event loop)."""
 
     def __init__(self, socket: Path, token_file: Path, *,
                  claim_timeout_s: float = CLAIM_TIMEOUT_S) -> None:
         self.socket = socket
         self.tokens = TokenFile(token_file)
         self._claim_timeout_s = claim_timeout_s
-        self._session: aiohttp.ClientSession | None = None
-
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            connector = aiohttp.UnixConnector(path=str(self.socket), limit=MAX_CONNECTIONS)
-            self._session = aiohttp.ClientSession(connector=connector,
-                                                  base_url="http://gpu-agent")
-        return self._session
+        self._http = UnixHttp(str(socket), limit=MAX_CONNECTIONS)
 
     async def _call(self, method: str, path: str, *, timeout_s: float, body: Any = None,
                     params: dict[str, str] | None = None,
@@ -129,22 +123,21 @@ class AgentClient:
         if auth:
             sent["Authorization"] = f"Bearer {self.tokens.token()}"
         try:
-            async with self._client().request(
-                    method, path, json=body, params=params, headers=sent,
-                    timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=5)) as response:
-                payload = await response.read()
-                answer: Any = None
-                if payload:
-                    try:
-                        answer = json.loads(payload)
-                    except ValueError:
-                        answer = {"detail": payload[:500].decode(errors="replace")}
-                return response.status, CIMultiDict(response.headers), answer
-        except (aiohttp.ClientConnectionError, OSError) as err:
-            raise AgentUnreachable(f"agent socket {self.socket}: {err}") from err
+            async with asyncio.timeout(timeout_s):
+                response = await self._http.request(method, path, body=body, params=params,
+                                                    headers=sent, connect_timeout_s=5)
         except TimeoutError as err:
             raise AgentUnreachable(f"agent socket {self.socket}: no answer to {method} {path} "
                                    f"within {timeout_s:.0f} s") from err
+        except OSError as err:
+            raise AgentUnreachable(f"agent socket {self.socket}: {err}") from err
+        answer: Any = None
+        if response.body:
+            try:
+                answer = json.loads(response.body)
+            except ValueError:
+                answer = {"detail": response.body[:500].decode(errors="replace")}
+        return response.status, response.headers, answer
 
     @staticmethod
     def _raise(status: int, headers: Mapping[str, str], answer: Any) -> None:
@@ -173,7 +166,7 @@ class AgentClient:
             self._raise(status, headers, answer)
 
     async def resource_slices(self, kubernetes: str, etag: str | None,
-                              wait_s: float) -> SlicesAnswer:
+                              wait_s: float) -> ResourceSlicesAnswer:
         """``GET /v1/resourceslices?kubernetes=X``; with ``etag``, held up to ``wait_s`` for a
         change (``items`` None: unchanged)."""
         params = {"kubernetes": kubernetes}
@@ -185,10 +178,10 @@ class AgentClient:
             "GET", "/v1/resourceslices", params=params, headers=headers,
             timeout_s=wait_s + 30)
         if status == 304:
-            return SlicesAnswer(got.get("ETag", etag), None)
+            return ResourceSlicesAnswer(got.get("ETag", etag), None)
         if status != 200 or not isinstance(answer, dict):
             self._raise(status, got, answer)
-        return SlicesAnswer(got.get("ETag"), list(answer.get("items") or []))
+        return ResourceSlicesAnswer(got.get("ETag"), list(answer.get("items") or []))
 
     async def readiness(self) -> str | None:
         """None when the agent answers ``/readyz`` 200; else why not (unreachable, or its
@@ -209,9 +202,8 @@ class AgentClient:
         return await self.readiness() is None
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        """Close the connections to the agent (a later call opens new ones)."""
+        self._http.close()
 
 
 def token_file_usable(path: Path) -> str | None:

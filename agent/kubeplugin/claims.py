@@ -87,8 +87,10 @@ class Allocated:
 
 
 @dataclass(frozen=True)
-class PreparedDevice:
-    """One device of kubelet's answer."""
+class KubeletDevice:
+    """The plugin's record of one device the agent prepared for a claim, as kubelet's answer
+    names it (its requests, pool, device and CDI names; not the agent's own
+    ``agent.claims.checkpoint.PreparedDevice``)."""
 
     request_names: tuple[str, ...]
     pool_name: str
@@ -262,7 +264,7 @@ def agent_body(obj: Mapping[str, Any], devices: Sequence[Allocated], issued_at_n
 
 
 def kubelet_devices(claim: KubeletClaim, devices: Sequence[Allocated],
-                    answer: Mapping[str, Any]) -> list[PreparedDevice]:
+                    answer: Mapping[str, Any]) -> list[KubeletDevice]:
     """Kubelet's devices for the agent's ``answer`` to :func:`agent_body`: each allocated
     device with its requests, the CDI names the agent wrote for it and, for a share, the
     share ID the agent answers (``share.share_id`` of its device)."""
@@ -286,6 +288,6 @@ def kubelet_devices(claim: KubeletClaim, devices: Sequence[Allocated],
             which = device.device + (f" (share {device.share_id})" if device.share_id else "")
             raise ClaimError("agent-answer", f"claim {claim}: the agent's answer has no CDI "
                                              f"device for {which}")
-        out.append(PreparedDevice(device.requests, device.pool, device.device, tuple(names),
+        out.append(KubeletDevice(device.requests, device.pool, device.device, tuple(names),
                                   share_id=share_id))
     return out

@@ -20,7 +20,7 @@ from agent.kubeplugin.agent_client import AgentClient
 from agent.kubeplugin.claims import (
     ClaimError,
     KubeletClaim,
-    PreparedDevice,
+    KubeletDevice,
     agent_body,
     kubelet_devices,
     our_devices,
@@ -51,7 +51,7 @@ def arrival_ns() -> int:
 class PrepareResult:
     """One claim's answer: its devices, or the error kubelet reports."""
 
-    devices: tuple[PreparedDevice, ...] = ()
+    devices: tuple[KubeletDevice, ...] = ()
     error: str | None = None
 
 
@@ -100,6 +100,10 @@ class DraService:
         """Prepare every claim (by UID) in parallel; ``issued_at_ns`` is when kubelet's call
         arrived (:func:`arrival_ns`, taken before anything was awaited)."""
         unique = list({c.uid: c for c in claims}.values())
+        if len(unique) == 1:  # kubelet's usual call: no gather (a task and a future) for one
+            claim = unique[0]
+            return {claim.uid: await self._shielded("prepare", claim,
+                                                    self._prepare_one(claim, issued_at_ns))}
         results = await asyncio.gather(*(
             self._shielded("prepare", c, self._prepare_one(c, issued_at_ns))
             for c in unique))
@@ -110,6 +114,10 @@ class DraService:
         """Unprepare every claim (by UID) in parallel: the error of each, None for success
         (an unknown claim included)."""
         unique = list({c.uid: c for c in claims}.values())
+        if len(unique) == 1:
+            claim = unique[0]
+            return {claim.uid: await self._shielded("unprepare", claim,
+                                                    self._unprepare_one(claim, issued_at_ns))}
         results = await asyncio.gather(*(
             self._shielded("unprepare", c, self._unprepare_one(c, issued_at_ns))
             for c in unique))
@@ -169,7 +177,7 @@ class DraService:
         return PrepareResult(devices=tuple(devices))
 
     async def _prepare_devices(self, claim: KubeletClaim,
-                               issued_at_ns: int) -> list[PreparedDevice]:
+                               issued_at_ns: int) -> list[KubeletDevice]:
         try:
             obj = await self._claims.get_resource_claim(claim.namespace, claim.name)
         except Exception as err:  # any client failure is this claim's error

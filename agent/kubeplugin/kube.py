@@ -91,7 +91,7 @@ class KubeConfigMissing(KubeError):
 
 
 @dataclass(frozen=True)
-class SliceList:
+class ResourceSliceList:
     """The node's slices of one driver, and the resourceVersion to watch from."""
 
     resource_version: str
@@ -111,14 +111,14 @@ class WatchEvent:
         return str(value) if value is not None else None
 
 
-class SliceApi(Protocol):
+class ResourceSliceApi(Protocol):
     """What the publisher needs from the API server (:class:`KubeClient`, or a fake)."""
 
     async def server_version(self) -> tuple[int, int]: ...
 
     async def get_node(self, name: str) -> Json: ...
 
-    async def list_resource_slices(self, *, driver: str, node: str) -> SliceList: ...
+    async def list_resource_slices(self, *, driver: str, node: str) -> ResourceSliceList: ...
 
     def watch_resource_slices(self, *, driver: str, node: str, resource_version: str,
                               timeout_s: int = WATCH_TIMEOUT_S) -> AsyncIterator[WatchEvent]: ...
@@ -131,7 +131,7 @@ class SliceApi(Protocol):
                                     resource_version: str) -> None: ...
 
 
-def slice_selector(*, driver: str, node: str) -> str:
+def resource_slice_selector(*, driver: str, node: str) -> str:
     """The field selector of one node's slices of one driver (what kubelet's Go helper
     watches)."""
     return f"spec.driver={driver},spec.nodeName={node}"
@@ -176,7 +176,8 @@ def error_for(status: int, body: Any, *, retry_after: str | None = None) -> Kube
 
 
 class KubeClient:
-    """The API server calls of the plugin (:class:`SliceApi` and the claim and node reads)."""
+    """The API server calls of the plugin (:class:`ResourceSliceApi`, and the claim and node
+    reads)."""
 
     def __init__(self, api: ApiClient, *, refresher: asyncio.Task[None] | None = None) -> None:
         self._api = api
@@ -274,12 +275,12 @@ class KubeClient:
         return await self._call(
             "GET", f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}")
 
-    async def list_resource_slices(self, *, driver: str, node: str) -> SliceList:
+    async def list_resource_slices(self, *, driver: str, node: str) -> ResourceSliceList:
         doc = await self._call("GET", SLICES_PATH,
-                               query=[("fieldSelector", slice_selector(driver=driver,
+                               query=[("fieldSelector", resource_slice_selector(driver=driver,
                                                                        node=node))])
         items = doc.get("items") or []
-        return SliceList(resource_version=str(doc.get("metadata", {}).get("resourceVersion",
+        return ResourceSliceList(resource_version=str(doc.get("metadata", {}).get("resourceVersion",
                                                                           "")),
                          items=[item for item in items if isinstance(item, dict)])
 
@@ -288,8 +289,8 @@ class KubeClient:
                                     ) -> AsyncIterator[WatchEvent]:
         """Events after ``resource_version`` until the server ends the watch (about
         ``timeout_s``); :class:`KubeExpired` when that version is too old."""
-        async for event in self.watch(SLICES_PATH, slice_selector(driver=driver, node=node),
-                                      resource_version, timeout_s):
+        selector = resource_slice_selector(driver=driver, node=node)
+        async for event in self.watch(SLICES_PATH, selector, resource_version, timeout_s):
             yield event
 
     async def watch(self, path: str, field_selector: str, resource_version: str,
@@ -324,6 +325,13 @@ class KubeClient:
                     raise error_for(int(obj.get("code") or 500), obj)
                 yield WatchEvent(type=str(kind), object=obj)
         finally:
+            if not response.content.at_eof() and response.connection is not None:
+                # A watch left mid-stream cannot go back to the pool: drop its connection
+                # now. A TLS close (close_notify) would run on after the client's close(),
+                # which does not wait for connections it no longer holds.
+                transport = response.connection.transport
+                if transport is not None:
+                    transport.abort()
             response.release()
 
     async def create_resource_slice(self, body: Json) -> Json:

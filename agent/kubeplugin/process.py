@@ -25,7 +25,7 @@ from agent.kubeplugin.kube import KubeClient
 from agent.kubeplugin.metrics import PluginMetrics
 from agent.kubeplugin.miglabels import MigLabels, settings_problem
 from agent.kubeplugin.protocols import ApiServer, ClaimReader, Publisher
-from agent.kubeplugin.publisher import SlicePublisher
+from agent.kubeplugin.publisher import ResourceSlicePublisher
 from agent.kubeplugin.servers import PluginServers, RegistrationState, SocketPathError
 
 log = logging.getLogger("agent.kubeplugin")
@@ -101,7 +101,7 @@ async def wire_kubernetes(settings: PluginSettings, agent: AgentClient,
     """The real Kubernetes side: the API server client (in-cluster, or ``--kubeconfig``) as
     claim reader and API probe, and the ResourceSlice publisher on the same client."""
     kube = await KubeClient.from_environment(settings.kubeconfig)
-    publisher = SlicePublisher(agent, kube, node_name=settings.node_name,
+    publisher = ResourceSlicePublisher(agent, kube, node_name=settings.node_name,
                                driver=settings.driver,
                                agent_lost_after_s=settings.agent_lost_after_s,
                                registry=registry)
@@ -128,6 +128,13 @@ class Plugin:
     agent: AgentClient
     registry: CollectorRegistry
     registration: RegistrationState = field(default_factory=RegistrationState)
+    # Built from the fields above (__post_init__):
+    service: DraService = field(init=False)
+    servers: PluginServers = field(init=False)
+    health: HealthServer = field(init=False)
+    # Running while started:
+    _publishing: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
+    _labelling: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         metrics = PluginMetrics(self.registry)
@@ -140,8 +147,6 @@ class Plugin:
         self.health = HealthServer(self.settings.health_listen, Readiness(
             self.registration, self.agent, self.wiring.api, self.wiring.publisher),
             self.registry)
-        self._publishing: asyncio.Task[None] | None = None
-        self._labelling: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         try:

@@ -1,5 +1,5 @@
 """What the plugin process needs from the Kubernetes side, as Protocols: the concrete classes
-(``agent/kubeplugin/kube.py``'s ``KubeClient``, ``publisher.py``'s ``SlicePublisher``) are
+(``agent/kubeplugin/kube.py``'s ``KubeClient``, ``publisher.py``'s ``ResourceSlicePublisher``) are
 plugged in by ``agent.kubeplugin.process.wire_kubernetes``, and the tests plug in fakes."""
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ Three loops share one "check the server" flag:
 - the server watcher watches the node's slices (field selector on driver and node) and raises
   the flag on any change the publisher did not make itself: kubelet deletes every slice of
   its node when it starts, the garbage collector deletes them with a recreated Node;
-- the reconciler lists the node's slices, plans with :func:`slice_plan.plan`, applies the
+- the reconciler lists the node's slices, plans with :func:`resource_slice_plan.plan`, applies the
   plan and compares what each write sent with what the server answered: a server whose
   feature gate is off silently drops the fields it guards (counters, taints, capacity), which
-  :meth:`SlicePublisher.health` and a metric and a log event report. Two features fail
+  :meth:`ResourceSlicePublisher.health` and a metric and a log event report. Two features fail
   closed from then on: without counters the devices that consume them are withdrawn, and
   without consumable capacity (``allowMultipleAllocations``, request policies) every GPU is
   published whole (``slice_features_withdrawn{feature}``).
@@ -43,13 +43,13 @@ from agent.kubeplugin.kube import (
     KubeInvalid,
     KubeNotFound,
     KubeUnavailable,
-    SliceApi,
+    ResourceSliceApi,
     WatchEvent,
 )
-from agent.kubeplugin.slice_plan import (
+from agent.kubeplugin.resource_slice_plan import (
     COUNTER_FIELDS,
     InvalidDesired,
-    SlicePlan,
+    ResourceSlicePlan,
     Written,
     digest,
     dropped_fields,
@@ -75,8 +75,8 @@ ERROR_KINDS = ("agent", "unavailable", "conflict", "forbidden", "invalid", "not_
                "other")
 
 
-class SlicesAnswerLike(Protocol):
-    """The agent client's answer (``agent_client.SlicesAnswer``): items None on 304."""
+class ResourceSlicesAnswerLike(Protocol):
+    """The agent client's answer (``agent_client.ResourceSlicesAnswer``): items None on 304."""
 
     @property
     def etag(self) -> str | None: ...
@@ -85,12 +85,12 @@ class SlicesAnswerLike(Protocol):
     def items(self) -> list[dict[str, Any]] | None: ...
 
 
-class SliceSource(Protocol):
+class ResourceSliceSource(Protocol):
     """What the publisher needs from the agent client (``AgentClient``); any exception it
     raises counts as the agent not answering."""
 
     async def resource_slices(self, kubernetes: str, etag: str | None,
-                              wait_s: float) -> SlicesAnswerLike: ...
+                              wait_s: float) -> ResourceSlicesAnswerLike: ...
 
 
 @dataclass(frozen=True)
@@ -169,10 +169,11 @@ def error_kind(err: BaseException) -> str:
     return "other"
 
 
-class SlicePublisher:
+class ResourceSlicePublisher:
     """Publishes the agent's ResourceSlices for this node until cancelled (:meth:`run`)."""
 
-    def __init__(self, agent: SliceSource, kube: SliceApi, *, node_name: str, driver: str,
+    def __init__(self, agent: ResourceSliceSource, kube: ResourceSliceApi, *, node_name: str,
+                 driver: str,
                  agent_lost_after_s: float = 60.0, registry: CollectorRegistry,
                  agent_wait_s: float = 30.0, backoff: Backoff | None = None) -> None:
         self._agent = agent
@@ -400,7 +401,7 @@ class SlicePublisher:
         self.metrics.last_sync.set(time.time())
 
     def _plan(self, desired: Sequence[Mapping[str, Any]],
-              existing: Sequence[Mapping[str, Any]]) -> SlicePlan:
+              existing: Sequence[Mapping[str, Any]]) -> ResourceSlicePlan:
         return plan(desired, existing, node_name=self.node_name, node_uid=self._node_uid or "",
                     driver=self.driver, written=self._written)
 
@@ -408,7 +409,7 @@ class SlicePublisher:
         node = await self._kube.get_node(self.node_name)
         return str(node["metadata"]["uid"])
 
-    def _cause(self, actions: SlicePlan) -> str | None:
+    def _cause(self, actions: ResourceSlicePlan) -> str | None:
         """Why a plan restores slices the publisher had already written, if it does."""
         if not actions.writes:
             return None
@@ -424,7 +425,7 @@ class SlicePublisher:
             return "modified"
         return None
 
-    async def _apply(self, actions: SlicePlan) -> None:
+    async def _apply(self, actions: ResourceSlicePlan) -> None:
         for gone in actions.deletes:
             with contextlib.suppress(KubeNotFound):  # already gone: what was wanted
                 await self._kube.delete_resource_slice(

@@ -14,10 +14,11 @@ import os
 import socket
 import stat
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Protocol, TypeAlias
 
 import grpc
 
@@ -118,13 +119,13 @@ class RegistrationServicer:
         self._metrics = metrics
 
     async def GetInfo(self, request: registration_pb2.InfoRequest,
-                      context: Any) -> registration_pb2.PluginInfo:
+                      context: grpc.aio.ServicerContext) -> registration_pb2.PluginInfo:
         self._state.info_calls += 1
         return self._info
 
     async def NotifyRegistrationStatus(
             self, request: registration_pb2.RegistrationStatus,
-            context: Any,
+            context: grpc.aio.ServicerContext,
     ) -> registration_pb2.RegistrationStatusResponse:
         self._state.registered = request.plugin_registered
         self._state.error = request.error or None
@@ -138,7 +139,28 @@ class RegistrationServicer:
         return registration_pb2.RegistrationStatusResponse()
 
 
-def _claims(messages: Any) -> list[KubeletClaim]:
+class ClaimMessage(Protocol):
+    """A ``Claim`` of either version's requests (the fields are the same)."""
+
+    namespace: str
+    uid: str
+    name: str
+
+
+class ClaimsRequest(Protocol):
+    """``NodePrepareResourcesRequest`` or ``NodeUnprepareResourcesRequest``, v1 or v1beta1."""
+
+    @property
+    def claims(self) -> Iterable[ClaimMessage]: ...
+
+
+PrepareResponse: TypeAlias = (dra_v1_pb2.NodePrepareResourcesResponse
+                              | dra_v1beta1_pb2.NodePrepareResourcesResponse)
+UnprepareResponse: TypeAlias = (dra_v1_pb2.NodeUnprepareResourcesResponse
+                                | dra_v1beta1_pb2.NodeUnprepareResourcesResponse)
+
+
+def _claims(messages: Iterable[ClaimMessage]) -> list[KubeletClaim]:
     return [KubeletClaim(namespace=c.namespace, uid=c.uid, name=c.name) for c in messages]
 
 
@@ -148,16 +170,14 @@ class DraServicer:
 
     def __init__(self, service: DraService, pb2: ModuleType) -> None:
         self._service = service
-        self._pb2 = pb2
-        # v1 has the share ID (field 5, from Kubernetes 1.35); v1beta1 has none.
-        self._shares = "share_id" in pb2.Device.DESCRIPTOR.fields_by_name
+        self._prepare_response: type[PrepareResponse] = pb2.NodePrepareResourcesResponse
+        self._unprepare_response: type[UnprepareResponse] = pb2.NodeUnprepareResourcesResponse
 
-    async def NodePrepareResources(self, request: Any,
-                                   context: Any) -> Any:
+    async def NodePrepareResources(self, request: ClaimsRequest,
+                                   context: grpc.aio.ServicerContext) -> PrepareResponse:
         issued_at_ns = arrival_ns()  # first, before any await: the call's ordering stamp
         results = await self._service.prepare(_claims(request.claims), issued_at_ns)
-        pb2 = self._pb2
-        answer = pb2.NodePrepareResourcesResponse()
+        answer = self._prepare_response()
         for uid, result in results.items():
             entry = answer.claims[uid]
             if result.error is not None:
@@ -167,15 +187,16 @@ class DraServicer:
                 device = entry.devices.add(
                     request_names=list(d.request_names), pool_name=d.pool_name,
                     device_name=d.device_name, cdi_device_ids=list(d.cdi_device_ids))
-                if d.share_id is not None and self._shares:
+                # v1 has the share ID (field 5, from Kubernetes 1.35); v1beta1 has none.
+                if d.share_id is not None and isinstance(device, dra_v1_pb2.Device):
                     device.share_id = d.share_id
         return answer
 
-    async def NodeUnprepareResources(self, request: Any,
-                                     context: Any) -> Any:
+    async def NodeUnprepareResources(self, request: ClaimsRequest,
+                                     context: grpc.aio.ServicerContext) -> UnprepareResponse:
         issued_at_ns = arrival_ns()  # first, before any await
         results = await self._service.unprepare(_claims(request.claims), issued_at_ns)
-        answer = self._pb2.NodeUnprepareResourcesResponse()
+        answer = self._unprepare_response()
         for uid, error in results.items():
             answer.claims[uid].error = error or ""
         return answer

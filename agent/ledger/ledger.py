@@ -124,13 +124,28 @@ class NodeLedger:
         self._lost_reason = lost_reason
         self._quarantine = DurableMap(quarantine_path, format="gpu-agent-mig-quarantine")
         self._gpus: dict[str, GpuLedger] = {}
-        #: Why nobody can know who holds what (the claims checkpoint is unusable): every
-        #: change that could destroy a held device is refused meanwhile.
-        self.frozen: str | None = None
+        self._frozen: str | None = None
         #: Called with a GPU's UUID after its instances changed (derived state is stale).
         self.watchers: list[Callable[[str], None]] = []
 
     # -- the GPUs ----------------------------------------------------------------------------
+
+    @property
+    def frozen(self) -> str | None:
+        """Why nobody can know who holds what (the claims checkpoint is unusable): every
+        change that could destroy a held device is refused meanwhile."""
+        return self._frozen
+
+    def freeze(self, reason: str) -> None:
+        """Nobody can know who holds what until :meth:`thaw`."""
+        self._frozen = reason
+
+    def thaw(self) -> None:
+        self._frozen = None
+
+    def lost_reason(self, gpu: str) -> str | None:
+        """Why the GPU is lost (it answered GPU_IS_LOST), or None."""
+        return self._lost_reason(gpu)
 
     async def register(self, gpus: Iterable[Gpu]) -> None:
         """Know the node's GPUs (after the inventory is loaded) and their quarantine marks.
@@ -146,7 +161,7 @@ class NodeLedger:
             elif unreadable and gpu.static.mig_capable:
                 await self.quarantine(gpu.uuid, f"the quarantine state was unreadable "
                                       f"({unreadable}); which GPUs were quarantined can no "
-                                      "longer be known", durable_best_effort=True)
+                                      "longer be known")
         if unreadable:
             self._events.append("mig.state_unreadable", unreadable, severity=Severity.ERROR)
 
@@ -349,15 +364,22 @@ class NodeLedger:
 
     # -- quarantine --------------------------------------------------------------------------
 
-    async def quarantine(self, gpu: str, reason: str, *, durable_best_effort: bool = False) -> None:
-        """Quarantine ``gpu`` (durably; the mark holds in memory even if the disk refuses,
-        with ``durable_best_effort``, or the error is raised after marking)."""
-        self.gpu(gpu).quarantine = reason
+    async def quarantine(self, gpu: str, reason: str) -> None:
+        """Quarantine ``gpu``, durably, and say so (an error event with what an operator does
+        next). The mark holds in memory even where the disk refuses it; the event then says
+        it will not survive a restart."""
+        entry = self.gpu(gpu)
+        entry.quarantine = reason
+        durable = ""
         try:
             await self._quarantine.set(gpu, {"reason": reason, "since": time.time()})
-        except OSError:
-            if not durable_best_effort:
-                raise
+        except OSError as err:
+            durable = f" (not written to disk: {err}; it does not survive a restart)"
+        self._events.append(
+            "mig.quarantined",
+            f"GPU {entry.index} quarantined: {reason}{durable}. Operator: compare 'nvidia-smi "
+            "mig -lgi' with GET /v1/gpus/{gpu}/mig, restore or clear the layout by hand, then "
+            "clear the quarantine", severity=Severity.ERROR, gpu=gpu)
 
     async def clear_quarantine(self, gpu: str) -> str:
         """Lift the quarantine; returns its reason. :class:`Conflict` if there is none."""

@@ -137,6 +137,11 @@ class Collector:
         self._health.record_xid(event)
         self.wake()
 
+    def reads_in_nvml(self) -> list[str]:
+        """The UUIDs of the GPUs whose abandoned read is still in NVML (each skipped until
+        its read returns)."""
+        return [uuid for uuid, read in list(self._inflight.items()) if not read.done()]
+
     def stale_reason(self) -> str | None:
         """Why the metrics are stale (for /readyz), or None."""
         if self._started_at is None:

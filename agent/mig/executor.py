@@ -118,13 +118,14 @@ class GpuMutator:
                 f"{gi.placement.size}": [ci.profile_id for ci in gi.compute_instances]
                 for gi in self.instances()}
 
-    def _gi_at(self, instance: Instance) -> GpuInstanceState | None:
+    def instance_at(self, instance: Instance) -> GpuInstanceState | None:
+        """The GPU instance of ``instance``'s profile at its placement, with its CIs, from a
+        walk of that profile only; None when it is not there."""
         spec = self._by_name.get(instance.profile)
-        for gi in self.instances():
-            if spec is not None and gi.profile_id == spec.id and \
-                    gi.placement == instance.placement:
-                return gi
-        return None
+        if spec is None:
+            return None
+        return mig.instance_at(self.session, self._handle(), self.gpu, spec.id,
+                               instance.placement)
 
     def run(self, step: Step, *, ci_profiles: Mapping[str, list[int]] | None = None) -> str:
         """Apply one step, retrying transient errors; return a short result for the record.
@@ -143,7 +144,7 @@ class GpuMutator:
             return f"current={'on' if mode.current else 'off'} " \
                    f"pending={'on' if mode.pending else 'off'} activation={status}"
         assert step.instance is not None
-        gi = self._gi_at(step.instance)
+        gi = self.instance_at(step.instance)
         if step.kind == "destroy_ci":
             if gi is None or not gi.compute_instances:
                 return "no compute instance"
@@ -177,8 +178,10 @@ class GpuMutator:
         if enabled != target.mig_enabled:
             return f"MIG mode is {'on' if enabled else 'off'}, expected " \
                    f"{'on' if target.mig_enabled else 'off'}"
-        actual = self.geometry()
-        bare = [gi for gi in self.instances() if not gi.compute_instances]
+        instances = self.instances()  # one walk serves both checks
+        actual = geometry_of(catalog_of(self.profiles), mig_enabled=enabled,
+                             instances=instances)
+        bare = [gi for gi in instances if not gi.compute_instances]
         if bare:
             return f"{len(bare)} GPU instance(s) without a compute instance (gi " \
                    f"{', '.join(str(g.id) for g in bare)})"
@@ -191,7 +194,7 @@ class GpuMutator:
                 on_step: Callable[[Step, str], None] | None = None) -> None:
         """Bring the GPU back to ``old`` exactly (placements and CI profiles), from whatever
         state it is in now: destroy what is not in ``old`` (GIs without CIs included), then
-        re-create what is missing."""
+        re-create what is missing; a MIG mode change left pending is withdrawn."""
         catalog = catalog_of(self.profiles)
         current = self.geometry()
         if not old.mig_enabled:
@@ -200,7 +203,13 @@ class GpuMutator:
         else:
             back = make_plan(catalog, current, DesiredInstances(tuple(
                 (i.profile, i.placement) for i in old.instances)))
-        for step in steps_of(back):
+        steps = steps_of(back)
+        if not back.mode_change and \
+                mig.mig_mode(self.session, self._handle(), self.gpu).pending != old.mig_enabled:
+            # A change that stayed pending (processes on a Hopper GPU) would take effect at
+            # the next reset: asking for the old mode again withdraws it.
+            steps = (*steps, Step("set_mode", enable=old.mig_enabled))
+        for step in steps:
             result = self.run(step, ci_profiles=ci_profiles)
             if on_step is not None:
                 on_step(step, result)

@@ -19,7 +19,6 @@ The format::
 
 from __future__ import annotations
 
-import functools
 import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -42,10 +41,9 @@ from agent.mig.geometry import (
     DesiredDisabled,
     DesiredInstances,
     DesiredProfiles,
-    Geometry,
-    ProfileSpec,
     join_words,
 )
+from agent.mig.parted_yaml import load_yaml, shown
 
 VERSION = "v1"
 
@@ -64,14 +62,14 @@ def profile_name_problem(name: str) -> str | None:
     """Why ``name`` is not a mig-parted profile string, or None if it is one."""
     m = _PROFILE.fullmatch(name)
     if not m:
-        return f"{_shown(name)} is not a MIG profile ({_PROFILE_FORMAT})"
+        return f"{shown(name)} is not a MIG profile ({_PROFILE_FORMAT})"
     attrs = m["attrs"].split(",") if m["attrs"] else [m["neg"]] if m["neg"] else []
     unknown = [a for a in attrs if a not in _ATTRIBUTES]
     if unknown:
-        return (f"{_shown(name)} has unknown attribute {_shown(unknown[0])} "
+        return (f"{shown(name)} has unknown attribute {shown(unknown[0])} "
                 f"(known: {join_words(_ATTRIBUTES, 'and')})")
     if len(set(attrs)) != len(attrs):
-        return f"{_shown(name)} repeats an attribute"
+        return f"{shown(name)} repeats an attribute"
     return None
 
 
@@ -102,7 +100,7 @@ class DeviceFilter:
     def parse(cls, text: str) -> DeviceFilter:
         m = _FILTER.fullmatch(text)
         if not m:
-            raise ValueError(f"{_shown(text)} is not a PCI id "
+            raise ValueError(f"{shown(text)} is not a PCI id "
                              "(0xDDDDVVVV or 0xDDDDVVVV:0xSSSSVVVV)")
         return cls(int(m["id"], 16), int(m["sub"], 16) if m["sub"] else None)
 
@@ -131,20 +129,6 @@ class GpuIdentity:
 # --- the config model ----------------------------------------------------------------------
 
 
-def _shown(v: object) -> str:
-    """A client's value as an error message may show it: a short scalar as written, anything
-    else by its kind. The parsed input is never echoed whole (a YAML alias bomb's expansion
-    was a 1 GB error message, formatted on the event loop)."""
-    if isinstance(v, Mapping):
-        return "a mapping"
-    if isinstance(v, list | tuple):
-        return f"a list of {len(v)} item(s)"
-    if v is None or isinstance(v, bool | int | float | str):
-        text = repr(v)
-        return text if len(text) <= 40 else text[:40] + "..."
-    return f"a {type(v).__name__}"
-
-
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -166,13 +150,13 @@ class MigConfigEntry(BaseModel):
         if isinstance(v, str):
             if v == "all":
                 return v
-            raise ValueError(f'must be "all" or a list of GPU indices, got {_shown(v)}')
+            raise ValueError(f'must be "all" or a list of GPU indices, got {shown(v)}')
         if _is_int(v):
             raise ValueError(f"must be a list of GPU indices such as [{v}] or \"all\"; "
                              "a bare number is not accepted")
         if not isinstance(v, list | tuple):
-            raise ValueError(f'must be "all" or a list of GPU indices, got {_shown(v)}')
-        problems = [f"{_shown(i)} is not a GPU index (a whole number ≥ 0)"
+            raise ValueError(f'must be "all" or a list of GPU indices, got {shown(v)}')
+        problems = [f"{shown(i)} is not a GPU index (a whole number ≥ 0)"
                     for i in v if not _is_int(i) or i < 0]
         twice = sorted({i for i in v if _is_int(i) and v.count(i) > 1})
         if twice:
@@ -188,7 +172,7 @@ class MigConfigEntry(BaseModel):
             return None
         items = v if isinstance(v, list | tuple) else [v]
         if not isinstance(v, str | int | list | tuple) or isinstance(v, bool):
-            raise ValueError(f"must be a PCI id or a list of them, got {_shown(v)}")
+            raise ValueError(f"must be a PCI id or a list of them, got {shown(v)}")
         if not items:
             raise ValueError("must name at least one PCI id (leave it out to match every GPU)")
         problems = []
@@ -197,7 +181,7 @@ class MigConfigEntry(BaseModel):
                 problems.append(f"{item} is a number; quote the PCI id: \"0x{item:08X}\"")
                 continue
             if not isinstance(item, str):
-                problems.append(f"{_shown(item)} is not a PCI id string such as \"0x233010DE\"")
+                problems.append(f"{shown(item)} is not a PCI id string such as \"0x233010DE\"")
                 continue
             try:
                 DeviceFilter.parse(item)
@@ -211,7 +195,7 @@ class MigConfigEntry(BaseModel):
     @classmethod
     def _mig_enabled(cls, v: Any) -> Any:
         if not isinstance(v, bool):
-            raise ValueError(f"must be true or false, got {_shown(v)}")
+            raise ValueError(f"must be true or false, got {shown(v)}")
         return v
 
     @field_validator("mig_devices", mode="before")
@@ -220,17 +204,17 @@ class MigConfigEntry(BaseModel):
         if v is None:
             return None
         if not isinstance(v, Mapping):
-            raise ValueError(f"must be a mapping of MIG profile to count, got {_shown(v)}")
+            raise ValueError(f"must be a mapping of MIG profile to count, got {shown(v)}")
         problems = []
         for name, n in v.items():
             if not isinstance(name, str):
-                problems.append(f"{_shown(name)} is not a MIG profile ({_PROFILE_FORMAT})")
+                problems.append(f"{shown(name)} is not a MIG profile ({_PROFILE_FORMAT})")
                 continue
             problem = profile_name_problem(name)
             if problem:
                 problems.append(problem)
             if not _is_int(n) or n < 0:
-                problems.append(f"count of {name} must be a whole number ≥ 0, got {_shown(n)}")
+                problems.append(f"count of {name} must be a whole number ≥ 0, got {shown(n)}")
         if not problems and v and not any(v.values()):
             problems.append("all counts are 0; write {} for MIG enabled with no devices")
         if problems:
@@ -290,7 +274,7 @@ class MigConfigFile(BaseModel):
     @classmethod
     def _version(cls, v: Any) -> Any:
         if v != VERSION:
-            raise ValueError(f'unsupported version {_shown(v)}; only "{VERSION}" is known')
+            raise ValueError(f'unsupported version {shown(v)}; only "{VERSION}" is known')
         return v
 
     @field_validator("mig_configs", mode="before")
@@ -299,7 +283,7 @@ class MigConfigFile(BaseModel):
         if isinstance(v, Mapping):
             bad = [k for k in v if not isinstance(k, str) or not k]
             if bad:
-                raise ValueError(f"label {_shown(bad[0])} is not a non-empty string")
+                raise ValueError(f"label {shown(bad[0])} is not a non-empty string")
         return v
 
     @property
@@ -312,105 +296,6 @@ class MigConfigFile(BaseModel):
 
 
 # --- parsing -------------------------------------------------------------------------------
-
-
-def _no_duplicates(loader: Any, node: Any) -> dict[Any, Any]:
-    """A mapping constructor that rejects a key given twice (a label written twice would
-    otherwise silently lose the first)."""
-    import yaml  # noqa: PLC0415 - YAML is needed only to parse a config (saves RSS otherwise)
-
-    seen: set[Any] = set()
-    for key_node, _ in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge":
-            continue
-        key = loader.construct_object(key_node, deep=True)
-        try:
-            duplicate = key in seen
-            seen.add(key)
-        except TypeError:  # an unhashable key: construct_mapping reports it
-            continue
-        if duplicate:
-            raise yaml.constructor.ConstructorError(
-                "while constructing a mapping", node.start_mark,
-                f"found duplicate key {_shown(key)}", key_node.start_mark)
-    return dict(loader.construct_mapping(node, deep=True))
-
-
-@functools.cache
-def _loader() -> Any:
-    """``yaml.SafeLoader`` with :func:`_no_duplicates` (made on first use)."""
-    import yaml  # noqa: PLC0415
-
-    class _Loader(yaml.SafeLoader):
-        pass
-
-    _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _no_duplicates)
-    return _Loader
-
-
-#: Bounds on a config given as text. mig-parted configs are small and flat: the standard set
-#: for a GPU model is a few kB, four levels deep, and uses no anchors.
-MAX_CONFIG_CHARS = 64 * 1024
-MAX_CONFIG_DEPTH = 16
-MAX_CONFIG_NODES = 20_000
-
-
-def _refuse(reason: str) -> InvalidRequest:
-    return InvalidRequest(f"config refused: {reason}", errors=[{"field": "config",
-                                                                "reason": reason}])
-
-
-def _check_events(text: str) -> None:
-    """Walk the YAML events (no objects are built) and refuse anchors and aliases (a few
-    hundred bytes of aliases expand to gigabytes), nesting deeper than
-    :data:`MAX_CONFIG_DEPTH` and more than :data:`MAX_CONFIG_NODES` nodes."""
-    import yaml  # noqa: PLC0415
-
-    parser = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    depth = nodes = 0
-    events = yaml.parse(text, Loader=parser)
-    while True:
-        try:
-            event = next(events)
-        except StopIteration:
-            return
-        except yaml.YAMLError:
-            return  # not YAML: the loader says where and why, in the words the tests know
-        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
-            mark = event.start_mark
-            where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-            raise _refuse(f"{where}YAML anchors and aliases are not accepted (a mig-parted "
-                          "config needs none)")
-        if isinstance(event, yaml.CollectionStartEvent):
-            depth += 1
-            if depth > MAX_CONFIG_DEPTH:
-                raise _refuse(f"nested more than {MAX_CONFIG_DEPTH} deep")
-        elif isinstance(event, yaml.CollectionEndEvent):
-            depth -= 1
-        if isinstance(event, yaml.NodeEvent):
-            nodes += 1
-            if nodes > MAX_CONFIG_NODES:
-                raise _refuse(f"more than {MAX_CONFIG_NODES} YAML nodes")
-
-
-def _load_yaml(text: str) -> Any:
-    import yaml  # noqa: PLC0415
-
-    if len(text) > MAX_CONFIG_CHARS:
-        raise _refuse(f"{len(text)} characters (at most {MAX_CONFIG_CHARS})")
-    try:
-        _check_events(text)
-        return yaml.load(text, Loader=_loader())  # a SafeLoader
-    except yaml.MarkedYAMLError as err:
-        mark = err.problem_mark or err.context_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        problem = err.problem or err.context or "not YAML"
-        reason = f"{where}{problem}"
-        raise InvalidRequest(f"config is not valid YAML: {reason}",
-                             errors=[{"field": "config", "reason": reason}]) from err
-    except yaml.YAMLError as err:
-        raise InvalidRequest(f"config is not valid YAML: {err}",
-                             errors=[{"field": "config", "reason": str(err)}]) from err
 
 
 # Field name -> the key the config spells it with (pydantic names a defaulted field by name).
@@ -450,9 +335,9 @@ def _reason(error: Any) -> str:
     if kind == "too_short":
         return "needs at least one label" if len(loc) == 1 else "needs at least one entry"
     if kind in ("dict_type", "model_type", "model_attributes_type"):
-        return f"must be a mapping, got {_shown(error['input'])}"
+        return f"must be a mapping, got {shown(error['input'])}"
     if kind in ("list_type", "tuple_type"):
-        return f"must be a list of entries, got {_shown(error['input'])}"
+        return f"must be a list of entries, got {shown(error['input'])}"
     return str(error["msg"])
 
 
@@ -462,7 +347,7 @@ def parse_config(source: Mapping[str, Any] | str) -> MigConfigFile:
     :class:`InvalidRequest` for text that is not YAML (with the line), a document that is not a
     mapping, and every rule of the format, each error naming its field path and the reason.
     """
-    data: Any = _load_yaml(source) if isinstance(source, str) else source
+    data: Any = load_yaml(source) if isinstance(source, str) else source
     if not isinstance(data, Mapping):
         reason = "is empty" if data is None else f"must be a mapping, got {type(data).__name__}"
         raise InvalidRequest(f"mig-parted config {reason}",
@@ -511,7 +396,7 @@ def selection(config: MigConfigFile, label: str, gpus: Sequence[GpuIdentity]) ->
     """
     entries = config.mig_configs.get(label)
     if entries is None:
-        labels = [_shown(name) for name in config.labels[:10]]
+        labels = [shown(name) for name in config.labels[:10]]
         more = len(config.labels) - len(labels)
         known = join_words(labels) + (f" and {more} more" if more else "")
         raise InvalidRequest(f"unknown MIG config {label!r}; the config has {known}",
@@ -594,7 +479,7 @@ def check_profiles(selection: Mapping[int, Desired], catalogs: Mapping[int, Cata
             if catalog.knows(name):
                 continue
             known = join_words(catalog.names)
-            reason = f"GPU {index} offers no MIG profile {_shown(name)}; it offers {known}"
+            reason = f"GPU {index} offers no MIG profile {shown(name)}; it offers {known}"
             m = _PROFILE.fullmatch(name)
             if m and m["c"] is not None:
                 reason += " (compute-instance sub-profiles are not supported)"
@@ -603,71 +488,3 @@ def check_profiles(selection: Mapping[int, Desired], catalogs: Mapping[int, Cata
     if errors:
         listed = "; ".join(e["reason"] for e in errors)
         raise InvalidRequest(f"unknown MIG profiles: {listed}", errors=errors)
-
-
-# --- export and the standard configs -------------------------------------------------------
-
-
-def _entry(devices: str | list[int], enabled: bool,
-           counts: Mapping[str, int]) -> dict[str, Any]:
-    entry: dict[str, Any] = {"devices": devices, "mig-enabled": enabled}
-    if enabled:
-        entry["mig-devices"] = dict(counts)
-    return entry
-
-
-def _config(configs: Mapping[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    return {"version": VERSION, "mig-configs": dict(configs)}
-
-
-def export_config(layouts: Mapping[int, Geometry], label: str = "current") -> dict[str, Any]:
-    """The current layout of the GPUs in ``layouts`` as a mig-parted v1 config under
-    ``label`` (what ``nvidia-mig-parted export`` prints): one entry per distinct layout, in
-    order of its first GPU, grouping the GPUs with equal mode and profile counts (``devices:
-    all`` when every GPU in ``layouts`` shares one; pass every GPU of the node, a GPU that
-    cannot do MIG as MIG disabled, for that to hold on the node).
-
-    :class:`InvalidRequest` when there is no GPU, or a profile name is no mig-parted profile
-    string."""
-    if not layouts:
-        raise InvalidRequest("no GPU to export", errors=[{"field": "gpus", "reason": "none"}])
-    groups: dict[tuple[bool, tuple[tuple[str, int], ...]], list[int]] = {}
-    for index, geometry in sorted(layouts.items()):
-        counts = tuple(geometry.counts().items()) if geometry.mig_enabled else ()
-        groups.setdefault((geometry.mig_enabled, counts), []).append(index)
-    entries = [
-        _entry("all" if len(groups) == 1 else indices, enabled, dict(counts))
-        for (enabled, counts), indices in groups.items()]
-    out = _config({label: entries})
-    parse_config(out)
-    return out
-
-
-def standard_configs(catalog: Catalog) -> dict[str, Any]:
-    """The config ``nvidia-mig-parted generate-config`` emits for a GPU model: ``all-disabled``,
-    ``all-enabled`` (MIG on, no devices), ``all-<profile>`` for every profile at its maximum
-    count (a ``+me`` one at 1; ``+`` written ``.`` in the label) and ``all-balanced`` (7 slices:
-    2 x 1g + 1 x 2g + 1 x 3g; 4 slices: 2 x 1g + 1 x 2g; per size the profile without
-    attributes with the highest maximum count), left out when the GPU lacks a size."""
-    configs: dict[str, list[dict[str, Any]]] = {
-        "all-disabled": [_entry("all", False, {})],
-        "all-enabled": [_entry("all", True, {})],
-    }
-    for spec in sorted(catalog.profiles, key=lambda s: s.name):
-        count = min(spec.max_instances, 1) if spec.media_extensions else spec.max_instances
-        configs[config_label(spec.name)] = [_entry("all", True, {spec.name: count})]
-    base = [s for s in catalog.profiles
-            if not s.media_extensions and "+" not in s.name and "-" not in s.name]
-    slots = max((s.slices for s in base), default=0)
-    formula = {7: {1: 2, 2: 1, 3: 1}, 4: {1: 2, 2: 1}}.get(slots)
-    if formula:
-        picked: dict[int, ProfileSpec] = {}
-        for spec in base:
-            held = picked.get(spec.slices)
-            if spec.slices in formula and (held is None
-                                           or spec.max_instances > held.max_instances):
-                picked[spec.slices] = spec
-        if set(picked) == set(formula):
-            counts = {picked[g].name: n for g, n in formula.items()}
-            configs["all-balanced"] = [_entry("all", True, dict(sorted(counts.items())))]
-    return _config(configs)

@@ -87,6 +87,8 @@ class Transition:
     steps: list[StepRecord] = field(default_factory=list)
     blockers: list[Blocker] = field(default_factory=list)
     error: str | None = None
+    #: The exception behind ``error``, for a caller that re-raises it (a slice's claim).
+    cause: Exception | None = field(default=None, repr=False, compare=False)
     apply_id: str | None = None
     history: list[tuple[TransitionState, float]] = field(default_factory=list)
     cancel_requested: asyncio.Event = field(default_factory=asyncio.Event)

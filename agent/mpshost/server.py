@@ -5,7 +5,7 @@ It listens on a Unix socket (mode 0660 with ``--socket-group``, else 0600), answ
 root, its own user and members of the socket's group (``SO_PEERCRED``, and the peer's
 supplementary groups from ``/proc``), checks each launch
 against :class:`~agent.mpshost.policy.LaunchPolicy` and runs it with
-:class:`~agent.gpu.mps_direct.DirectLauncher`. Everything else about a daemon (its commands,
+:class:`~agent.mps.direct.DirectLauncher`. Everything else about a daemon (its commands,
 ``quit``) the agent does itself through the pipe directory. On SIGTERM it stops accepting,
 lets the launches in flight finish, removes its socket and exits; it never stops a daemon.
 """
@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from agent.errors import AgentError
-from agent.gpu.mps_direct import DirectLauncher
-from agent.mpshost import protocol
+from agent.mps import protocol
+from agent.mps.direct import DirectLauncher
 from agent.mpshost.policy import LaunchPolicy, Refused
 
 log = logging.getLogger("agent.mpshost")

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench import compare, compare_driver
 
 ROUNDS = 2  # two, so the order swaps once and a median of per-round ratios is taken
@@ -22,6 +24,7 @@ def _worktrees() -> str:
                           check=True, capture_output=True, text=True).stdout
 
 
+@pytest.mark.slow
 def test_compare_against_head_reports_finite_ratios(tmp_path: Path) -> None:
     """Every figure of every measurement is compared on both trees in every round, each row's
     ratios are positive and finite, and the verdict line agrees with the exit status."""

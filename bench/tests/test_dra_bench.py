@@ -16,6 +16,7 @@ def harness_built() -> None:
     build(NEWEST)
 
 
+@pytest.mark.slow
 def test_dra_bench_runs_every_part_and_every_prepare_reaches_the_plugin() -> None:
     result = dra.run(samples=2, single_rounds=1, batches=1, isolation_batches=1,
                      republish_repeats=1, allocator_runs=2)

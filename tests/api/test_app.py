@@ -12,7 +12,7 @@ from aiohttp.test_utils import TestClient
 
 from agent.api.app import build_app
 from agent.api.auth import TokenStore
-from agent.api.context import AgentContext
+from agent.api.context import AGENT, AgentContext
 from agent.gpu.backend import Backend
 from agent.gpu.sim.node import SimulatedNode
 from agent.settings import resolve
@@ -131,11 +131,20 @@ async def test_bad_simulation_requests_are_4xx_and_change_nothing(
         {k: before[k] for k in ("processes", "faults", "latencies")}
 
 
-async def test_a_query_by_post_is_authorised_like_a_read(make_client: ClientMaker) -> None:
-    """POST /v1/topology/select changes nothing: open without tokens, closed by --auth-read."""
-    client = await make_client()
-    reply = await client.post("/v1/topology/select", json={"count": 2})
-    assert reply.status in (200, 503), await reply.text()  # 503: topology not loaded here
+@pytest.mark.parametrize(("auth_read", "token", "status"), [
+    (False, None, 200),  # a mutation would need the ops token here
+    (True, None, 401),
+    (True, "r1", 200),
+], ids=["open without --auth-read", "closed by --auth-read", "read token under --auth-read"])
+async def test_a_query_by_post_is_authorised_like_a_read(
+        make_client: ClientMaker, auth_read: bool, token: str | None, status: int) -> None:
+    """POST /v1/topology/select changes nothing, so it is authorised as a read: open without
+    --auth-read to a caller with no token, closed by --auth-read but to a read token."""
+    client = await make_client(tokens="reader:r1:read\nops:o1:admin\n", auth_read=auth_read)
+    await client.app[AGENT].node.topology.load()
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    reply = await client.post("/v1/topology/select", json={"count": 2}, headers=headers)
+    assert reply.status == status, await reply.text()
 
 
 @pytest.mark.parametrize(("path", "status"), [

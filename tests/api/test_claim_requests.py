@@ -5,7 +5,6 @@ that have it, each its own problem type."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from agent.api.auth import TokenStore
 from agent.api.context import AgentContext
 from agent.api.problems import PROBLEM_BASE
 from tests.service_node import ServiceNode, open_services
+from tests.waiting import until
 
 TOKEN = "t1"
 
@@ -160,11 +160,10 @@ async def test_a_slice_fits_once_mig_is_enabled_as_the_refusal_says(api: Api) ->
     assert (await api.prepare("s1", entry))[0] == 409
     status, change = await api.call("PUT", "/v1/gpus/6/mig", {"profiles": []})
     assert status == 202, change
-    for _ in range(500):
+    async def ended() -> Any:
         _, transition = await api.call("GET", f"/v1/transitions/{change['transition']['id']}")
-        if transition["terminal"]:
-            break
-        await asyncio.sleep(0.01)
+        return transition if transition["terminal"] else None
+    transition = await until(ended, "the transition enabling MIG to end")
     assert transition["state"] == "succeeded", transition
     status, body = await api.prepare("s1", entry)
     assert status == 200, body

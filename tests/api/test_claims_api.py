@@ -18,12 +18,12 @@ from aiohttp.test_utils import TestClient
 from agent.api.app import build_app
 from agent.api.auth import TokenStore
 from agent.api.context import AgentContext
+from tests import stamps
 from tests.service_node import ServiceNode, open_services
+from tests.waiting import until
 
 PLUGIN, READER = "p1", "r1"
 TOKENS = "plugin:p1:claims\nreader:r1:read\n"
-#: Stamps well inside this boot's past: a stamp ahead of CLOCK_BOOTTIME is refused.
-BASE = time.clock_gettime_ns(time.CLOCK_BOOTTIME) - 10**12
 
 
 @dataclass
@@ -44,11 +44,11 @@ class Api:
                                              **({"admin_access": True} if admin else {})}],
                                 **extra}
         if stamp is not None:
-            body["issued_at_ns"] = BASE + stamp
+            body["issued_at_ns"] = stamps.stamp(stamp)
         return await self.call("PUT", f"/v1/claims/{uid}", body)
 
     async def unprepare(self, uid: str, stamp: int | None = None) -> int:
-        params = {"issued_at_ns": str(BASE + stamp)} if stamp is not None else None
+        params = {"issued_at_ns": str(stamps.stamp(stamp))} if stamp is not None else None
         status, _, _ = await self.call("DELETE", f"/v1/claims/{uid}", params=params)
         return status
 
@@ -146,11 +146,11 @@ async def test_claim_shows_its_stamp_and_resource_version(api: Api) -> None:
                                         metadata={"namespace": "ns", "name": "claim",
                                                   "resource_version": "123456"})
     assert status == 200
-    assert body["issued_at_ns"] == BASE + 7
+    assert body["issued_at_ns"] == stamps.stamp(7)
     assert body["metadata"] == {"namespace": "ns", "name": "claim", "resource_version": "123456"}
     await api.prepare("c1", "1", 9, metadata={"resource_version": "123999"})
     _, shown, _ = await api.call("GET", "/v1/claims/c1")
-    assert shown["issued_at_ns"] == BASE + 9
+    assert shown["issued_at_ns"] == stamps.stamp(9)
     assert shown["metadata"]["resource_version"] == "123456"  # kept from the first prepare
 
 
@@ -229,15 +229,19 @@ async def test_a_transition_destroying_an_admin_held_device_makes_that_claim_los
     mig = (await node.gpu(4)).mig_devices[0]
     assert (await api.prepare("watch", mig.uuid, admin=True))[0] == 200
     await node.mig_to(4, ["7g.80gb"])  # would fail with policy "fail" if the hold blocked it
-    for _ in range(100):  # the claims service reacts to the change right after it
-        _, claim, _ = await api.call("GET", "/v1/claims/watch")
-        if claim["state"] == "lost":
-            break
-        await asyncio.sleep(0.02)
-    assert claim["state"] == "lost" and "destroyed" in claim["lost_reason"]
+    claim = await _lost(api, "watch")  # the claims service reacts to the change right after it
+    assert "destroyed" in claim["lost_reason"]
     assert await api.holds("4") == []
     assert not (node.cdi_dir / "k8s.gpu.nodeagent.dev-claim_watch.json").exists()
     assert await api.unprepare("watch") == 204
+
+
+async def _lost(api: Api, uid: str) -> Any:
+    """The claim, once the claims service has found it lost."""
+    async def lost() -> Any:
+        _, claim, _ = await api.call("GET", f"/v1/claims/{uid}")
+        return claim if claim["state"] == "lost" else None
+    return await until(lost, f"claim {uid} to be lost")
 
 
 # -- device nodes ------------------------------------------------------------------------------
@@ -360,7 +364,13 @@ async def test_a_whole_gpu_admin_claim_blocks_no_mode_change(api: Api) -> None:
     GPU's node) still exists, so the claim stays prepared."""
     assert (await api.prepare("watch", "5", admin=True))[0] == 200
     await api.node.mig_to(5, ["7g.80gb"])
-    await asyncio.sleep(0.3)  # the claims service's check after the change has run
+    # The claims service checks every admin claim after each change: once a later change has
+    # lost another one, the check that saw GPU 5 in MIG mode has run.
+    await api.node.mig_to(4, ["3g.40gb", "3g.40gb"])
+    probe = (await api.node.gpu(4)).mig_devices[0]
+    assert (await api.prepare("probe", probe.uuid, admin=True))[0] == 200
+    await api.node.mig_to(4, ["7g.80gb"])
+    await _lost(api, "probe")
     _, claim, _ = await api.call("GET", "/v1/claims/watch")
     assert claim["state"] == "prepare_completed"
     assert [h["kind"] for h in await api.holds("5")] == ["admin"]

@@ -24,9 +24,9 @@ Checker = Callable[..., dict[str, Any]]
 
 
 @pytest.fixture(scope="session")
-def cdi_checker(tmp_path_factory: pytest.TempPathFactory) -> Checker:
+def cdi_checker() -> Checker:
     """``check(spec_dir, *devices)`` → the checker's report; builds the Go program once."""
-    binary = gobuild.build(CHECKER_SOURCE, tmp_path_factory.mktemp("checker") / "cdi-check",
+    binary = gobuild.build(CHECKER_SOURCE, gobuild.BUILD / "cdi-check" / "cdi-check",
                            timeout_s=600)
 
     def check(spec_dir: Path, *devices: str) -> dict[str, Any]:

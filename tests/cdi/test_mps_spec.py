@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agent.claims.service import DeviceRequest
+from agent.claims.requests import DeviceRequest
 from agent.claims.sharing import MpsConfig, SharingConfig, short_id
 from tests.cdi.conftest import Checker
 from tests.claims.fake_tools import Tools, open_node

@@ -13,7 +13,7 @@ from agent.errors import SharingUnavailable
 from agent.gpu import backend as gpu_backend
 from agent.settings import resolve
 from agent.wiring import build_node
-from tests.service_node import ServiceNode
+from tests.service_node import ServiceNode, start
 
 
 @dataclass
@@ -104,5 +104,4 @@ async def open_node(directory: Path, tools: Tools, **settings: Any) -> ServiceNo
     assert resolved.mps_root is not None
     node = build_node(resolved, backend, sharing=SharingRuntime(
         nvidia_smi=tools.smi, mps=tools.mps, mps_root=resolved.mps_root, usage=tools.usage))
-    await node.start()
-    return ServiceNode(node, state, directory / "cdi")
+    return await start(node, state, directory / "cdi")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.claims.checkpoint import KIND, ClaimCheckpoint, ClaimRecord, decode
+from agent.claims.checkpoint import KIND, ClaimCheckpoint, ClaimRecord, decode, encode
 from agent.durable import encode_envelope
 
 
@@ -151,3 +151,29 @@ def test_a_checkpoint_without_stamps_reads_as_unstamped() -> None:
     assert data.claims["c"].issued_at_ns is None
     assert data.claims["c"].devices[0].admin_access is False
     assert data.tombstone_stamps == {}
+
+
+async def test_each_commit_writes_the_checkpoint_as_it_stands_in_memory(tmp_path: Path) -> None:
+    """Commit after commit, whatever changed in between (tombstones added, moved, pruned,
+    dropped and put back, a claim added), the file holds exactly ``encode`` of the data in
+    memory: the tombstones' encoding kept between commits is never stale."""
+    path = tmp_path / "claims.checkpoint"
+    checkpoint = ClaimCheckpoint(path, "boot")
+    data = checkpoint.data
+    steps = [
+        lambda: [checkpoint.tombstone(f"u{i}", issued_at_ns=i) for i in range(5)],
+        lambda: None,  # nothing changed
+        lambda: checkpoint.tombstone("u1", issued_at_ns=9),  # moved to the end, new stamp
+        lambda: data.claims.update({"c": ClaimRecord(
+            uid="c", state="prepare_completed", devices=[], request_digest="d",
+            created_at=1.0, updated_at=2.0)}),
+        lambda: checkpoint.drop_tombstone("u2"),
+        lambda: (data.tombstones.update({"u2": 7.5}), data.tombstone_stamps.update({"u2": 3})),
+        lambda: data.tombstones.update({"u3": data.tombstones.pop("u3")}),  # order only
+        lambda: checkpoint.cap_tombstones(2),
+    ]
+    for step in steps:
+        step()
+        await checkpoint.commit()
+        assert path.read_bytes() == encode(data)
+        assert decode(path.read_bytes()) == data

@@ -5,7 +5,6 @@ model of docs/claims.md says, and the claim's stamp is the newest prepare it ans
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,11 +13,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.claims.service import DeviceRequest
+from agent.claims.requests import DeviceRequest
 from agent.errors import ClaimUnprepared, NotFound
+from tests import stamps
 from tests.service_node import ServiceNode, open_services
 
-BASE = time.clock_gettime_ns(time.CLOCK_BOOTTIME) - 10**12
 DEVICE = [DeviceRequest(request="gpu", kind="gpu", device="0")]
 
 
@@ -95,7 +94,7 @@ def test_any_interleaving_answers_as_the_model(
 
     async def run() -> None:
         for number, (op, raw) in enumerate(ops):
-            stamp = None if raw is None else BASE + raw
+            stamp = None if raw is None else stamps.stamp(raw)
             if op == "P":
                 try:
                     await node.claims.prepare(uid, DEVICE, {}, issued_at_ns=stamp)

@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from agent.claims.checkpoint import ClaimCheckpoint, decode
-from agent.claims.service import DeviceRequest
+from agent.claims.requests import DeviceRequest
 from agent.errors import (
     CheckpointUnusable,
     ClaimUnprepared,
@@ -24,8 +25,9 @@ from agent.errors import (
 )
 from agent.gpu.inventory import GpuInventory
 from agent.mig.geometry import DesiredDisabled, DesiredProfiles
-from agent.mig.transition import DrainPolicy
+from agent.mig.transition import DrainPolicy, TransitionState
 from tests.service_node import ServiceNode, open_services
+from tests.waiting import until
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -82,7 +84,9 @@ async def test_tombstones_expire(tmp_path: Path) -> None:
     try:
         await node.claims.prepare("c1", [gpu("1")], {})
         await node.claims.unprepare("c1")
-        await asyncio.sleep(0.01)
+        unprepared = time.time()
+        # A 0 s window: the tombstone is past it once the clock has moved on.
+        await until(lambda: time.time() > unprepared, "the clock to pass the unprepare")
         await node.claims.prepare("c1", [gpu("1")], {})
     finally:
         await node.close()
@@ -147,8 +151,9 @@ async def test_draining_and_unhealthy_devices_are_refused(node: ServiceNode) -> 
     node.sim.add_process(device.uuid, pid=777)
     outcome = await node.mig.request(g5, DesiredProfiles.of(["3g.40gb"]),
                                      DrainPolicy("wait", 30))
-    assert outcome.transition is not None
-    await asyncio.sleep(0.2)
+    transition = outcome.transition
+    assert transition is not None
+    await until(lambda: transition.state == TransitionState.DRAINING, "the transition to drain")
     with pytest.raises(DeviceBusy, match="drained"):
         await node.claims.prepare("d1", [gpu(device.uuid)], {})
     await node.mig.cancel(outcome.transition.id)
@@ -160,8 +165,7 @@ async def test_draining_and_unhealthy_devices_are_refused(node: ServiceNode) -> 
 async def test_group_commit_needs_fewer_fsyncs_than_prepares(node: ServiceNode) -> None:
     """56 concurrent prepares (every 1g.10gb MIG device of the node) share checkpoint writes,
     and every acknowledged claim is on disk."""
-    for index in range(8):
-        await node.mig_to(index, ["1g.10gb"] * 7)
+    await node.mig_all(["1g.10gb"] * 7)  # the 8 GPUs at once: each has its own NVML thread
     devices = [d.uuid for g in await node.inventory.refresh() for d in g.mig_devices]
     assert len(devices) == 56
     before = node.claims.checkpoint.fsyncs

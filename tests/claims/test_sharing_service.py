@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from agent.claims.checkpoint import decode
-from agent.claims.service import DeviceRequest
+from agent.claims.requests import DeviceRequest
 from agent.claims.sharing import MpsConfig, SharingConfig, short_id
 from agent.errors import DeviceBusy, InvalidRequest, SharingUnavailable
 from tests.claims.fake_tools import FakeMps, FakeSmi, Tools, open_node

@@ -4,23 +4,21 @@ claim's own stamp and each tombstone's are in the checkpoint before a request is
 from __future__ import annotations
 
 import signal
-import time
 from pathlib import Path
 
 from agent.claims.checkpoint import decode
 from tests.agent_process import AgentProcess, start_agent
+from tests.stamps import stamp
 
-BASE = time.clock_gettime_ns(time.CLOCK_BOOTTIME) - 10**12
 
-
-def _prepare(agent: AgentProcess, uid: str, device: str, stamp: int) -> int:
+def _prepare(agent: AgentProcess, uid: str, device: str, offset: int) -> int:
     return agent.request("PUT", f"/v1/claims/{uid}", {
-        "devices": [{"kind": "gpu", "device": device}], "issued_at_ns": BASE + stamp,
-        "metadata": {"resource_version": f"rv-{stamp}"}}).status
+        "devices": [{"kind": "gpu", "device": device}], "issued_at_ns": stamp(offset),
+        "metadata": {"resource_version": f"rv-{offset}"}}).status
 
 
-def _unprepare(agent: AgentProcess, uid: str, stamp: int) -> int:
-    return agent.request("DELETE", f"/v1/claims/{uid}?issued_at_ns={BASE + stamp}").status
+def _unprepare(agent: AgentProcess, uid: str, offset: int) -> int:
+    return agent.request("DELETE", f"/v1/claims/{uid}?issued_at_ns={stamp(offset)}").status
 
 
 def test_stamps_and_stamped_tombstones_survive_a_kill(tmp_path: Path) -> None:
@@ -34,18 +32,18 @@ def test_stamps_and_stamped_tombstones_survive_a_kill(tmp_path: Path) -> None:
         assert _unprepare(agent, "gone", 20) == 204
         assert _prepare(agent, "kept", "1", 30) == 200
         data = decode((state / "claims.checkpoint").read_bytes())
-        assert data.tombstone_stamps == {"gone": BASE + 20}
-        assert data.claims["kept"].issued_at_ns == BASE + 30
+        assert data.tombstone_stamps == {"gone": stamp(20)}
+        assert data.claims["kept"].issued_at_ns == stamp(30)
         agent.stop(signal.SIGKILL)
         agent = start_agent(state)
         late = agent.request("PUT", "/v1/claims/gone", {
-            "devices": [{"kind": "gpu", "device": "0"}], "issued_at_ns": BASE + 15})
+            "devices": [{"kind": "gpu", "device": "0"}], "issued_at_ns": stamp(15)})
         assert late.status == 409 and late.body["type"].endswith("/claim-unprepared")
         assert _prepare(agent, "gone", "0", 25) == 200  # sent after the unprepare
         assert _unprepare(agent, "kept", 29) == 204  # sent before the prepare: ignored
         kept = agent.request("GET", "/v1/claims/kept")
         assert kept.status == 200
-        assert kept.body["issued_at_ns"] == BASE + 30
+        assert kept.body["issued_at_ns"] == stamp(30)
         assert kept.body["metadata"]["resource_version"] == "rv-30"
     finally:
         agent.stop(signal.SIGKILL)

@@ -20,7 +20,7 @@ from tests.dra.conftest import Env, MakeEnv, make_env
 from .manifests import by_kind, render
 from .tools import ROOT
 
-__all__ = ["make_env"]  # the renderer's fixture: a simulated node and its SliceService
+__all__ = ["make_env"]  # the renderer's fixture: a simulated node and its ResourceSliceService
 
 CELCHECK = Path(__file__).resolve().parent / "celcheck"
 DRIVER = "gpu.nodeagent.dev"
@@ -32,11 +32,10 @@ VERSION = (1, 35)
 
 
 @pytest.fixture(scope="session")
-def celcheck(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def celcheck() -> Any:
     """``check(input) -> output`` through the Go program, built once per session (minutes
     cold: Kubernetes's apiserver packages)."""
-    binary = gobuild.build(CELCHECK, tmp_path_factory.mktemp("celcheck") / "celcheck",
-                           timeout_s=1800)
+    binary = gobuild.build(CELCHECK, gobuild.BUILD / "celcheck" / "celcheck", timeout_s=1800)
 
     def check(given: dict[str, Any]) -> dict[str, Any]:
         done = subprocess.run([str(binary)], input=json.dumps(given), capture_output=True,
@@ -94,7 +93,7 @@ async def test_each_device_is_in_exactly_its_class(make_env: MakeEnv, celcheck: 
     evaluation error: whole GPUs gpu, existing MIG instances mig, placements the agent would
     create dynamic-mig (there only with --dynamic-mig)."""
     env = await make_env("dgx-h100", dynamic_mig=dynamic, setup=_h100_geometry)
-    devices = _devices(await env.slices.slices(VERSION))
+    devices = _devices(await env.resource_slices.of_version(VERSION))
     classes = _classes()
     out = celcheck({"selectors": [{"name": n, "expression": e} for n, e in classes.items()],
                     "devices": devices})["selectors"]
@@ -139,7 +138,7 @@ async def test_example_claims_select_what_the_docs_say(
     preset, dynamic, template, wanted = case
     setup = _h100_geometry if preset == "dgx-h100" else None
     env = await make_env(preset, dynamic_mig=dynamic, setup=setup)
-    devices = _devices(await env.slices.slices(VERSION))
+    devices = _devices(await env.resource_slices.of_version(VERSION))
     cls, own = _example_requests()[template]
     expression = f"({_classes()[cls]}) && ({own})" if own else _classes()[cls]
     out = celcheck({"selectors": [{"name": template, "expression": expression}],
@@ -158,7 +157,8 @@ async def test_nvlink_islands_for_the_tensor_parallel_example(
     (_, own) = _example_requests()["four-nvlinked-gpus"]
     assert own is None
     env = await make_env(preset)
-    gpus = [d for d in _devices(await env.slices.slices(VERSION)) if _attr(d, "type") == "gpu"]
+    gpus = [d for d in _devices(await env.resource_slices.of_version(VERSION))
+            if _attr(d, "type") == "gpu"]
     islands: dict[str, int] = {}
     for d in gpus:
         island = _attr(d, "nvlinkIsland")

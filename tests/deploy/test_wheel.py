@@ -8,7 +8,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 import tomllib
 import urllib.request
 import venv
@@ -19,6 +18,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 import agent
+from tests.waiting import wait_for
 
 from .tools import ROOT
 
@@ -97,21 +97,21 @@ def test_wheel_installs_with_constraints_and_serves(tmp_path: Path) -> None:
                                  "--metrics-listen", "127.0.0.1:0"],
                                 stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
+        def ready() -> bool:
             assert proc.poll() is None, log.read_text()
             listeners = state / "listeners.json"
-            if listeners.exists():
-                metrics = json.loads(listeners.read_text())["metrics"][0]
-                try:
-                    with urllib.request.urlopen(f"{metrics}/readyz", timeout=5) as reply:
-                        if reply.status == 200:
-                            break
-                except OSError:
-                    pass
-            time.sleep(0.1)
-        else:
-            pytest.fail(f"the installed agent did not become ready:\n{log.read_text()}")
+            if not listeners.exists():
+                return False
+            metrics = json.loads(listeners.read_text())["metrics"][0]
+            try:
+                with urllib.request.urlopen(f"{metrics}/readyz", timeout=5) as reply:
+                    return bool(reply.status == 200)
+            except OSError:
+                return False
+        try:
+            wait_for(ready, "the installed agent to be ready", 30, every_s=0.1)
+        except AssertionError as err:
+            pytest.fail(f"{err}:\n{log.read_text()}")
     finally:
         proc.terminate()
         assert proc.wait(20) == 0, log.read_text()

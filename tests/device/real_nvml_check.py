@@ -21,6 +21,7 @@ It writes into DIR:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -35,6 +36,7 @@ from typing import Any
 
 from tests.agent_process import cpu_seconds
 from tests.device import readonly_nvml
+from tests.waiting import wait_for
 
 PORT = 18080
 METRICS_PORT = 19400
@@ -144,14 +146,18 @@ def run_agent(out: Path, work: Path, seconds: float, ready_timeout: float) -> di
     env = dict(os.environ, **{readonly_nvml.TIMING_ENV: str(out / "nvml-timing.json")})
     agent = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{PORT}"
-    ready_after = None
-    while time.monotonic() - started < ready_timeout and agent.poll() is None:
+
+    def ready() -> float | None:
+        """Seconds since the start once ready; -1 once the agent exited (it never will be)."""
+        if agent.poll() is not None:
+            return -1.0
         status, _body, _ms = _get(f"{base}/readyz", timeout=2)
-        if status == 200:
-            ready_after = time.monotonic() - started
-            break
-        time.sleep(0.2)
-    result["ready_after_s"] = ready_after
+        return time.monotonic() - started if status == 200 else None
+
+    ready_after: float | None = None
+    with contextlib.suppress(AssertionError):  # never ready in time: the result says so
+        ready_after = wait_for(ready, "the agent to be ready", ready_timeout, every_s=0.2)
+    result["ready_after_s"] = ready_after if ready_after != -1.0 else None
     status, body, _ms = _get(f"{base}/readyz")
     result["readyz"] = {"status": status, "body": _json_or_text(body)}
     if agent.poll() is None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from agent.dra.service import SliceService
+from agent.dra.service import ResourceSliceService
 from agent.events import EventLog
 from agent.gpu.inventory import GpuInventory
 from agent.gpu.session import NvmlSession
@@ -27,7 +27,7 @@ class Env:
     session: NvmlSession
     inventory: GpuInventory
     topology: TopologyService
-    slices: SliceService
+    resource_slices: ResourceSliceService
     ledger: NodeLedger
     state_dir: Path
 
@@ -69,7 +69,7 @@ async def make_env(tmp_path: Path) -> AsyncIterator[MakeEnv]:
                             events=EventLog(), lost_reason=session.lost_reason)
         topology = TopologyService(session=session, inventory=inventory,
                                    sys_root=node.sys_root, ledger=ledger)
-        env = Env(node, session, inventory, topology, SliceService(
+        env = Env(node, session, inventory, topology, ResourceSliceService(
             inventory=inventory, topology=topology, ledger=ledger, state_dir=state,
             node_name="gpu-node-1", dynamic_mig=dynamic_mig), ledger, state)
         opened.append(env)

@@ -4,7 +4,6 @@ geometry change (the republish goal) and of an XID, with the new slices."""
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.agent_process import AgentProcess, Reply, start_agent
+from tests.agent_process import AgentProcess, Pending, start_agent
 
 URL = "/v1/resourceslices?kubernetes=1.35"
 
@@ -28,18 +27,9 @@ def _names(body: Any) -> set[str]:
     return {d["name"] for s in body["items"] for d in s["spec"].get("devices") or []}
 
 
-def _wait_in_thread(agent: AgentProcess, etag: str) -> tuple[threading.Thread, list[Any]]:
-    answer: list[Any] = []
-
-    def wait() -> None:
-        reply = agent.request("GET", f"{URL}&wait_s=20", headers={"If-None-Match": etag})
-        answer.append((reply, time.monotonic()))
-
-    thread = threading.Thread(target=wait)
-    thread.start()
-    time.sleep(0.5)  # the request is held by now
-    assert not answer
-    return thread, answer
+def _held(agent: AgentProcess, etag: str) -> Pending:
+    """A long-poll from ``etag`` the agent has read (and is holding: nothing changed)."""
+    return agent.send("GET", f"{URL}&wait_s=20", headers={"If-None-Match": etag})
 
 
 def _gpu0(body: Any) -> set[str]:
@@ -56,16 +46,15 @@ def test_a_change_wakes_a_waiting_request_within_2s(agent: AgentProcess, change:
     first = agent.request("GET", URL)
     assert first.status == 200
     assert "gpu-0" in _gpu0(first.body)
-    thread, answer = _wait_in_thread(agent, first.headers["etag"])
+    uuid = agent.request("GET", "/v1/gpus/0").body["uuid"]
+    held = _held(agent, first.headers["etag"])
     started = time.monotonic()
     if change == "geometry":
         assert agent.request("PUT", "/v1/gpus/0/mig", {"profiles": ["7g.80gb"]}).status == 202
     else:
-        uuid = agent.request("GET", "/v1/gpus/0").body["uuid"]
         assert agent.request("POST", "/v1/sim/xid", {"gpu": uuid, "xid": 79}).status == 202
-    thread.join(25)
-    reply: Reply
-    reply, woke = answer[0]
+    reply = held.reply()
+    woke = time.monotonic()  # at or after the answer came: the bound below only tightens
     etags = [first.headers["etag"]]
     while reply.status == 200 and _gpu0(reply.body) != final and woke - started < 5:
         etags.append(reply.headers["etag"])
@@ -82,11 +71,10 @@ def test_a_waiting_request_never_holds_the_agents_stop(tmp_path: Path) -> None:
     10 s shutdown timeout."""
     agent = start_agent(tmp_path / "state")
     try:
-        thread, answer = _wait_in_thread(agent, agent.request("GET", URL).headers["etag"])
+        held = _held(agent, agent.request("GET", URL).headers["etag"])
         started = time.monotonic()
         assert agent.stop(signal.SIGTERM) == 0
-        thread.join(25)
         assert time.monotonic() - started < 5
-        assert answer[0][0].status == 304
+        assert held.reply().status == 304
     finally:
         agent.stop(signal.SIGKILL)

@@ -62,10 +62,10 @@ async def test_concurrent_new_content_takes_one_number_each(tmp_path: Path) -> N
 async def test_a_mig_change_raises_the_generation(make_env: MakeEnv) -> None:
     """Rendering twice gives the same generation; a new MIG instance gives the next one."""
     env = await make_env("dgx-h100", setup=lambda e: e.make_mig(0, [(19, 0)]))
-    first = (await env.slices.slices((1, 35)))[0]["spec"]["pool"]["generation"]
-    assert (await env.slices.slices((1, 34)))[0]["spec"]["pool"]["generation"] == first
+    first = (await env.resource_slices.of_version((1, 35)))[0]["spec"]["pool"]["generation"]
+    assert (await env.resource_slices.of_version((1, 34)))[0]["spec"]["pool"]["generation"] == first
     env.make_mig(0, [(19, 1)])
-    second = (await env.slices.slices((1, 35)))[0]["spec"]["pool"]["generation"]
+    second = (await env.resource_slices.of_version((1, 35)))[0]["spec"]["pool"]["generation"]
     assert second == first + 1
 
 

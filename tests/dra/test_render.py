@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from agent.device_names import mig_device_name
+from agent.dra.resource_slices import GpuFacts, RenderOptions, render
 from agent.dra.rules import quantity
-from agent.dra.slices import GpuFacts, RenderOptions, render
 from agent.gpu.types import DriverInfo, Gpu, MigDevice, MigMode, Placement
 
 from .conftest import MakeEnv
@@ -26,7 +26,7 @@ async def base(make_env: MakeEnv, preset: str) -> tuple[list[GpuFacts], DriverIn
     read once per preset: the renderer's input is plain values."""
     if preset not in _BASE:
         env = await make_env(preset, name=preset)
-        _BASE[preset] = (env.slices.facts(), env.inventory.driver)
+        _BASE[preset] = (env.resource_slices.facts(), env.inventory.driver)
     return _BASE[preset]
 
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from agent.dra.resource_slices import KUBERNETES_VERSIONS
 from agent.dra.rules import RULES, check, rules_for
-from agent.dra.slices import KUBERNETES_VERSIONS
 
 V134, V135, V136, V137 = (1, 34), (1, 35), (1, 36), (1, 37)
 POOL2 = {"name": "n", "generation": 1, "resourceSliceCount": 2}

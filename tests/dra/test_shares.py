@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from agent.device_names import shareable_mib
+from agent.dra.resource_slices import KUBERNETES_VERSIONS, GpuFacts, RenderOptions, render
 from agent.dra.rules import check
-from agent.dra.slices import KUBERNETES_VERSIONS, GpuFacts, RenderOptions, render
 
 from .conftest import MakeEnv
 from .test_render import base, devices, instance, mig_on, with_facts

@@ -9,8 +9,8 @@ import kubernetes_validate
 import pytest
 
 from agent.device_names import parse_device_name
+from agent.dra.resource_slices import consumption_of, counters_of, semver
 from agent.dra.rules import check, quantity
-from agent.dra.slices import consumption_of, counters_of, semver
 from agent.gpu.sim.presets import PRESETS
 from agent.gpu.types import GiProfile
 
@@ -43,7 +43,7 @@ async def test_dgx_h100_slices_validate(make_env: MakeEnv, version: tuple[int, i
     """Done-when: dgx-h100 slices, static and dynamic MIG, 1.34 and 1.35 layouts, pass the
     strict schema and the server's rules."""
     env = await make_env("dgx-h100", dynamic_mig=dynamic, setup=h100_geometry)
-    slices = await env.slices.slices(version)
+    slices = await env.resource_slices.of_version(version)
     validate(slices, version)
     assert all(s["spec"]["driver"] == "gpu.nodeagent.dev" for s in slices)
     assert {s["spec"]["pool"]["name"] for s in slices} == {"gpu-node-1"}
@@ -54,14 +54,14 @@ async def test_other_presets_validate_in_every_mode(make_env: MakeEnv, preset: s
     for dynamic in (False, True):
         env = await make_env(preset, dynamic_mig=dynamic, name=f"{preset}-{dynamic}")
         for version in VERSIONS:
-            validate(await env.slices.slices(version), version)
+            validate(await env.resource_slices.of_version(version), version)
 
 
 async def test_static_devices_and_attributes(make_env: MakeEnv) -> None:
     """Static: full GPUs where MIG is off, the existing MIG devices where it is on (nothing
     for a MIG GPU without instances); names parse back; versions are semver."""
     env = await make_env("dgx-h100", setup=h100_geometry)
-    found = devices(await env.slices.slices((1, 35)))
+    found = devices(await env.resource_slices.of_version((1, 35)))
     assert "gpu-0" not in found and "gpu-1" not in found
     assert {n for n in found if n.startswith("gpu-0-")} == {
         "gpu-0-mig-3g40gb-9-0", "gpu-0-mig-2g20gb-14-4", "gpu-0-mig-1g10gb-19-6"}
@@ -89,7 +89,7 @@ async def test_static_devices_and_attributes(make_env: MakeEnv) -> None:
 async def test_bridged_islands_follow_the_bridges(make_env: MakeEnv) -> None:
     """nvlinkIsland is shared exactly by bridge partners."""
     env = await make_env("a100-pcie-bridged")
-    found = devices(await env.slices.slices((1, 35)))
+    found = devices(await env.resource_slices.of_version((1, 35)))
     island = {int(n.split("-")[1]): d["attributes"]["nvlinkIsland"]["string"]
               for n, d in found.items()}
     for a, b in ((0, 2), (1, 3), (4, 5), (6, 7)):
@@ -99,7 +99,7 @@ async def test_bridged_islands_follow_the_bridges(make_env: MakeEnv) -> None:
 
 async def test_l40s_has_no_island_attribute(make_env: MakeEnv) -> None:
     env = await make_env("l40s", dynamic_mig=True)
-    found = devices(await env.slices.slices((1, 35)))
+    found = devices(await env.resource_slices.of_version((1, 35)))
     assert sorted(found) == ["gpu-0", "gpu-1", "gpu-2", "gpu-3"]
     assert all("nvlinkIsland" not in d["attributes"] and "consumesCounters" not in d
                for d in found.values())
@@ -110,12 +110,12 @@ async def test_dynamic_layouts(make_env: MakeEnv) -> None:
     GPU holding its set and its devices. Each GPU: the full GPU plus every placement of
     every profile (25 on H100)."""
     env = await make_env("dgx-h100", dynamic_mig=True)
-    new = await env.slices.slices((1, 35))
+    new = await env.resource_slices.of_version((1, 35))
     assert "sharedCounters" in new[0]["spec"] and "devices" not in new[0]["spec"]
     assert len(new[0]["spec"]["sharedCounters"]) == 8
     assert all("sharedCounters" not in s["spec"] for s in new[1:])
     assert {s["spec"]["pool"]["resourceSliceCount"] for s in new} == {9}
-    old = await env.slices.slices((1, 34))
+    old = await env.resource_slices.of_version((1, 34))
     assert len(old) == 8
     assert all(len(s["spec"]["sharedCounters"]) == 1 and len(s["spec"]["devices"]) == 26
                for s in old)
@@ -132,7 +132,7 @@ async def test_dynamic_hides_overlaps_and_drains(make_env: MakeEnv) -> None:
     instance's device goes too. An unhealthy or quarantined GPU publishes nothing."""
     env = await make_env("dgx-h100", dynamic_mig=True,
                          setup=lambda e: e.make_mig(0, [(9, 0), (19, 6)]))
-    found = devices(await env.slices.slices((1, 35)))
+    found = devices(await env.resource_slices.of_version((1, 35)))
     gpu0 = {n for n in found if n.startswith("gpu-0")}
     assert "gpu-0" not in gpu0
     assert "gpu-0-mig-3g40gb-9-0" in gpu0 and "uuid" in found["gpu-0-mig-3g40gb-9-0"][
@@ -144,7 +144,7 @@ async def test_dynamic_hides_overlaps_and_drains(make_env: MakeEnv) -> None:
     env.drain(0, three_g.placement)
     env.quarantine(5, "rollback failed")
     env.node.inject_xid(env.node.gpu_uuids()[6], 79)
-    slices = await env.slices.slices((1, 35))
+    slices = await env.resource_slices.of_version((1, 35))
     validate(slices, (1, 35))
     found = devices(slices)
     assert "gpu-0-mig-3g40gb-9-0" not in found
@@ -155,7 +155,7 @@ async def test_static_drain_leaves_the_device_out(make_env: MakeEnv) -> None:
     env = await make_env("dgx-h100", setup=h100_geometry)
     two_g = next(d for d in env.inventory.gpus[0].mig_devices if d.profile == "2g.20gb")
     env.drain(0, two_g.placement)
-    found = devices(await env.slices.slices((1, 34)))
+    found = devices(await env.resource_slices.of_version((1, 34)))
     assert "gpu-0-mig-2g20gb-14-4" not in found and "gpu-0-mig-3g40gb-9-0" in found
 
 

@@ -1,4 +1,4 @@
-"""A test-only :class:`~agent.gpu.mps_launch.MpsLauncher`: runs the ``-d`` start as a child
+"""A test-only :class:`~agent.mps.launch.MpsLauncher`: runs the ``-d`` start as a child
 of the test, in its own process group (so a test can kill that group as a runtime would)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping, Sequence
 
-from agent.gpu.mps_launch import LaunchResult
+from agent.mps.launch import LaunchResult
 
 
 class SubprocessLauncher:

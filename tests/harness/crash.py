@@ -32,6 +32,7 @@ from typing import Any
 from agent.claims.checkpoint import decode
 from tests.agent_process import AgentProcess, start_agent
 from tests.from_bind import Background, Call
+from tests.waiting import wait_for
 
 MUTATING = {"destroy_ci": "nvmlComputeInstanceDestroy", "destroy_gi": "nvmlGpuInstanceDestroy",
             "set_mode": "nvmlDeviceSetMigMode",
@@ -130,12 +131,12 @@ class Harness:
     def _wait(self, reply: Any) -> None:
         if reply.status != 202:
             return
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.agent.request("GET", reply.headers["location"], token=None).body["terminal"]:
-                return
-            time.sleep(0.01)
-        raise InvariantBroken("transition did not end")
+        try:
+            wait_for(lambda: self.agent.request("GET", reply.headers["location"],
+                                                token=None).body["terminal"],
+                     "the transition to end", 30, every_s=0.01)
+        except AssertionError as err:
+            raise InvariantBroken(f"transition did not end ({err})") from None
 
     def _req(self, method: str, path: str, body: Any = None) -> Any:
         self.figures.requests += 1

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent.api.problems import problem_of
-from agent.claims.service import DeviceRequest
+from agent.claims.requests import DeviceRequest
 from agent.errors import AgentError
 from agent.mig.geometry import DesiredInstances, Geometry
 from agent.mig.transition import TransitionState

@@ -3,11 +3,11 @@ changing geometry, reading what NVML (the simulator) really holds."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 from tests.agent_process import AgentProcess, Reply
+from tests.waiting import wait_for
 
 PROBLEM = "https://gpu.nodeagent.dev/problems/"
 MUTATING = ("nvmlDeviceSetMigMode", "nvmlDeviceCreateGpuInstanceWithPlacement",
@@ -38,24 +38,21 @@ def slice_request(profile: str = "1g.10gb", gpu: str | None = None) -> dict[str,
 
 
 def wait_transition(agent: AgentProcess, location: str, timeout: float = 30) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """The transition at ``location`` once it has ended."""
+    def ended() -> dict[str, Any] | None:
         body: dict[str, Any] = agent.request("GET", location, token=None).body
-        if body["terminal"]:
-            return body
-        time.sleep(0.02)
-    raise AssertionError(f"transition {location} did not end")
+        return body if body["terminal"] else None
+    return wait_for(ended, f"transition {location} to end", timeout)
 
 
 def settled_transitions(agent: AgentProcess, timeout: float = 30) -> list[dict[str, Any]]:
-    """GET /v1/transitions once every transition is terminal (or at the timeout)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        body = agent.request("GET", "/v1/transitions", token=None).body
-        transitions: list[dict[str, Any]] = body["transitions"]
-        if all(t["terminal"] for t in transitions) or time.monotonic() > deadline:
-            return transitions
-        time.sleep(0.02)
+    """GET /v1/transitions once every transition is terminal."""
+    def settled() -> dict[str, Any] | None:
+        body: dict[str, Any] = agent.request("GET", "/v1/transitions", token=None).body
+        return body if all(t["terminal"] for t in body["transitions"]) else None
+    transitions: list[dict[str, Any]] = wait_for(settled, "every transition to end",
+                                                 timeout)["transitions"]
+    return transitions
 
 
 def set_geometry(agent: AgentProcess, gpu: str, body: dict[str, Any]) -> None:
@@ -106,11 +103,11 @@ def assert_claims_intact(agent: AgentProcess, before: dict[str, dict[str, Any]])
 
 
 def wait_readyz(agent: AgentProcess, until: str, timeout: float = 15) -> Reply:
-    """Poll /readyz until its reason mentions ``until`` (or it is 200); the last answer."""
-    deadline = time.monotonic() + timeout
-    while True:
+    """/readyz once its reason mentions ``until`` (or it is 200), the agent still running."""
+    def answered() -> Reply | None:
+        assert agent.proc.poll() is None, f"the agent exited:\n{agent.log()[-2000:]}"
         reply = agent.request("GET", "/readyz", token=None)
         reason = reply.body.get("reason") or "" if isinstance(reply.body, dict) else ""
-        if reply.status == 200 or until in reason or time.monotonic() > deadline:
-            return reply
-        time.sleep(0.05)
+        return reply if reply.status == 200 or until in reason else None
+    return wait_for(answered, f"/readyz to be ready or to mention {until!r}", timeout,
+                    every_s=0.05)

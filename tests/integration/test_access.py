@@ -12,8 +12,7 @@ import ssl
 import stat
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ import pytest
 from tests.agent_process import AgentProcess, start_agent
 from tests.integration.test_cli import cli
 from tests.tools import require_tool
+from tests.waiting import wait_for
 
 OPS = "ops-secret-Zq81mXv0aa"
 READER = "reader-secret-Hh27pLkk"
@@ -68,7 +68,10 @@ def test_audit_lines_name_the_caller_and_carry_no_secret(guarded: AgentProcess) 
     guarded.request("POST", "/v1/sim/xid", {"gpu": "x", "xid": 79, "token": OPS}, token=OPS)
     guarded.request("DELETE", "/v1/sim/faults", unix=True, token=OPS)
     guarded.request("DELETE", "/v1/sim/faults", token="not-a-token")
-    time.sleep(0.2)
+
+    # The refused request went last: once its line is there, so are the others'.
+    wait_for(lambda: any("logger=agent.audit" in line and "status=401" in line
+                         for line in guarded.log().splitlines()), "the refusal's audit line")
     log = guarded.log()
     audits = [line for line in log.splitlines() if "logger=agent.audit" in line]
     assert any("who=ops" in a and "method=POST" in a and "status=201" in a
@@ -87,17 +90,18 @@ def test_reload_on_sighup_and_on_file_change(tmp_path: Path) -> None:
         assert agent.request("DELETE", "/v1/sim/faults", token=OPS).status == 204
         _token_file(tokens, f"ops:{NEW}\n")
         agent.proc.send_signal(signal.SIGHUP)
-        _until(lambda: agent.request("DELETE", "/v1/sim/faults", token=NEW).status == 204)
+        _until(lambda: agent.request("DELETE", "/v1/sim/faults", token=NEW).status == 204,
+               "the new token to be taken")
         assert agent.request("DELETE", "/v1/sim/faults", token=OPS).status == 401
         # A bad file keeps the tokens in use and says why.
         _token_file(tokens, "no-colon-here\n")
         agent.proc.send_signal(signal.SIGHUP)
-        _until(lambda: "token reload failed" in agent.log())
+        _until(lambda: "token reload failed" in agent.log(), "the failed reload's log line")
         assert agent.request("DELETE", "/v1/sim/faults", token=NEW).status == 204
         # A changed file is picked up without a signal (polled).
         _token_file(tokens, f"ops:{OPS}\n")
         _until(lambda: agent.request("DELETE", "/v1/sim/faults", token=OPS).status == 204,
-               timeout=10)
+               "the changed file to be picked up", timeout=10)
         for secret in (OPS, NEW):
             assert secret not in agent.log()
     finally:
@@ -118,13 +122,8 @@ def test_world_readable_token_file_stops_the_start(tmp_path: Path) -> None:
     assert OPS not in done.stdout + done.stderr
 
 
-def _until(check: object, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():  # type: ignore[operator]
-            return
-        time.sleep(0.1)
-    raise AssertionError("condition not met in time")
+def _until(check: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
+    wait_for(check, what, timeout, every_s=0.1)
 
 
 def _openssl(*args: str, cwd: Path) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.agent_process import AgentProcess, start_agent
+from tests.waiting import wait_for
 
 
 def _cli(agent: AgentProcess, *args: str) -> subprocess.CompletedProcess[str]:
@@ -95,10 +96,8 @@ def test_clear_quarantine_and_resolve_by_hand(tmp_path: Path) -> None:
 def _corrupt_start(state: Path, good: bytes) -> AgentProcess:
     (state / "claims.checkpoint").write_bytes(good[:-40] + b"garbage")
     agent = start_agent(state, wait_ready=False)
-    deadline = time.monotonic() + 30
-    while "checkpoint" not in str(agent.request("GET", "/readyz", token=None).body):
-        assert time.monotonic() < deadline, agent.log()
-        time.sleep(0.05)
+    wait_for(lambda: "checkpoint" in str(agent.request("GET", "/readyz", token=None).body),
+             "/readyz to name the checkpoint", 30, every_s=0.05)
     return agent
 
 
@@ -131,10 +130,12 @@ def test_corrupt_checkpoint_restored_or_accepted_without_restart(tmp_path: Path)
     finally:
         agent.stop()
 
-    time.sleep(1.1)  # kept-aside names carry the second
+    earlier = kept
     agent = _corrupt_start(state, good)
     try:
-        kept = agent.request("GET", "/v1/admin/claims-checkpoint").body["kept"][-1]
+        # Kept aside again, beside the first (the same second gets a serial, never a clash).
+        [kept] = [k for k in agent.request("GET", "/v1/admin/claims-checkpoint").body["kept"]
+                  if k != earlier]
         (state / kept).write_bytes(good)  # the operator repaired it by hand
         restored = agent.request("POST", "/v1/admin/claims-checkpoint",
                                  {"action": "restore", "file": kept})

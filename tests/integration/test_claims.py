@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import signal
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,8 @@ import pytest
 from agent.claims.checkpoint import decode
 from tests.agent_process import AgentProcess, Reply, start_agent
 from tests.cdi.conftest import Checker
+from tests.integration.owner_steps import wait_readyz, wait_transition
+from tests.waiting import wait_for
 
 
 def prepare(agent: AgentProcess, uid: str, devices: list[dict[str, Any]]) -> Reply:
@@ -24,12 +25,7 @@ def wait_mig(agent: AgentProcess, gpu: str, profiles: list[str]) -> None:
     reply = agent.request("PUT", f"/v1/gpus/{gpu}/mig", {"profiles": profiles})
     if reply.status == 202:
         location = reply.headers["location"]
-        for _ in range(500):
-            body = agent.request("GET", location, token=None).body
-            if body["terminal"]:
-                assert body["state"] == "succeeded"
-                return
-            time.sleep(0.02)
+        assert wait_transition(agent, location)["state"] == "succeeded"
 
 
 @pytest.fixture
@@ -144,19 +140,29 @@ def test_sigkill_in_a_burst_keeps_every_acknowledged_claim(tmp_path: Path) -> No
             try:
                 reply = prepare(agent, uid, devices)
             except OSError:
-                return
+                return  # killed mid-prepare: nothing was acknowledged
             if reply.status == 200:
                 with lock:
                     acknowledged[uid] = reply.body["devices"][0]["cdi_devices"]
                 if not n % 2:
-                    agent.request("DELETE", f"/v1/claims/{uid}")
+                    # Once its unprepare is sent a claim is no longer promised: the kill may
+                    # land before, during or after it (the checks below hold either way).
                     with lock:
                         acknowledged.pop(uid)
+                    try:
+                        agent.request("DELETE", f"/v1/claims/{uid}")
+                    except OSError:
+                        return  # killed mid-unprepare: its connection dies with the agent
 
     threads = [threading.Thread(target=client, args=(n,)) for n in range(6)]
     for t in threads:
         t.start()
-    time.sleep(0.4)
+    def a_kept_claim() -> bool:  # b<n>-<i>: odd clients ask for slices, and keep them
+        with lock:
+            return any(int(uid[1]) % 2 for uid in acknowledged)
+
+    # Killed mid-burst, once a claim that stays has been acknowledged.
+    wait_for(a_kept_claim, "a slice claim to be acknowledged", every_s=0.005)
     agent.stop(signal.SIGKILL)
     for t in threads:
         t.join()
@@ -166,6 +172,7 @@ def test_sigkill_in_a_burst_keeps_every_acknowledged_claim(tmp_path: Path) -> No
         claims = {c["uid"]: c for c in again.request("GET", "/v1/claims", token=None)
                   .body["claims"]}
         for uid, names in acknowledged.items():
+            assert uid in claims, f"acknowledged claim {uid} lost"
             assert claims[uid]["state"] == "prepare_completed", uid
             assert claims[uid]["devices"][0]["cdi_devices"] == names
             assert Path(claims[uid]["cdi_spec"]).exists()
@@ -192,11 +199,7 @@ def test_corrupt_checkpoint_is_kept_reported_and_freezes_claims(tmp_path: Path) 
     path.write_bytes(path.read_bytes()[:-20])  # torn
     agent = start_agent(state, wait_ready=False)
     try:
-        for _ in range(200):
-            ready = agent.request("GET", "/readyz", token=None)
-            if ready.body.get("reason") and "checkpoint" in ready.body["reason"]:
-                break
-            time.sleep(0.05)
+        ready = wait_readyz(agent, "checkpoint")
         assert ready.status == 503
         assert "kept aside" in ready.body["reason"]
         assert list(state.glob("claims.checkpoint.corrupt-*"))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,9 @@ from agent.cli.claims import parse_slice
 from cdi.spec import Spec
 from cdi.version import minimum_version
 from tests.agent_process import AgentProcess, start_agent
+from tests.integration.owner_steps import wait_transition
 from tests.integration.test_cli import cli
+from tests.waiting import wait_for
 
 SCHEMA = Path(__file__).resolve().parents[1] / "data" / "cdi-schema"
 
@@ -33,14 +34,8 @@ def _set_mig(agent: AgentProcess, gpu: int, body: dict[str, Any]) -> None:
     transition = reply.body["transition"]
     if transition is None:
         return
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        done = agent.request("GET", f"/v1/transitions/{transition['id']}").body
-        if done["terminal"]:
-            assert done["state"] == "succeeded", done
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"transition {transition['id']} did not finish")
+    done = wait_transition(agent, f"/v1/transitions/{transition['id']}")
+    assert done["state"] == "succeeded", done
 
 
 def _check_spec(doc: dict[str, Any]) -> None:
@@ -173,9 +168,8 @@ def test_cdi_generate_names_mig_devices_as_the_agent_does(tmp_path: Path) -> Non
         _set_mig(agent, 2, {"profiles": ["3g.40gb", "1g.10gb"]})
         mig = agent.request("GET", "/v1/gpus/2").body["mig_devices"]
         node_spec = agent.state_dir / "cdi" / "nodeagent.dev-gpu.json"
-        deadline = time.monotonic() + 10  # the agent rewrites its node spec soon after
-        while "2:1" not in node_spec.read_text() and time.monotonic() < deadline:
-            time.sleep(0.02)
+        # The agent rewrites its node spec soon after.
+        wait_for(lambda: "2:1" in node_spec.read_text(), "the node spec to name 2:1")
         from_agent = json.loads(node_spec.read_text())
     finally:
         agent.stop(signal.SIGTERM)

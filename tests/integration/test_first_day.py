@@ -10,14 +10,14 @@ import re
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.agent_process import AgentProcess, start_agent
+from tests.waiting import wait_for
 
 ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 
@@ -53,11 +53,8 @@ def _json_lines(agent: AgentProcess) -> list[dict[str, Any]]:
     return lines
 
 
-def _poll(check: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
+def _poll(check: Callable[[], Any], what: str, timeout: float = 10.0) -> None:
+    wait_for(check, what, timeout)
 
 
 # -- logs --------------------------------------------------------------------------------------
@@ -71,7 +68,8 @@ def test_reads_log_at_debug_and_failures_and_mutations_at_info(agent: AgentProce
     changed = agent.request("DELETE", "/v1/sim/faults", headers={"X-Request-Id": "write-1"})
     assert (ok.status, missing.status, changed.status) == (200, 404, 204)
     by_id: dict[str, list[dict[str, Any]]] = {}
-    _poll(lambda: "write-1" in {d.get("request_id") for d in _json_lines(agent)})
+    _poll(lambda: "write-1" in {d.get("request_id") for d in _json_lines(agent)},
+          "write-1's log line")
     for doc in _json_lines(agent):
         by_id.setdefault(str(doc.get("request_id")), []).append(doc)
     assert "read-ok" not in by_id
@@ -116,7 +114,7 @@ def test_claim_events_carry_their_gpus(agent: AgentProcess) -> None:
         ("claim.prepared", [uuid]), ("claim.unprepared", [uuid])]
     _poll(lambda: len([d for d in _json_lines(agent)
                        if str(d.get("event", "")).startswith("claim.")
-                       and "first-day" in d["msg"]]) == 2)
+                       and "first-day" in d["msg"]]) == 2, "both claim events logged")
     logged = [d for d in _json_lines(agent)
               if str(d.get("event", "")).startswith("claim.") and "first-day" in d["msg"]]
     assert [d["gpu"] for d in logged] == [uuid, uuid]
@@ -227,7 +225,7 @@ def test_sim_controls_take_gpu_indices(agent: AgentProcess) -> None:
     like the rest of the API, and a simulated reset clears the XID mark it repairs."""
     uuid = agent.request("GET", "/v1/gpus/4").body["uuid"]
     assert _sim(agent, "xid", "4", "48").returncode == 0
-    _poll(lambda: not _healthy(agent, 4))
+    _poll(lambda: not _healthy(agent, 4), "GPU 4 to read unhealthy")
     reset = _sim(agent, "reset", "4")
     assert reset.returncode == 0, reset.stderr
     assert _healthy(agent, 4)
@@ -249,7 +247,7 @@ def test_admin_clear_xid_lifts_the_mark_once(agent: AgentProcess) -> None:
     """After a critical XID, ``gpu-agent admin clear-xid N`` makes the GPU healthy again and
     says what it cleared, with an event; on a GPU without a mark it is a 409."""
     assert agent.request("POST", "/v1/sim/xid", {"gpu": "5", "xid": 48}).status == 202
-    _poll(lambda: not _healthy(agent, 5))
+    _poll(lambda: not _healthy(agent, 5), "GPU 5 to read unhealthy")
     assert agent.request("POST", "/v1/admin/gpus/5/clear-health", token=None).status == 401
     done = _cli(agent, "admin", "clear-xid", "5")
     assert done.returncode == 0, done.stderr
@@ -274,7 +272,7 @@ def test_checkpoint_restore_takes_an_operators_backup(tmp_path: Path) -> None:
     agent = start_agent(state, wait_ready=False)
     try:
         _poll(lambda: "checkpoint" in str(agent.request("GET", "/readyz", token=None).body),
-              timeout=30)
+              "/readyz to name the checkpoint", timeout=30)
         listed = agent.request("GET", "/v1/admin/claims-checkpoint").body["kept"]
         assert "claims.checkpoint.backup" in listed
         done = _cli(agent, "admin", "checkpoint", "restore", "claims.checkpoint.backup")

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from tests.agent_process import AgentProcess, Reply, start_agent
+from tests.waiting import wait_for
 
 # ``ops:...:`` lists no scope (all of them, as documented); ``reader`` holds read only.
 OPS = "ops-token-Jk31pQ"
@@ -75,14 +76,14 @@ def metrics_address(agent: AgentProcess) -> tuple[str, int]:
 
 def audited(agent: AgentProcess, request_id: str, timeout: float = 5) -> str:
     """The audit line of the request sent with ``request_id`` ('' if none appears)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        for line in agent.log().splitlines():
-            if "logger=agent.audit" in line and f"request_id={request_id}" in line:
-                return line
-        if time.monotonic() > deadline:
-            return ""
-        time.sleep(0.05)
+    def line() -> str:
+        return next((line for line in agent.log().splitlines()
+                     if "logger=agent.audit" in line and f"request_id={request_id}" in line), "")
+    try:
+        found: str = wait_for(line, f"the audit line of {request_id}", timeout, every_s=0.05)
+    except AssertionError:
+        return ""
+    return found
 
 
 def assert_problem(reply: Reply, status: int, *words: str) -> None:

@@ -9,19 +9,20 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from agent.mig.parted_config import standard_configs
+from agent.mig.parted_export import standard_configs
 from tests.agent_process import AgentProcess, start_agent
-from tests.integration.test_mig import mutations
+from tests.integration.test_mig import apply_ended, mutations
 from tests.mig.catalogs import A100_40GB, H100_80GB
 from tests.mig.test_parted_config import NODE_CONFIG
+from tests.waiting import wait_for
 
 A100_BALANCED = {"1g.5gb": 2, "2g.10gb": 1, "3g.20gb": 1}
 
@@ -41,13 +42,8 @@ def apply(agent: AgentProcess, label: str, config: str = NODE_CONFIG, query: str
 def finished(agent: AgentProcess, reply: Any, timeout: float = 60) -> dict[str, Any]:
     """The apply behind ``reply`` once no GPU's transition is running any more."""
     assert reply.status == 202, reply.body
-    deadline = time.monotonic() + timeout
-    body: dict[str, Any] = reply.body
-    while body["state"] == "running":
-        assert time.monotonic() < deadline, body
-        time.sleep(0.05)
-        body = agent.request("GET", reply.headers["location"], token=None).body
-    return body
+    return wait_for(partial(apply_ended, agent, reply.headers["location"]), "the apply to end",
+                    timeout, every_s=0.05)
 
 
 def one_label(label: str, entries: list[dict[str, Any]]) -> str:

@@ -21,15 +21,16 @@ import pytest
 import yaml
 
 from tests.agent_process import AgentProcess
-from tests.integration.test_mig import MUTATING, put_mig, wait_transition
+from tests.integration.owner_steps import wait_transition
+from tests.integration.test_mig import MUTATING, put_mig
 
 WAITING = "GPU 0: draining: waiting for process {pid} on 7g.80gb@0:8"
 
 
-def follow(cmd: list[str], *, terminal: bool, until: str, then: Callable[[], None],
-           timeout: float = 60) -> tuple[int, str]:
-    """Run ``cmd`` with its output on a pty (``terminal``) or a pipe; once ``until`` shows,
-    let it poll for a while, call ``then``, and read to the end. Its exit status and output."""
+def follow(cmd: list[str], *, terminal: bool, until: Callable[[str], bool],
+           then: Callable[[], None], timeout: float = 240) -> tuple[int, str]:
+    """Run ``cmd`` with its output on a pty (``terminal``) or a pipe; once ``until(output)``
+    holds, call ``then``, and read to the end. Its exit status and output."""
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
     if terminal:
         fd, child = pty.openpty()
@@ -55,9 +56,8 @@ def follow(cmd: list[str], *, terminal: bool, until: str, then: Callable[[], Non
                 if not chunk:
                     break
                 out += chunk
-            if not fired and until in out.decode(errors="replace"):
+            if not fired and until(out.decode(errors="replace")):
                 fired = True
-                time.sleep(1.5)  # several polls while the drain waits
                 then()
         return proc.wait(timeout), out.decode(errors="replace")
     finally:
@@ -68,6 +68,40 @@ def follow(cmd: list[str], *, terminal: bool, until: str, then: Callable[[], Non
             os.close(fd)
         elif proc.stdout is not None:
             proc.stdout.close()
+
+
+#: Polls the drain must last: the output shows the blocker once however many there are.
+POLLS = 3
+
+
+def _polls(agent: AgentProcess) -> float:
+    """GET requests the agent has answered for a transition or an apply, from /metrics."""
+    text = agent.request("GET", "/metrics", token=None).body
+    return sum(float(value) for labels, value in re.findall(
+        r'^gpu_agent_http_requests_total\{(.*)\} (\S+)$', text, re.MULTILINE)
+        if 'method="GET"' in labels and ("transitions/" in labels or "mig/apply/" in labels))
+
+
+def _polled_while(agent: AgentProcess, waiting: str) -> Callable[[str], bool]:
+    """Holds once ``waiting`` shows and the command has polled :data:`POLLS` times since."""
+    seen: list[float] = []
+
+    def polled(out: str) -> bool:
+        if waiting not in out:
+            return False
+        if not seen:
+            seen.append(_polls(agent))
+        return _polls(agent) >= seen[0] + POLLS
+    return polled
+
+
+def _redrawn_while(waiting: str) -> Callable[[str], bool]:
+    """Holds once :data:`POLLS` redraws showed ``waiting``, each with its own elapsed time."""
+    def redrawn(out: str) -> bool:
+        waited = [d for d in out.split("\x1b[J")[1:] if waiting in d]
+        ticks = {m for d in waited for m in re.findall(r"\[(\d+\.\d)s\]", d)}
+        return len(waited) >= POLLS and len(ticks) >= POLLS
+    return redrawn
 
 
 def _busy_7g(agent: AgentProcess, pid: int) -> None:
@@ -82,16 +116,21 @@ def _busy_7g(agent: AgentProcess, pid: int) -> None:
     agent.request("PUT", "/v1/sim/latency", dict.fromkeys(MUTATING, 0.5))
 
 
+#: The drain's bound: the test releases the blocker once the command has polled a few times,
+#: which on a loaded machine can take long; a drain that ends early costs nothing of it.
+DRAIN_TIMEOUT_S = "180"
+
+
 def _command(agent: AgentProcess, verb: str, tmp_path: Path) -> list[str]:
     client = ["--url", agent.url, "--token-file", str(agent.state_dir / "tokens")]
     if verb == "set":
         return [sys.executable, "-m", "agent", "mig", "set", "0", "1g.10gb", "--drain", "wait",
-                "--timeout", "30", "--wait", *client]
+                "--timeout", DRAIN_TIMEOUT_S, "--wait", *client]
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump({"version": "v1", "mig-configs": {"one": [
         {"devices": [0], "mig-enabled": True, "mig-devices": {"1g.10gb": 1}}]}}))
     return [sys.executable, "-m", "agent", "mig", "apply", "-f", str(config), "-c", "one",
-            "--drain", "wait", "--timeout", "30", "--wait", *client]
+            "--drain", "wait", "--timeout", DRAIN_TIMEOUT_S, "--wait", *client]
 
 
 PIDS = {("set", False): 5101, ("set", True): 5102, ("apply", False): 5103,
@@ -107,8 +146,9 @@ def test_piped_progress_is_plain_lines_one_per_change(h100: AgentProcess, verb: 
     pid = PIDS[(verb, False)]
     _busy_7g(h100, pid)
     waiting = WAITING.format(pid=pid)
-    rc, out = follow(_command(h100, verb, tmp_path), terminal=False, until=waiting, then=lambda:
-                     h100.request("DELETE", f"/v1/sim/processes/{pid}"))
+    rc, out = follow(_command(h100, verb, tmp_path), terminal=False,
+                     until=_polled_while(h100, waiting),
+                     then=lambda: h100.request("DELETE", f"/v1/sim/processes/{pid}"))
     assert rc == 0, out
     assert "\x1b" not in out and "\r" not in out
     progress = [line for line in out.splitlines() if re.match(r"\[ *\d+\.\ds\] GPU 0: ", line)]
@@ -129,13 +169,12 @@ def test_terminal_progress_redraws_one_block(h100: AgentProcess, verb: str,
     pid = PIDS[(verb, True)]
     _busy_7g(h100, pid)
     waiting = WAITING.format(pid=pid)
-    rc, out = follow(_command(h100, verb, tmp_path), terminal=True, until=waiting, then=lambda:
-                     h100.request("DELETE", f"/v1/sim/processes/{pid}"))
+    rc, out = follow(_command(h100, verb, tmp_path), terminal=True,
+                     until=_redrawn_while(waiting),
+                     then=lambda: h100.request("DELETE", f"/v1/sim/processes/{pid}"))
     assert rc == 0, out
     assert "\x1b[2F\x1b[J" in out, out  # back over the two lines drawn: title and GPU 0
     draws = out.split("\x1b[J")[1:]
-    waited = [d for d in draws if waiting in d]
-    assert len(waited) >= 3, out
-    ticks = {m for d in waited for m in re.findall(r"\[(\d+\.\d)s\]", d)}
-    assert len(ticks) >= 3, out  # the elapsed time moves while the drain waits
+    # The process was released only after POLLS redraws of the wait, each with its own
+    # elapsed time (else the drain timed out, and the command failed above).
     assert "GPU 0: succeeded" in draws[-1], out

@@ -6,7 +6,6 @@ device."""
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +26,7 @@ from tests.integration.owner_steps import (
     slice_request,
     wait_transition,
 )
+from tests.waiting import wait_for
 
 CREATE_GI = "nvmlDeviceCreateGpuInstanceWithPlacement"
 PROCESSES = "nvmlDeviceGetComputeRunningProcesses"
@@ -56,12 +56,10 @@ def _assert_held_devices_exist(agent: AgentProcess) -> None:
 
 def _state_after_planning(agent: AgentProcess, location: str) -> str:
     """The transition's state once it has left requested/planned."""
-    deadline = time.monotonic() + 10
-    while True:
+    def left() -> str:
         state = str(agent.request("GET", location, token=None).body["state"])
-        if state not in ("requested", "planned") or time.monotonic() > deadline:
-            return state
-        time.sleep(0.01)
+        return state if state not in ("requested", "planned") else ""
+    return wait_for(left, f"transition {location} to leave planning")
 
 
 # -- defect 2: one device held twice ---------------------------------------------------------
@@ -125,7 +123,6 @@ def test_whole_gpu_claim_holds_a_waiting_geometry_change(agent: AgentProcess) ->
     waiting = agent.request("PUT", "/v1/gpus/3/mig", {
         "profiles": ["7g.80gb"], "drain": {"policy": "wait", "timeout_s": 30}})
     assert waiting.status == 202, waiting.body
-    time.sleep(0.3)
     assert _state_after_planning(agent, waiting.headers["location"]) == "draining"
     assert agent.request("DELETE", "/v1/claims/whole").status == 204
     assert wait_transition(agent, waiting.headers["location"])["state"] == "succeeded"
@@ -147,12 +144,9 @@ def test_device_created_by_a_running_transition_is_not_claimable(agent: AgentPro
     started = agent.request("PUT", "/v1/gpus/0/mig", {"profiles": ["1g.10gb"] * 3})
     assert started.status == 202, started.body
     tid = started.body["transition"]["id"]
-    deadline = time.monotonic() + 10
-    created: list[dict[str, Any]] = []
-    while not created and time.monotonic() < deadline:  # NVML's view: the simulator's
-        created = agent.request("GET", "/v1/sim").body["gpus"][0]["mig_devices"]
-        time.sleep(0.01)
-    assert created, "the transition created no instance"
+    created: list[dict[str, Any]] = wait_for(  # NVML's view: the simulator's
+        lambda: agent.request("GET", "/v1/sim").body["gpus"][0]["mig_devices"],
+        "the transition's first instance", every_s=0.01)
     claimed = prepare(agent, "fresh", gpu_request(created[0]["uuid"]))
     done = wait_transition(agent, started.headers["location"])
     assert done["state"] == "rolled_back", done
@@ -162,55 +156,48 @@ def test_device_created_by_a_running_transition_is_not_claimable(agent: AgentPro
     assert tid in claimed.body["detail"]
 
 
-#: How a slice pinned to a GPU in a transition may be refused: the transition owns the GPU,
-#: or (once it finished) its new geometry left no room.
+#: How a slice pinned to a GPU in a transition is refused: the transition owns the GPU, or
+#: (once it finished) its new geometry left no room.
 REFUSED_SLICE = frozenset({"device-busy", "no-slice-room"})
 
 
-def _slice_during_planning(agent: AgentProcess,
-                           delay: float) -> tuple[Reply, dict[str, Any] | None]:
+def _slice_during_planning(agent: AgentProcess, delay: float) -> tuple[Reply, dict[str, Any]]:
     """Ask GPU 0 (3g.40gb@4:4) for 7g.80gb while NVML reads are slow (planning takes a
-    while), and ``delay`` seconds later for a 1g.10gb slice pinned to GPU 0: the slice's
-    answer and the transition as it ended (None when the change was refused: a slice that
-    got there first blocks it)."""
+    while) and, once the agent has read that request and ``delay`` seconds later, for a
+    1g.10gb slice pinned to GPU 0: the slice's answer and the transition as it ended."""
     agent.request("PUT", "/v1/sim/latency", {PROCESSES: 0.3, CREATE_GI: 0.05})
-    answers: list[Reply] = []
-    put = threading.Thread(target=lambda: answers.append(agent.request(
-        "PUT", "/v1/gpus/0/mig", {"profiles": ["7g.80gb"]})))
-    put.start()
-    time.sleep(delay)
+    put = agent.send("PUT", "/v1/gpus/0/mig", {"profiles": ["7g.80gb"]})
+    if delay:
+        time.sleep(delay)
     pinned = prepare(agent, f"pinned-{delay}", slice_request(gpu="0"))
-    put.join()
+    change = put.reply()
     agent.request("PUT", "/v1/sim/latency", {})
-    assert answers and answers[0].status in (202, 409), answers
-    if answers[0].status == 409:
-        return pinned, None
-    return pinned, wait_transition(agent, answers[0].headers["location"])
+    assert change.status == 202, change.body  # read first, so no slice stood in its way
+    return pinned, wait_transition(agent, change.headers["location"])
 
 
-def test_slice_placed_while_a_transition_is_planned_survives(agent: AgentProcess) -> None:
+def test_slice_asked_for_while_a_transition_is_planned_is_refused(agent: AgentProcess) -> None:
     """Defect 3 (a slice placed while a transition is being planned is destroyed when that
-    transition rolls back, the claim still reading prepared): the slice is refused 409
-    (device-busy while the transition owns the GPU, no-slice-room once its 7g.80gb took the
-    room), or it is placed and the transition never destroys it."""
+    transition rolls back, the claim still reading prepared): a slice pinned to a GPU whose
+    geometry change is being planned is refused 409 device-busy, and the change goes on."""
     set_geometry(agent, "0", {"profiles": ["3g.40gb"]})
     pinned, done = _slice_during_planning(agent, 0.0)
-    assert done is None or done["terminal"]
-    _assert_held_devices_exist(agent)
-    assert (pinned.status == 409 and problem(pinned) in REFUSED_SLICE) or \
-        pinned.status == 200, (pinned.status, pinned.body)
+    assert (pinned.status, problem(pinned)) == (409, "device-busy"), pinned.body
+    assert done["state"] == "succeeded", done
+    assert layout(agent, "0") == ["7g.80gb@0:8"]
+    assert claims(agent) == {}
 
 
 def test_slice_prepare_racing_a_transition_is_409_not_502(agent: AgentProcess) -> None:
     """Defect 3 (a slice prepare racing a transition fails with a raw NVML error, 502): at
-    every moment of a transition's planning and applying, a slice pinned to its GPU is placed
-    (and kept) or refused 409 (device-busy or no-slice-room), never a 5xx."""
+    every moment of a transition's planning and applying, a slice pinned to its GPU is
+    refused 409 (device-busy while the transition owns the GPU, no-slice-room once its
+    7g.80gb took the room), never a 5xx, and no claim is left on a destroyed device."""
     answers: list[Reply] = []
     destroyed: list[str] = []
     for delay in (0.0, 0.03, 0.05, 0.08, 0.12, 0.25):
         set_geometry(agent, "0", {"profiles": ["3g.40gb"]})
-        pinned, done = _slice_during_planning(agent, delay)
-        assert done is None or done["terminal"]
+        pinned, _ = _slice_during_planning(agent, delay)
         answers.append(pinned)
         present = hardware_mig_uuids(agent)
         destroyed += [uid for uid, c in claims(agent).items()
@@ -219,5 +206,5 @@ def test_slice_prepare_racing_a_transition_is_409_not_502(agent: AgentProcess) -
             assert agent.request("DELETE", f"/v1/claims/{uid}").status == 204
     assert [(a.status, a.body) for a in answers if a.status >= 500] == []
     assert destroyed == [], "claims whose slice the transition destroyed"
-    assert all(a.status == 200 or (a.status == 409 and problem(a) in REFUSED_SLICE)
+    assert all(a.status == 409 and problem(a) in REFUSED_SLICE
                for a in answers), [(a.status, a.body) for a in answers]

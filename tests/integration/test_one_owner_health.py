@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from tests.integration.owner_steps import (
     set_geometry,
     slice_request,
 )
+from tests.waiting import wait_for
 
 # (XID, GPU index); GPU 0 of the first batch runs MIG, the rest are whole GPUs. Every XID in
 # the health rules' critical set is covered (79 is the one today's main already handles).
@@ -33,10 +33,9 @@ def _raise_xid(agent: AgentProcess, gpu: int, xid: int) -> str:
     """Inject the XID on the GPU and wait until the GPU reads unhealthy; its UUID."""
     uuid = str(agent.request("GET", f"/v1/gpus/{gpu}", token=None).body["uuid"])
     assert agent.request("POST", "/v1/sim/xid", {"gpu": uuid, "xid": xid}).status == 202
-    deadline = time.monotonic() + 10
-    while agent.request("GET", f"/v1/gpus/{gpu}", token=None).body["health"]["healthy"]:
-        assert time.monotonic() < deadline, f"GPU {gpu} still healthy after XID {xid}"
-        time.sleep(0.05)
+    wait_for(lambda: not agent.request("GET", f"/v1/gpus/{gpu}", token=None)
+             .body["health"]["healthy"], f"GPU {gpu} to read unhealthy after XID {xid}",
+             every_s=0.05)
     return uuid
 
 

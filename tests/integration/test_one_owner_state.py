@@ -11,14 +11,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from agent.gpu.sim.node import SimulatedNode
-from tests.agent_process import AgentProcess, start_agent
+from tests.agent_process import AgentProcess, Reply, start_agent
 from tests.from_bind import Background, Call, unix_request
 from tests.integration.owner_steps import (
     claims,
@@ -30,6 +29,7 @@ from tests.integration.owner_steps import (
     wait_readyz,
     wait_transition,
 )
+from tests.waiting import wait_for
 
 CLAIM_SPECS = "k8s.gpu.nodeagent.dev-claim_*.json"
 
@@ -192,9 +192,7 @@ def test_checkpoint_path_that_is_a_directory_freezes_claims(tmp_path: Path) -> N
     (state / "claims.checkpoint").mkdir(parents=True)
     agent = start_agent(state, wait_ready=False)
     try:
-        time.sleep(1)
-        assert agent.proc.poll() is None, f"the agent exited:\n{agent.log()[-2000:]}"
-        ready = wait_readyz(agent, "checkpoint")
+        ready = wait_readyz(agent, "checkpoint")  # answered: the agent did not exit
         assert ready.status == 503, ready.body
         failures = _claims_frozen(agent, "c1")
         assert not failures, "\n".join(failures)
@@ -265,26 +263,31 @@ def test_full_state_directory_still_serves_reads(tmp_path: Path) -> None:
              "--listen", f"unix:{sock}", "--simulate", "dgx-h100", *elsewhere],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            deadline = time.monotonic() + 20
-            while True:
+            def serves_inventory() -> bool:
                 assert proc.poll() is None, (tmp_path / "full.log").read_text()[-3000:]
-                with contextlib.suppress(OSError):
-                    if unix_request(sock, "GET", "/v1/gpus", token=token).status == 200:
-                        break
-                assert time.monotonic() < deadline, "inventory never served"
-                time.sleep(0.1)
+                try:
+                    return unix_request(sock, "GET", "/v1/gpus", token=token).status == 200
+                except OSError:
+                    return False  # not listening yet
+            wait_for(serves_inventory, "the inventory to be served", 20, every_s=0.1)
             for path in ("/v1/gpus", "/v1/topology", "/metrics", "/v1/events"):
-                assert unix_request(sock, "GET", path, token=token).status == 200, path
+                # Topology is discovered after the inventory is served (503 "not discovered
+                # yet" until then); the full disk must not keep any of them from answering.
+                wait_for(lambda path=path: unix_request(sock, "GET", path,
+                                                        token=token).status == 200,
+                         f"{path} to answer 200 with the state directory full", 20,
+                         every_s=0.1)
             # Until recovery has met the full disk it is only "not ready" (503); from then on
             # a mutation names the cause (507).
-            deadline = time.monotonic() + 20
-            while True:
+            def past_not_ready() -> Reply | None:
                 refused = unix_request(sock, "PUT", "/v1/claims/c2",
                                        {"devices": [gpu_request("3")]}, token=token)
-                if refused.status != 503 or time.monotonic() > deadline:
-                    break
+                if refused.status != 503:
+                    return refused
                 assert problem(refused) == "not-ready", refused.body
-                time.sleep(0.1)
+                return None
+            refused = wait_for(past_not_ready, "recovery to meet the full disk", 20,
+                               every_s=0.1)
             assert refused.status == 507, refused.body
             assert problem(refused) == "insufficient-storage"
             ready = unix_request(sock, "GET", "/readyz")

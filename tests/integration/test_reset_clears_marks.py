@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import signal
 import stat
-import time
 from pathlib import Path
 
 from tests.agent_process import start_agent
+from tests.waiting import wait_for
 
 
 def test_a_reset_by_the_reset_command_clears_the_xid_marks(tmp_path: Path) -> None:
@@ -24,19 +24,16 @@ def test_a_reset_by_the_reset_command_clears_the_xid_marks(tmp_path: Path) -> No
     try:
         uuid = agent.request("GET", "/v1/gpus/4", token=None).body["uuid"]
         assert agent.request("POST", "/v1/sim/xid", {"gpu": uuid, "xid": 48}).status == 202
-        deadline = time.monotonic() + 10
-        while agent.request("GET", "/v1/gpus/4", token=None).body["health"]["healthy"]:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_for(lambda: not agent.request("GET", "/v1/gpus/4", token=None)
+                 .body["health"]["healthy"], "GPU 4 to read unhealthy after XID 48",
+                 every_s=0.05)
         reply = agent.request("PUT", "/v1/gpus/4/mig", {"mig_enabled": True,
                                                         "allow_reset": True})
         assert reply.status == 202, reply.body
         transition = reply.headers["location"]
-        deadline = time.monotonic() + 20
-        while agent.request("GET", transition, token=None).body["state"] not in (
-                "succeeded", "pending_reset", "rolled_back", "failed"):
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_for(lambda: agent.request("GET", transition, token=None).body["state"] in (
+                 "succeeded", "pending_reset", "rolled_back", "failed"),
+                 "the transition to end or wait for a reset", 20, every_s=0.05)
         assert log.read_text().split() == [uuid]
         gpu = agent.request("GET", "/v1/gpus/4", token=None).body
         assert gpu["health"]["healthy"] is True, gpu["health"]

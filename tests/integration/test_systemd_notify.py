@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.agent_process import AgentProcess, start_agent
+from tests.waiting import wait_for
 
 pytest.importorskip("systemd.daemon", reason="systemd-python (the systemd extra) is needed")
 
@@ -31,12 +32,12 @@ class NotifySocket:
     messages: list[tuple[float, int, dict[str, str]]] = field(default_factory=list)
     on_ready: list[object] = field(default_factory=list)
     agent: AgentProcess | None = None
-    _stop: threading.Event = field(default_factory=threading.Event)
+    stopped: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> None:
         self.sock.settimeout(0.1)
         space = socket.CMSG_SPACE(struct.calcsize("3i"))
-        while not self._stop.is_set():
+        while not self.stopped.is_set():
             try:
                 data, ancdata, _, _ = self.sock.recvmsg(4096, space)
             except TimeoutError:
@@ -57,13 +58,8 @@ class NotifySocket:
         return [m for m in list(self.messages) if key in m[2]]
 
     def wait_for(self, key: str, timeout: float = 20) -> tuple[float, int, dict[str, str]]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = self.with_key(key)
-            if found:
-                return found[0]
-            time.sleep(0.02)
-        raise AssertionError(f"no {key}= within {timeout}s; got {self.messages}")
+        """The first message with ``key``."""
+        return wait_for(lambda: self.with_key(key), f"a {key}= message", timeout)[0]
 
 
 @pytest.fixture
@@ -78,7 +74,7 @@ def notify_socket() -> Iterator[NotifySocket]:
     thread = threading.Thread(target=listener.run, daemon=True)
     thread.start()
     yield listener
-    listener._stop.set()
+    listener.stopped.set()
     thread.join(2)
     sock.close()
     shutil.rmtree(directory, ignore_errors=True)
@@ -107,9 +103,10 @@ def test_ready_after_reconciliation_watchdog_and_stopping(tmp_path: Path,
         assert any("reconciling claims" in s for s in statuses), statuses
         # Beats every WATCHDOG_USEC/3 = 0.1 s while the loop and collector are healthy.
         before = len(notify_socket.with_key("WATCHDOG"))
-        time.sleep(1.0)
-        beats = notify_socket.with_key("WATCHDOG")[before:]
-        assert len(beats) >= 5, beats
+        def five_beats() -> list[tuple[float, int, dict[str, str]]] | None:
+            new = notify_socket.with_key("WATCHDOG")[before:]
+            return new if len(new) >= 5 else None
+        beats = wait_for(five_beats, "5 watchdog beats within a second", 1.0)
         assert all(b[2]["WATCHDOG"] == "1" for b in beats)
         assert agent.stop(signal.SIGTERM) == 0
         stopping = notify_socket.wait_for("STOPPING", timeout=2)
@@ -125,14 +122,11 @@ def test_watchdog_stops_when_the_event_loop_stalls(tmp_path: Path,
     try:
         ready_at = notify_socket.wait_for("READY")[0]
         # The hook blocks the loop 1 s after READY=1; beats (every 0.1 s) must then stop.
-        deadline = time.monotonic() + 15
-        while True:
+        def silent() -> list[float] | None:
             beats = [m[0] for m in notify_socket.with_key("WATCHDOG")]
             last = beats[-1] if beats else ready_at
-            if time.monotonic() - last >= 1.5:
-                break
-            assert time.monotonic() < deadline, "the watchdog kept beating"
-            time.sleep(0.05)
+            return beats if time.monotonic() - last >= 1.5 else None
+        beats = wait_for(silent, "the watchdog to fall silent for 1.5 s", 15, every_s=0.05)
         assert len([t for t in beats if t >= ready_at]) >= 3, "no beats before the stall"
         assert agent.proc.poll() is None  # alive, just stalled: systemd would now kill it
         assert "test hook: the event loop will stall" in agent.log()

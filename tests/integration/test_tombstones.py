@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from agent.claims.checkpoint import decode
-from agent.claims.service import MAX_TOMBSTONES
+from agent.claims.tombstones import MAX_TOMBSTONES
 from tests.agent_process import start_agent
 
 

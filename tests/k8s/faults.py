@@ -87,7 +87,7 @@ def fault_stack() -> Iterator[StartFaultStack]:
 
 def slice_uids(stack: Stack) -> dict[str, str]:
     """The node's slices in the server: name -> UID."""
-    return {s["metadata"]["name"]: s["metadata"]["uid"] for s in stack.slices()}
+    return {s["metadata"]["name"]: s["metadata"]["uid"] for s in stack.resource_slices()}
 
 
 def settle(stack: Stack, quiet_s: float = SETTLE_S, timeout: float = 30) -> dict[str, str]:
@@ -95,18 +95,17 @@ def settle(stack: Stack, quiet_s: float = SETTLE_S, timeout: float = 30) -> dict
     wipes them from a goroutine of its own after it starts, which may come after the
     plugin's first publish (and the plugin's /readyz says in sync until it has seen the
     deletion). The slices' UIDs by name."""
-    deadline = time.monotonic() + timeout
     seen, since = slice_uids(stack), time.monotonic()
-    while True:
-        time.sleep(0.1)
+
+    def quiet() -> dict[str, str] | None:
+        nonlocal seen, since
         now = slice_uids(stack)
         if now != seen or not now:
             seen, since = now, time.monotonic()
-        elif time.monotonic() - since >= quiet_s:
-            return now
-        if time.monotonic() > deadline:
-            raise AssertionError(f"slices of {stack.node} not settled in {timeout}s:\n"
-                                 f"{stack.plugin.log()}")
+            return None
+        return now if time.monotonic() - since >= quiet_s else None
+    return wait_for(f"slices of {stack.node} unchanged for {quiet_s}s", quiet, timeout,
+                    interval=0.1, log=stack.plugin.log)
 
 
 # --- claims in the API server ------------------------------------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from agent.dra.slices import DEFAULT_DRIVER
+from agent.dra.resource_slices import DEFAULT_DRIVER
 
 DRIVER = DEFAULT_DRIVER
 RESOURCE = "resource.k8s.io/v1"

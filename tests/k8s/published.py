@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from tests.agent_process import AgentProcess
+from tests.waiting import wait_for
 
 
 def slices_of(agent: AgentProcess, kubernetes: str) -> list[dict[str, Any]]:
@@ -23,14 +23,11 @@ def set_mig(agent: AgentProcess, gpu: int, profiles: list[str], timeout: float =
     assert reply.status in (200, 202), reply.body
     if reply.status == 200:
         return
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def ended() -> dict[str, Any] | None:
         body: dict[str, Any] = agent.request("GET", reply.headers["location"]).body
-        if body["terminal"]:
-            assert body["state"] == "succeeded", body
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"MIG transition on GPU {gpu} did not end in {timeout}s")
+        return body if body["terminal"] else None
+    body = wait_for(ended, f"the MIG transition on GPU {gpu} to end", timeout, every_s=0.05)
+    assert body["state"] == "succeeded", body
 
 
 def gpu_uuid(agent: AgentProcess, index: int) -> str:

@@ -19,7 +19,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
@@ -29,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from tests import waiting
 from tests.agent_process import AgentProcess, start_agent
 from tests.k8s.harness import ApiServer, KubeletHarness
 from tests.k8s.objects import DRIVER
@@ -116,15 +116,12 @@ def wait_for(what: str, probe: Callable[[], Any], timeout: float = 30,
              interval: float = 0.05, log: Callable[[], str] | None = None) -> Any:
     """Call ``probe`` until it answers something truthy; that answer, or AssertionError
     naming ``what`` (and the tail of ``log``) after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        answer = probe()
-        if answer:
-            return answer
-        if time.monotonic() > deadline:
-            tail = f"\n{log()[-4000:]}" if log is not None else ""
-            raise AssertionError(f"{what}: not within {timeout}s{tail}")
-        time.sleep(interval)
+    try:
+        return waiting.wait_for(probe, what, timeout, every_s=interval)
+    except AssertionError as err:
+        if log is None:
+            raise
+        raise AssertionError(f"{err}\n{log()[-4000:]}") from None
 
 
 _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})? "
@@ -149,8 +146,8 @@ class PluginProcess:
             proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         plugin = cls(proc, log_path, args)
-        deadline = time.monotonic() + timeout
-        while not plugin.health[1]:
+
+        def listening() -> bool:
             for line in log_path.read_bytes()[offset:].splitlines():
                 try:
                     event = json.loads(line)
@@ -159,15 +156,16 @@ class PluginProcess:
                 if event.get("msg") == "health listener up":
                     host, port = str(event["listen"]).rsplit(":", 1)
                     plugin.health = (host, int(port))
-            if plugin.health[1]:
-                break
+                    return True
             if proc.poll() is not None:
                 raise AssertionError(f"plugin exited with {proc.returncode}:\n{plugin.log()}")
-            if time.monotonic() > deadline:
+            return False
+        try:
+            waiting.wait_for(listening, "the plugin's health listener", timeout, every_s=0.05)
+        except AssertionError:
+            if proc.poll() is None:
                 plugin.stop(signal.SIGKILL)
-                raise AssertionError(f"plugin health listener not up in {timeout}s:\n"
-                                     f"{plugin.log()}")
-            time.sleep(0.05)
+            raise AssertionError(f"plugin health listener not up:\n{plugin.log()}") from None
         return plugin
 
     def get(self, path: str) -> tuple[int, str]:
@@ -339,7 +337,7 @@ class Stack:
 
     # --- the API server's view -------------------------------------------------------------
 
-    def slices(self) -> list[Json]:
+    def resource_slices(self) -> list[Json]:
         """This node's ResourceSlices as the API server holds them."""
         return server_slices(self.server, self.node)
 
@@ -349,7 +347,7 @@ class Stack:
         check = until or bool
 
         def probe() -> list[Json] | None:
-            found = self.slices()
+            found = self.resource_slices()
             return found if found and check(found) else None
 
         result: list[Json] = wait_for(f"slices of {self.node}", probe, timeout,

@@ -3,7 +3,6 @@ newest supported Kubernetes) placing claims on the slices a real agent publishes
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +22,7 @@ from tests.k8s.objects import (
     with_allocation,
 )
 from tests.k8s.published import gpu_uuid, set_mig, slices_of
+from tests.waiting import wait_for
 
 NODE = "gpu-node-1"
 
@@ -169,14 +169,13 @@ def test_dynamic_mig_counters_keep_placements_apart(version: str,
 
 
 def _wait_unpublished(agent: Any, kubernetes: str, device: str) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+    def unpublished() -> list[dict[str, Any]] | None:
         slices = slices_of(agent, kubernetes)
         offered = devices_of(slices).get(device)
-        if offered is None or offered.get("taints"):
-            return slices
-        time.sleep(0.1)
-    raise AssertionError(f"{device} still offered untainted 10 s after the XID")
+        return slices if offered is None or offered.get("taints") else None
+    found: list[dict[str, Any]] = wait_for(
+        unpublished, f"{device} to be withdrawn or tainted after the XID", 10, every_s=0.1)
+    return found
 
 
 @pytest.mark.parametrize("version", VERSIONS)

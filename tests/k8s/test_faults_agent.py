@@ -72,14 +72,14 @@ def test_agent_gone_longer_than_agent_lost_after_deletes_the_pool_until_it_retur
     assert kubelet is not None
     uid, _ = allocated_claim(kube_apiserver, node, node)
     assert kubelet.prepare(f"default/{node}")["ok"]
-    published = sorted(s["metadata"]["name"] for s in stack.slices())
+    published = sorted(s["metadata"]["name"] for s in stack.resource_slices())
 
     killed = time.monotonic()
     stack.kill_agent(signal.SIGKILL)
     # A restart's worth of absence keeps the pool: still there just before the limit.
     time.sleep(max(killed + LOST_AFTER_S - 0.5 - time.monotonic(), 0))
-    assert sorted(s["metadata"]["name"] for s in stack.slices()) == published
-    timed("pool deleted", lambda: not stack.slices(), 30, log=stack.plugin.log)
+    assert sorted(s["metadata"]["name"] for s in stack.resource_slices()) == published
+    timed("pool deleted", lambda: not stack.resource_slices(), 30, log=stack.plugin.log)
     gone_s = time.monotonic() - killed
     assert gone_s <= LOST_AFTER_S + 5, gone_s
     assert stack.plugin.metric("gpu_agent_plugin_slice_pool_deletions_total") == 1
@@ -92,7 +92,8 @@ def test_agent_gone_longer_than_agent_lost_after_deletes_the_pool_until_it_retur
 
     stack.start_agent()
     back_s = timed("slices republished", lambda: sorted(
-        s["metadata"]["name"] for s in stack.slices()) == published, 30, log=stack.plugin.log)
+        s["metadata"]["name"] for s in stack.resource_slices()) == published, 30,
+        log=stack.plugin.log)
     assert stack.plugin.metric("gpu_agent_plugin_slice_republishes_total",
                                cause="agent_returned") >= 1
     assert [c["uid"] for c in stack.agent_claims()] == [uid]

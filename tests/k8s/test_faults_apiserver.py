@@ -34,7 +34,7 @@ REPUBLISHES = "gpu_agent_plugin_slice_republishes_total"
 def published(stack: FaultStack) -> dict[str, Any]:
     """The node's slices in the server: name -> (uid, devices)."""
     return {s["metadata"]["name"]: (s["metadata"]["uid"], s["spec"].get("devices"))
-            for s in stack.slices()}
+            for s in stack.resource_slices()}
 
 
 def wipe(stack: FaultStack) -> None:

@@ -7,7 +7,6 @@ in an :class:`~tests.k8s.link.ApiServerLink` to make the prepare arrive at the a
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 
@@ -15,6 +14,7 @@ from agent.kubeplugin.proto import dra_v1_pb2, dra_v1_pb2_grpc
 from tests.k8s.faults import FaultStack, StartFaultStack, allocated_claim, cdi_id, fault_stack
 from tests.k8s.harness import ApiServer
 from tests.k8s.objects import DRIVER
+from tests.waiting import until
 
 __all__ = ["fault_stack"]
 
@@ -25,11 +25,10 @@ IN_FLIGHT = "gpu_agent_plugin_claims_in_flight"
 async def wait_until_held(stack: FaultStack) -> None:
     """Until the prepare is in the plugin (stamped: a claim call in flight) and the plugin has
     sent the API server something the link holds (its read of the claim)."""
-    assert stack.link is not None
-    deadline = time.monotonic() + HELD_WITHIN_S
-    while stack.link.held_bytes == 0 or stack.plugin.metric(IN_FLIGHT) != 1:
-        assert time.monotonic() < deadline, "the prepare's claim read never reached the link"
-        await asyncio.sleep(0.02)
+    link = stack.link
+    assert link is not None
+    await until(lambda: link.held_bytes > 0 and stack.plugin.metric(IN_FLIGHT) == 1,
+                "the prepare's claim read to reach the link", HELD_WITHIN_S)
 
 
 async def late_then_fresh(stack: FaultStack, claim: dra_v1_pb2.Claim

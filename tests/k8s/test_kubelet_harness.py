@@ -4,7 +4,6 @@ CDI reference library resolving what the agent's claims hand to the runtime."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from tests.k8s.fixtures import StartApiServer, StartKubelet
 from tests.k8s.harness import NEWEST, SLICE_RULES, VERSIONS, ApiServer, allocate_in_cluster
 from tests.k8s.objects import DRIVER, claim, classes, pod, request
 from tests.k8s.published import set_mig, slices_of
+from tests.waiting import wait_for
 
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 
@@ -41,10 +41,8 @@ def test_kubelet_start_wipes_only_its_own_nodes_slices(
     assert _node_slices(server, mine) and _node_slices(server, other)
 
     kubelet_harness(server, node=mine)
-    deadline = time.monotonic() + 30
-    while _node_slices(server, mine) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _node_slices(server, mine) == []
+    wait_for(lambda: _node_slices(server, mine) == [], f"kubelet to wipe {mine}'s slices", 30,
+             every_s=0.2)
     assert _node_slices(server, other) != []
 
 

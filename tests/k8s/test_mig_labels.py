@@ -26,6 +26,7 @@ from tests.agent_process import AgentProcess
 from tests.deploy.manifests import by_name, render
 from tests.k8s.conftest import StartAgent
 from tests.k8s.harness import ApiServer
+from tests.waiting import wait_for
 
 CONFIG_LABEL = "nvidia.com/mig.config"
 STATE_LABEL = "nvidia.com/mig.config.state"
@@ -156,14 +157,14 @@ def state_of(server: ApiServer, node: str) -> str | None:
 
 def wait_state(server: ApiServer, node: str, want: str, plugin: Plugin,
                timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if state_of(server, node) == want:
-            return
+    def reached() -> bool:
         assert plugin.proc.poll() is None, plugin.log()
-        time.sleep(0.1)
-    raise AssertionError(f"{STATE_LABEL} never became {want!r} "
-                         f"(is {state_of(server, node)!r}):\n{plugin.log()[-4000:]}")
+        return state_of(server, node) == want
+    try:
+        wait_for(reached, f"{STATE_LABEL} to become {want!r}", timeout, every_s=0.1)
+    except AssertionError as err:
+        raise AssertionError(f"{err} (is {state_of(server, node)!r}):\n"
+                             f"{plugin.log()[-4000:]}") from None
 
 
 def states_since(server: ApiServer, node: str, resource_version: str) -> list[str | None]:
@@ -221,14 +222,15 @@ class Plugin:
     def wait_line(self, match: Callable[[dict[str, Any]], bool], *, after: int = 0,
                   timeout: float = 60) -> dict[str, Any]:
         """The first JSON log line past the first ``after`` that ``match`` accepts."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in self.lines()[after:]:
-                if match(line):
-                    return line
-            assert self.proc.poll() is None, self.log()
-            time.sleep(0.1)
-        raise AssertionError(f"no such log line in {timeout}s:\n{self.log()[-4000:]}")
+        def found() -> dict[str, Any] | None:
+            line = next((line for line in self.lines()[after:] if match(line)), None)
+            assert line is not None or self.proc.poll() is None, self.log()
+            return line
+        try:
+            line: dict[str, Any] = wait_for(found, "the log line", timeout, every_s=0.1)
+        except AssertionError as err:
+            raise AssertionError(f"{err}:\n{self.log()[-4000:]}") from None
+        return line
 
 
 StartPlugin = Callable[..., tuple[AgentProcess, Plugin]]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,12 +22,14 @@ from prometheus_client import CollectorRegistry
 
 from agent.kubeplugin.agent_client import AgentClient
 from agent.kubeplugin.kube import KubeClient
-from agent.kubeplugin.publisher import Backoff, SlicePublisher
+from agent.kubeplugin.publisher import Backoff, ResourceSlicePublisher
+from tests import waiting
 from tests.k8s.conftest import StartAgent
 from tests.k8s.fixtures import DRA_GATES
 from tests.k8s.harness import ROOT, SLICE_RULES, VERSIONS, ApiServer
 from tests.k8s.objects import DRIVER
 from tests.k8s.published import slices_of
+from tests.waiting import wait_for
 
 BASE = ROOT / "daemonset" / "base"
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
@@ -115,26 +116,26 @@ def a_slice(node: str, name: str, *, driver: str = DRIVER) -> Json:
 def refused_by_policy(server: ApiServer, token: str, node: str) -> tuple[int, Any]:
     """Wait until the admission policy is in force (its binding is loaded a moment after it
     is created): a slice for ``node`` written with ``token`` is refused; the answer."""
-    deadline = time.monotonic() + 30
-    while True:
+    def refused() -> tuple[int, Any] | None:
         status, answer = server.request("POST", SLICES, a_slice(node, f"{node}-probe"),
                                         token=token)
         if status != 201:
             return status, answer
         server.request("DELETE", f"{SLICES}/{node}-probe")
-        assert time.monotonic() < deadline, "the admission policy never refused a write"
-        time.sleep(0.2)
+        return None
+    found: tuple[int, Any] = wait_for(refused, "the admission policy to refuse a write", 30,
+                                      every_s=0.2)
+    return found
 
 
 async def until(check: Callable[[], bool], task: asyncio.Task[None],
                 within_s: float = 20) -> None:
-    deadline = time.monotonic() + within_s
-    while not check():
+    def holds() -> bool:
         if task.done():
             task.result()
             raise AssertionError("the publisher stopped")
-        assert time.monotonic() < deadline, f"not within {within_s}s"
-        await asyncio.sleep(0.02)
+        return check()
+    await waiting.until(holds, "the check", within_s)
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -182,7 +183,7 @@ def test_shipped_role_lets_the_publisher_do_its_work(
         kube = await KubeClient.from_environment(credential.kubeconfig)
         client = AgentClient(agent.socket_path, agent.state_dir / "tokens")
         registry = CollectorRegistry()
-        publisher = SlicePublisher(client, kube, node_name=node, driver=DRIVER,
+        publisher = ResourceSlicePublisher(client, kube, node_name=node, driver=DRIVER,
                                    registry=registry, backoff=Backoff(0.01, 0.05))
         task = asyncio.create_task(publisher.run())
         try:

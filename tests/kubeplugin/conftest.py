@@ -23,7 +23,6 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from agent.api.claims import ClaimRequest
 from agent.kubeplugin.agent_client import AgentClient
 from agent.kubeplugin.process import Plugin, PluginSettings, Wiring
 from agent.kubeplugin.proto import (
@@ -40,13 +39,6 @@ __all__ = ["kube_apiserver", "kube_apiservers"]
 
 DRIVER = "gpu.nodeagent.dev"
 NODE = "node-a"
-
-#: The claims API's ordering stamps and admin access (the claimsapi helper's side of issue 14):
-#: tests that prepare through a real agent need the agent to accept them.
-AGENT_TAKES_STAMPS = "issued_at_ns" in ClaimRequest.model_fields
-needs_claimsapi = pytest.mark.xfail(not AGENT_TAKES_STAMPS, reason="needs claimsapi",
-                                    strict=True)
-
 
 def result(device: str, request: str = "gpu", *, driver: str = DRIVER, pool: str = NODE,
            admin: bool = False) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Running a SlicePublisher in a test between real parts: a real agent process (the plugin's
+"""Running a ResourceSlicePublisher in a test between real parts: a real agent process (the plugin's
 own ``AgentClient`` on its Unix socket, with the ``claims`` token) and a real kube-apiserver
 from tests/k8s (the plugin's own ``KubeClient`` from a kubeconfig). The test reads and
 changes the server's slices as an administrator would, over HTTPS."""
@@ -18,9 +18,10 @@ from prometheus_client import CollectorRegistry
 
 from agent.kubeplugin.agent_client import AgentClient
 from agent.kubeplugin.kube import SLICES_PATH, KubeClient
-from agent.kubeplugin.publisher import Backoff, SlicePublisher
+from agent.kubeplugin.publisher import Backoff, ResourceSlicePublisher
 from tests.k8s.harness import ApiServer
 from tests.kubeplugin.conftest import DRIVER, Agent
+from tests.waiting import until
 
 #: Fast retries: a test's outage lasts tenths of a second.
 FAST = Backoff(initial_s=0.01, max_s=0.05)
@@ -98,12 +99,12 @@ async def kube_client(kubeconfig: Path) -> KubeClient:
 
 
 def make_publisher(agent: Agent, kube: KubeClient, *, node: str, lost_after_s: float = 60.0
-                   ) -> tuple[SlicePublisher, CollectorRegistry, AgentClient]:
+                   ) -> tuple[ResourceSlicePublisher, CollectorRegistry, AgentClient]:
     """A publisher with fast retries on the plugin's own clients; its metrics' registry and
     the agent client (close it after)."""
     registry = CollectorRegistry()
     client = AgentClient(agent.process.socket_path, agent.token_file)
-    return SlicePublisher(client, kube, node_name=node, driver=DRIVER,
+    return ResourceSlicePublisher(client, kube, node_name=node, driver=DRIVER,
                           agent_lost_after_s=lost_after_s, registry=registry,
                           backoff=FAST), registry, client
 
@@ -115,7 +116,7 @@ def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
 
 
 @contextlib.asynccontextmanager
-async def running(publisher: SlicePublisher) -> AsyncIterator[asyncio.Task[None]]:
+async def running(publisher: ResourceSlicePublisher) -> AsyncIterator[asyncio.Task[None]]:
     """The publisher's ``run()`` as a task for the block; cancelled after it."""
     task = asyncio.create_task(publisher.run())
     try:
@@ -134,18 +135,15 @@ async def eventually(check: Check, *, within_s: float = 10.0,
     """Wait until ``check()`` (sync, or async) holds; the seconds it took (AssertionError
     past ``within_s``, or the task's own exception if it died)."""
     start = time.monotonic()
-    while True:
-        result = check()
-        if inspect.isawaitable(result):
-            result = await result
-        if result:
-            return time.monotonic() - start
+
+    async def holds() -> bool:
         if task is not None and task.done():
             task.result()
             raise AssertionError("the publisher stopped")
-        if time.monotonic() - start > within_s:
-            raise AssertionError(f"not within {within_s}s")
-        await asyncio.sleep(every_s)
+        result = check()
+        return bool(await result if inspect.isawaitable(result) else result)
+    await until(holds, "the check", within_s, every_s=every_s)
+    return time.monotonic() - start
 
 
 def on_server(cluster: Cluster, want: Callable[[list[Json]], bool]) -> Check:

@@ -11,7 +11,7 @@ from agent.kubeplugin.claims import (
     Allocated,
     ClaimError,
     KubeletClaim,
-    PreparedDevice,
+    KubeletDevice,
     agent_body,
     kubelet_devices,
     our_devices,
@@ -96,6 +96,6 @@ def test_kubelet_gets_each_device_with_the_agents_cdi_names() -> None:
     devices = [Allocated("gpu-1", NODE, ("a", "b"), False)]
     answer = {"devices": [{"device_name": "gpu-1", "cdi_devices": ["k/claim=uid-1-gpu-1"]}]}
     assert kubelet_devices(CLAIM, devices, answer) == [
-        PreparedDevice(("a", "b"), NODE, "gpu-1", ("k/claim=uid-1-gpu-1",))]
+        KubeletDevice(("a", "b"), NODE, "gpu-1", ("k/claim=uid-1-gpu-1",))]
     with pytest.raises(ClaimError, match="no CDI device for gpu-1"):
         kubelet_devices(CLAIM, devices, {"devices": []})

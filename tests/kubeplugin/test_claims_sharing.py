@@ -15,7 +15,7 @@ from agent.kubeplugin.claims import (
     Allocated,
     ClaimError,
     KubeletClaim,
-    PreparedDevice,
+    KubeletDevice,
     agent_body,
     kubelet_devices,
     our_devices,
@@ -91,9 +91,9 @@ def test_each_share_goes_back_to_kubelet_with_the_share_id_the_agent_answers() -
          "share": {"memory_mib": 10240, "share_id": "s-1"}},
         {"device_name": "gpu-1", "cdi_devices": ["k/claim=uid-1-gpu-1"], "share": None}]}
     assert kubelet_devices(CLAIM, devices, answer) == [
-        PreparedDevice(("a",), NODE, "gpu-0", ("k/claim=uid-1-gpu-0-s-1",), share_id="s-1"),
-        PreparedDevice(("b",), NODE, "gpu-0", ("k/claim=uid-1-gpu-0-s-2",), share_id="s-2"),
-        PreparedDevice(("c",), NODE, "gpu-1", ("k/claim=uid-1-gpu-1",))]
+        KubeletDevice(("a",), NODE, "gpu-0", ("k/claim=uid-1-gpu-0-s-1",), share_id="s-1"),
+        KubeletDevice(("b",), NODE, "gpu-0", ("k/claim=uid-1-gpu-0-s-2",), share_id="s-2"),
+        KubeletDevice(("c",), NODE, "gpu-1", ("k/claim=uid-1-gpu-1",))]
 
 
 def test_a_share_of_the_whole_gpu_answered_as_the_whole_gpu_keeps_its_share_id() -> None:
@@ -102,7 +102,7 @@ def test_a_share_of_the_whole_gpu_answered_as_the_whole_gpu_keeps_its_share_id()
     devices = [Allocated("gpu-0", NODE, ("a",), False, share_id="s-1", memory="44Gi")]
     answer = {"devices": [{"device_name": "gpu-0", "cdi_devices": ["x"], "share": None}]}
     assert kubelet_devices(CLAIM, devices, answer) == [
-        PreparedDevice(("a",), NODE, "gpu-0", ("x",), share_id="s-1")]
+        KubeletDevice(("a",), NODE, "gpu-0", ("x",), share_id="s-1")]
 
 
 def test_a_share_the_agent_did_not_answer_is_an_error_naming_it() -> None:
@@ -193,8 +193,8 @@ class _Service:
     async def prepare(self, claims: Sequence[KubeletClaim],
                       issued_at_ns: int) -> dict[str, PrepareResult]:
         return {c.uid: PrepareResult(devices=(
-            PreparedDevice(("a",), NODE, "gpu-0", ("cdi-a",), share_id="s-1"),
-            PreparedDevice(("b",), NODE, "gpu-1", ("cdi-b",)))) for c in claims}
+            KubeletDevice(("a",), NODE, "gpu-0", ("cdi-a",), share_id="s-1"),
+            KubeletDevice(("b",), NODE, "gpu-1", ("cdi-b",)))) for c in claims}
 
 
 @pytest.mark.parametrize(("pb2", "expected"), [

@@ -28,13 +28,13 @@ from tests.kubeplugin.conftest import (
     Hold,
     Kubelet,
     close_kubelet,
-    needs_claimsapi,
     open_kubelet,
     result,
     settings_for,
     start_with_plugin_token,
     write_private,
 )
+from tests.waiting import until, wait_for
 
 
 def set_mig(agent: AgentProcess, gpu: str, body: dict[str, Any]) -> None:
@@ -42,13 +42,12 @@ def set_mig(agent: AgentProcess, gpu: str, body: dict[str, Any]) -> None:
     reply = agent.request("PUT", f"/v1/gpus/{gpu}/mig", body)
     assert reply.status in (200, 202), reply.body
     if reply.status == 202:
-        for _ in range(500):
-            body = agent.request("GET", reply.headers["location"], token=None).body
-            if body["terminal"]:
-                assert body["state"] == "succeeded", body
-                return
-            time.sleep(0.02)
-        raise AssertionError("MIG change did not finish")
+        def ended() -> dict[str, Any] | None:
+            body: dict[str, Any] = agent.request("GET", reply.headers["location"],
+                                                 token=None).body
+            return body if body["terminal"] else None
+        body = wait_for(ended, "the MIG change to finish")
+        assert body["state"] == "succeeded", body
 
 
 def published(agent: AgentProcess) -> list[str]:
@@ -162,7 +161,6 @@ async def test_readiness_names_an_unreachable_agent(short_dir: Path, agent: Agen
 # -- prepare ---------------------------------------------------------------------------------
 
 
-@needs_claimsapi
 @pytest.mark.parametrize("version", ["v1", "v1beta1"])
 async def test_prepare_of_a_full_gpu_and_a_mig_device_returns_the_agents_cdi_ids(
         kubelet: Kubelet, agent: Agent, version: str) -> None:
@@ -185,7 +183,6 @@ async def test_prepare_of_a_full_gpu_and_a_mig_device_returns_the_agents_cdi_ids
         assert f"{claim.uid}-{device}" in [d["name"] for d in spec["devices"]]
 
 
-@needs_claimsapi
 async def test_a_partitionable_mig_device_is_made_at_its_placement_and_destroyed(
         short_dir: Path) -> None:
     """With --dynamic-mig, a claim allocated a MIG placement the agent published as consuming
@@ -212,7 +209,6 @@ async def test_a_partitionable_mig_device_is_made_at_its_placement_and_destroyed
         agent.process.stop(signal.SIGKILL)
 
 
-@needs_claimsapi
 async def test_prepare_is_idempotent(kubelet: Kubelet, agent: Agent) -> None:
     """A repeated prepare (kubelet's retry) answers the same devices and holds one claim;
     each is timed."""
@@ -226,7 +222,6 @@ async def test_prepare_is_idempotent(kubelet: Kubelet, agent: Agent) -> None:
     assert "gpu_agent_plugin_prepare_seconds_count 2.0" in await metrics(kubelet)
 
 
-@needs_claimsapi
 async def test_a_multi_driver_claim_keeps_only_this_drivers_devices_of_this_node(
         kubelet: Kubelet, agent: Agent) -> None:
     """Results of another driver, or of this driver in another pool, are neither sent to the
@@ -248,7 +243,6 @@ async def test_a_multi_driver_claim_keeps_only_this_drivers_devices_of_this_node
     assert sorted(d["device_name"] for d in recorded["devices"]) == ["gpu-1", "gpu-3"]
 
 
-@needs_claimsapi
 async def test_one_bad_claim_fails_alone(kubelet: Kubelet, agent: Agent) -> None:
     """In one call, every bad claim gets its own error naming why, and the good one is
     prepared: no top-level error."""
@@ -311,14 +305,12 @@ async def test_an_absent_agent_is_unreachable_per_claim(short_dir: Path, agent: 
 # -- unprepare and ordering ---------------------------------------------------------------
 
 
-@needs_claimsapi
 async def test_unprepare_of_unknown_claims_is_success_for_each(kubelet: Kubelet) -> None:
     """Unpreparing claims the agent never prepared answers every claim, without an error."""
     claims = [kubelet.claims.add(f"never-{i}", [result("gpu-0")]) for i in range(3)]
     assert await kubelet.unprepare(*claims) == {c.uid: "" for c in claims}
 
 
-@needs_claimsapi
 async def test_unprepare_releases_the_device(kubelet: Kubelet, agent: Agent) -> None:
     """After an unprepare the agent holds nothing for the claim and its CDI spec is gone; the
     unprepare is timed."""
@@ -332,7 +324,6 @@ async def test_unprepare_releases_the_device(kubelet: Kubelet, agent: Agent) -> 
     assert "gpu_agent_plugin_unprepare_seconds_count 1.0" in await metrics(kubelet)
 
 
-@needs_claimsapi
 async def test_a_late_prepare_is_refused_and_a_new_one_succeeds(kubelet: Kubelet,
                                                                  agent: Agent) -> None:
     """A prepare kubelet sent before an unprepare that reaches the agent after it is refused
@@ -353,7 +344,6 @@ async def test_a_late_prepare_is_refused_and_a_new_one_succeeds(kubelet: Kubelet
     assert agent_claim(agent.process, claim.uid).body["state"] == "prepare_completed"
 
 
-@needs_claimsapi
 async def test_a_prepare_past_kubelets_deadline_still_finishes(
         l40s: tuple[Kubelet, Agent]) -> None:
     """When kubelet's deadline passes mid-prepare the agent call still completes, so the retry
@@ -365,13 +355,10 @@ async def test_a_prepare_past_kubelets_deadline_still_finishes(
         await kubelet.prepare(claim, deadline_s=0.5)
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     # Nothing retries yet: the abandoned call itself finishes and is counted.
-    for _ in range(300):
-        if 'gpu_agent_plugin_finished_after_deadline_total{call="prepare"} 1.0' in \
-                await metrics(kubelet):
-            break
-        await asyncio.sleep(0.02)
-    else:
-        raise AssertionError("the abandoned prepare never finished")
+    async def counted() -> bool:
+        return 'gpu_agent_plugin_finished_after_deadline_total{call="prepare"} 1.0' in \
+            await metrics(kubelet)
+    await until(counted, "the abandoned prepare to finish")
     recorded = await asyncio.to_thread(agent_claim, agent.process, claim.uid)
     assert recorded.status == 200 and recorded.body["state"] == "prepare_completed"
     started = time.monotonic()
@@ -380,7 +367,6 @@ async def test_a_prepare_past_kubelets_deadline_still_finishes(
     assert time.monotonic() - started < 1.0  # the agent's idempotent answer, no NVML call
 
 
-@needs_claimsapi
 async def test_claims_on_different_gpus_are_prepared_in_parallel(
         l40s: tuple[Kubelet, Agent]) -> None:
     """With each GPU's NVML read on the prepare path slowed to L, two claims on two GPUs (in
@@ -412,7 +398,6 @@ async def test_claims_on_different_gpus_are_prepared_in_parallel(
 # -- credentials ---------------------------------------------------------------------------
 
 
-@needs_claimsapi
 async def test_a_rotated_token_is_used_without_restart(kubelet: Kubelet, agent: Agent) -> None:
     """Rewriting the token file switches the token on the next call: a wrong token is a
     per-claim 401, the right one prepares."""

@@ -39,13 +39,16 @@ def uuids(items: list[Json]) -> set[str]:
 async def test_a_geometry_change_is_republished_within_the_goal(
         kube_apiserver: ApiServer, node_agent: NodeAgents) -> None:
     """A MIG geometry applied on the agent shows on the server (GPU 0's MIG devices, no
-    whole GPU 0) within 2 s of the change's end, as the agent serves it."""
+    whole GPU 0) within 2 s of the change's end, as the agent serves it. How many publishes
+    that takes is not counted: the agent serves what it sees, and a read of the GPUs while
+    the transition runs (its watcher's first look, a periodic refresh) shows GPU 0 with
+    nothing to hand out before its instances exist, which is published too."""
     node = "pub-geometry"
     cluster = Cluster(kube_apiserver, node)
     await asyncio.to_thread(cluster.node_uid)
     agent = node_agent.start(node)
     kube = await kube_client(kube_apiserver.kubeconfig)
-    publisher, registry, client = make_publisher(agent, kube, node=node)
+    publisher, _, client = make_publisher(agent, kube, node=node)
     try:
         async with running(publisher) as task:
             await eventually(lambda: publisher.health().in_sync, task=task)
@@ -69,7 +72,6 @@ async def test_a_geometry_change_is_republished_within_the_goal(
     finally:
         await client.close()
         await kube.close()
-    assert sample(registry, "slice_publishes_total") == 2
 
 
 async def test_a_health_change_is_republished_within_the_goal(
@@ -120,7 +122,10 @@ async def test_agent_gone_deletes_the_pool_and_back_republishes(
             assert gone_after >= 1.0
             health = publisher.health()
             assert not health.in_sync and "pool deleted" in (health.reason or "")
-            assert sample(registry, "slice_pool_deletions_total") == 1
+            # Counted once the publisher has seen its last delete answered (the server may
+            # show the pool gone a moment before).
+            await eventually(lambda: sample(registry, "slice_pool_deletions_total") == 1,
+                             task=task)
             agent = await asyncio.to_thread(node_agent.restart, agent)
             took = await eventually(on_server(cluster, lambda now: specs(now) == specs(before)),
                                     task=task)

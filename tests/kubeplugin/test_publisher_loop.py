@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from agent.dra.rules import quantity
-from agent.kubeplugin.publisher import SlicePublisher, kubernetes_version
+from agent.kubeplugin.publisher import ResourceSlicePublisher, kubernetes_version
 from tests.k8s.fixtures import StartApiServer
 from tests.k8s.harness import ApiServer
 from tests.kubeplugin.conftest import DRIVER, Agent, NodeAgents
@@ -44,7 +44,7 @@ def by_value(value: Any) -> Any:
     return value
 
 
-def publisher_in_sync(publisher: SlicePublisher) -> Callable[[], bool]:
+def publisher_in_sync(publisher: ResourceSlicePublisher) -> Callable[[], bool]:
     return lambda: publisher.health().in_sync
 
 

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.kubeplugin.slice_plan import (
+from agent.kubeplugin.resource_slice_plan import (
     InvalidDesired,
     Written,
-    desired_slices,
+    desired_resource_slices,
     digest,
     dropped_fields,
     plan,
@@ -55,8 +55,8 @@ def stored(body: Json, *, generation: int | None = None, uid: str | None = None)
 
 def published(*items: Json, generation: int, owner: str = UID) -> list[Json]:
     """What the publisher writes for these agent slices, as stored on the server."""
-    return [stored(b) for b in desired_slices(list(items), node_name=NODE, node_uid=owner,
-                                              driver=DRIVER, generation=generation)]
+    return [stored(b) for b in desired_resource_slices(
+        list(items), node_name=NODE, node_uid=owner, driver=DRIVER, generation=generation)]
 
 
 A, B, C = (agent_slice("s-0", "gpu-0"), agent_slice("s-1", "gpu-1"),
@@ -158,8 +158,8 @@ def test_own_write_as_answered_is_in_sync() -> None:
     """A slice that is still the object this publisher wrote is in sync even where the
     server rewrote values; without that record (a restarted plugin) a quantity the server
     made canonical (1024Mi as 1Gi) is in sync too, and another value is rewritten."""
-    body = desired_slices(_gen(3, A), node_name=NODE, node_uid=UID, driver=DRIVER,
-                          generation=3)[0]
+    body = desired_resource_slices(_gen(3, A), node_name=NODE, node_uid=UID, driver=DRIVER,
+                                   generation=3)[0]
     body["spec"]["devices"][0]["capacity"] = {"memory": {"value": "1024Mi"}}
     answer = stored(body)
     answer["spec"]["devices"][0]["capacity"]["memory"]["value"] = "1Gi"
@@ -224,8 +224,8 @@ def test_one_plan_converges(agent: dict[str, list[str]],
                for name, devices in sorted(agent.items())]
     held = {}
     for name, (devices, generation, owner) in server.items():
-        body = desired_slices([agent_slice(name, *devices)], node_name=NODE, node_uid=owner,
-                              driver=DRIVER, generation=generation)[0]
+        body = desired_resource_slices([agent_slice(name, *devices)], node_name=NODE,
+                                       node_uid=owner, driver=DRIVER, generation=generation)[0]
         held[name] = stored(body)
     before = max((g for _, g, _ in server.values()), default=0)
     written: dict[str, Written] = {}

@@ -168,7 +168,7 @@ async def test_one_transition_owns_a_gpu_and_slices_wait_or_are_refused(tmp_path
         async with ledger.slice_change(A, wait=True):
             done.set()
     waiting = asyncio.ensure_future(destroy())
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0)  # one turn: the new task runs until it waits for the GPU
     assert not done.is_set()
     ledger.end_transition(A, changed=True)
     await waiting

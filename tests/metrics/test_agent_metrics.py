@@ -9,7 +9,6 @@ import json
 import signal
 import socket
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -18,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests import waiting
 from tests.agent_process import AgentProcess, start_agent
 from tests.metrics.textformat import parse
 from tests.tools import require_tool
@@ -41,14 +41,7 @@ def get(url: str, headers: dict[str, str] | None = None) -> tuple[bytes, dict[st
 
 
 def wait_for(check: Callable[[], Any], what: str, timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
+    return waiting.wait_for(check, what, timeout, every_s=0.2)
 
 
 def split_gpu(agent: AgentProcess, gpu: int, profiles: list[str]) -> None:
@@ -124,7 +117,13 @@ def test_promtool_lints_a_real_scrape(agent: AgentProcess) -> None:
     force them (camelCase labels, counters without _total) on DCGM families."""
     promtool = require_tool("promtool", "apt-get install prometheus")
     split_gpu(agent, 1, ["3g.40gb", "2g.20gb", "1g.10gb"])
-    body, headers = get(metrics_url(agent) + "/metrics")
+
+    def scrape_with_mig_devices() -> tuple[bytes, dict[str, str]] | None:
+        # The scrape serves the last collection round: the new instances from the next one.
+        body, headers = get(metrics_url(agent) + "/metrics")
+        return (body, headers) if b"GPU_I_PROFILE" in body else None
+
+    body, headers = wait_for(scrape_with_mig_devices, "a scrape with the MIG devices of GPU 1")
     assert headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
     out = parse(body.decode())
     keys = [(s.name, tuple(sorted(s.labels.items()))) for s in out.samples]

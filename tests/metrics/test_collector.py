@@ -3,7 +3,6 @@ that stay local, scrapes that never touch NVML, staleness in /readyz, claim attr
 
 from __future__ import annotations
 
-import asyncio
 import gzip
 import time
 from collections.abc import Callable
@@ -28,11 +27,17 @@ from agent.settings import resolve
 from agent.wiring import build_node
 from tests.metrics.conftest import ONE_G_10GB, Sim
 from tests.metrics.textformat import Exposition, parse
+from tests.waiting import until
 
 GPU_LABELS = ("gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname",
               "DCGM_FI_DRIVER_VERSION")
 MIG_LABELS = ("gpu", "UUID", "pci_bus_id", "device", "modelName", "GPU_I_PROFILE", "GPU_I_ID",
               "Hostname", "DCGM_FI_DRIVER_VERSION")
+
+
+def sample(sim: Sim, name: str, **labels: str) -> float | None:
+    """One sample of the agent's registry, as a scrape reads it."""
+    return sim.metrics.registry.get_sample_value(name, labels)
 
 
 def exposition(collector: Collector) -> Exposition:
@@ -135,11 +140,12 @@ async def test_one_gpu_failing_stops_neither_its_other_fields_nor_other_gpus(sim
     temps = {s.labels["gpu"] for s in out.named("DCGM_FI_DEV_GPU_TEMP")}
     assert temps == {"0", "1", "2", "3", "5", "6", "7"}
     assert len(out.named("DCGM_FI_DEV_XID_ERRORS")) == 8
-    errors = sim.metrics.nvml_errors
-    assert errors.labels("nvmlDeviceGetPowerUsage", "NVML_ERROR_UNKNOWN")._value.get() == 1
-    assert errors.labels("nvmlDeviceGetHandleByUUID", "NVML_ERROR_UNKNOWN")._value.get() == 1
+    errors = "gpu_agent_nvml_errors_total"
+    assert sample(sim, errors, function="nvmlDeviceGetPowerUsage", code="NVML_ERROR_UNKNOWN") == 1
+    assert sample(sim, errors, function="nvmlDeviceGetHandleByUUID",
+                  code="NVML_ERROR_UNKNOWN") == 1
     assert collector.snapshot.readings[uuids[4]].error is not None
-    assert sim.metrics.last_collection._value.get() > 0
+    assert (sample(sim, "gpu_agent_last_collection_timestamp_seconds") or 0) > 0
     # The transient field error is asked again next round (only NOT_SUPPORTED is remembered).
     sim.node.clear_faults()
     collector.collect()
@@ -159,7 +165,7 @@ async def test_a_hung_gpu_delays_neither_the_round_nor_a_later_one(sim: Sim) -> 
     assert all("has not returned" in (r.error or "")
                for r in collector.snapshot.readings.values())
     sim.node.set_latency({})
-    await asyncio.sleep(0.8)
+    await until(lambda: collector.reads_in_nvml() == [], "the hung reads to return")
     collector.collect()
     assert len(exposition(collector).named("DCGM_FI_DEV_GPU_TEMP")) == 8
     collector.stop()
@@ -211,18 +217,16 @@ async def test_an_xid_shows_at_once_and_marks_the_gpu(sim: Sim) -> None:
         uuid = sim.node.gpu_uuids()[6]
         sim.node.inject_xid(uuid, XID_FALLEN_OFF_THE_BUS)
         collector.on_xid(XidEvent(gpu_uuid=uuid, xid=XID_FALLEN_OFF_THE_BUS))
-        deadline = time.monotonic() + 3
-        while time.monotonic() < deadline:
+        def shown() -> dict[str, Any] | None:
             xids = {s.labels["gpu"]: s for s in exposition(collector).named(
                 "DCGM_FI_DEV_XID_ERRORS")}
-            if xids["6"].value == 79:
-                break
-            await asyncio.sleep(0.02)
+            return xids if xids["6"].value == 79 else None
+        xids = await until(shown, "XID 79 on GPU 6 in the snapshot", 3)
         assert xids["6"].labels["err_msg"] == "GPU has fallen off the bus"
         assert xids["6"].labels["err_code"] == "79" and xids["5"].value == 0
-        assert sim.metrics.gpu_healthy.labels("6", uuid)._value.get() == 0
-        assert sim.metrics.gpu_healthy.labels("5", sim.node.gpu_uuids()[5])._value.get() == 1
-        assert sim.metrics.xid_errors.labels("79")._value.get() == 1
+        assert sample(sim, "gpu_agent_gpu_healthy", gpu="6", UUID=uuid) == 0
+        assert sample(sim, "gpu_agent_gpu_healthy", gpu="5", UUID=sim.node.gpu_uuids()[5]) == 1
+        assert sample(sim, "gpu_agent_xid_errors_total", xid="79") == 1
         assert not any(s.labels["gpu"] == "6" for s in exposition(collector).named(
             "DCGM_FI_DEV_GPU_TEMP"))
         sim.session.mark_lost(uuid, "seen lost")
@@ -297,10 +301,7 @@ async def test_readyz_turns_unready_when_collections_stop_succeeding(
 
 
 async def _wait_status(client: TestClient[Any, Any], status: int) -> Any:
-    deadline = time.monotonic() + 5
-    while True:
+    async def answered() -> Any:
         reply = await client.get("/readyz")
-        if reply.status == status or time.monotonic() > deadline:
-            assert reply.status == status
-            return reply
-        await asyncio.sleep(0.05)
+        return reply if reply.status == status else None
+    return await until(answered, f"/readyz to answer {status}", 5, every_s=0.05)

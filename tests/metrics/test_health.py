@@ -3,9 +3,7 @@ the events they log (coalesced), the counters, and a watcher that stops promptly
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Callable
 
 import pytest
 
@@ -13,14 +11,12 @@ from agent.gpu.sim.hardware import XID_FALLEN_OFF_THE_BUS
 from agent.gpu.xid import XidEvent, XidWatcher
 from agent.metrics.health import COALESCE_S, CRITICAL_XIDS, GpuHealth, xid_message
 from tests.metrics.conftest import Sim
+from tests.waiting import until
 
 
-def poll(condition: Callable[[], bool], limit_s: float = 3.0) -> bool:
-    """Wait (in a worker thread) until ``condition`` holds or ``limit_s`` passes."""
-    deadline = time.monotonic() + limit_s
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return condition()
+def sample(sim: Sim, name: str, **labels: str) -> float | None:
+    """One sample of the agent's registry, as a scrape reads it."""
+    return sim.metrics.registry.get_sample_value(name, labels)
 
 
 async def test_watcher_reports_xids_of_gpus_and_mig_devices(sim: Sim) -> None:
@@ -31,13 +27,13 @@ async def test_watcher_reports_xids_of_gpus_and_mig_devices(sim: Sim) -> None:
     watcher = XidWatcher(sim.session, received.append, wait_ms=50)
     watcher.start(g.static for g in sim.inventory.gpus)
     try:
-        assert await asyncio.to_thread(poll, lambda: len(watcher.registered) == 8)
+        await until(lambda: len(watcher.registered) == 8, "every GPU registered")
         uuids = sim.node.gpu_uuids()
         mig = sim.inventory.gpus[1].mig_devices[0]
         sim.node.inject_xid(uuids[3], 48)
         sim.node.inject_xid(mig.uuid, 31)
         sim.node.inject_xid(uuids[0], XID_FALLEN_OFF_THE_BUS)
-        assert await asyncio.to_thread(poll, lambda: len(received) >= 3)
+        await until(lambda: len(received) >= 3, "the three XIDs")
         assert received == [XidEvent(uuids[3], 48), XidEvent(uuids[1], 31, mig.gi_id, mig.ci_id),
                           XidEvent(uuids[0], 79)]
     finally:
@@ -45,7 +41,9 @@ async def test_watcher_reports_xids_of_gpus_and_mig_devices(sim: Sim) -> None:
         watcher.stop()
         assert time.monotonic() - started < 1.0  # one 50 ms wait slice, not a hang
     # Idle waits time out all the time; that is no NVML error.
-    assert not [k for k in sim.metrics.nvml_errors._metrics if k[0] == "nvmlEventSetWait_v2"]
+    assert not [s for family in sim.metrics.registry.collect() for s in family.samples
+                if s.name == "gpu_agent_nvml_errors_total"
+                and s.labels["function"] == "nvmlEventSetWait_v2"]
 
 
 def test_xid_messages_and_the_critical_list() -> None:
@@ -67,8 +65,8 @@ async def test_critical_xids_mark_the_gpu_others_only_count(sim: Sim, xid: int,
     assert health.healthy(uuid) is not critical
     assert bool(health.xid_reasons(uuid)) is critical
     assert health.last_xid(uuid) is not None and health.last_xid(uuid).xid == xid  # type: ignore[union-attr]
-    assert sim.metrics.gpu_healthy.labels("2", uuid)._value.get() == (0 if critical else 1)
-    assert sim.metrics.xid_errors.labels(str(xid))._value.get() == 1
+    assert sample(sim, "gpu_agent_gpu_healthy", gpu="2", UUID=uuid) == (0 if critical else 1)
+    assert sample(sim, "gpu_agent_xid_errors_total", xid=str(xid)) == 1
     kinds = [e.kind for e in sim.events.since(0)]
     assert kinds == (["gpu.xid", "gpu.unhealthy"] if critical else ["gpu.xid"])
 
@@ -82,7 +80,7 @@ async def test_an_xid_storm_is_counted_but_logged_once_per_window(sim: Sim) -> N
         health.record_xid(XidEvent(uuid, 13))
     now[0] += COALESCE_S
     health.record_xid(XidEvent(uuid, 13))
-    assert sim.metrics.xid_errors.labels("13")._value.get() == 501
+    assert sample(sim, "gpu_agent_xid_errors_total", xid="13") == 501
     assert [e.kind for e in sim.events.since(0)] == ["gpu.xid", "gpu.xid"]
 
 
@@ -95,6 +93,6 @@ async def test_a_lost_gpu_is_unhealthy_with_an_event(sim: Sim) -> None:
     health.check()
     health.check()
     assert not health.healthy(uuid)
-    assert sim.metrics.gpu_healthy.labels("4", uuid)._value.get() == 0
+    assert sample(sim, "gpu_agent_gpu_healthy", gpu="4", UUID=uuid) == 0
     unhealthy = [e for e in sim.events.since(0) if e.kind == "gpu.unhealthy"]
     assert len(unhealthy) == 1 and "GPU is lost" in unhealthy[0].message

@@ -193,9 +193,8 @@ async def test_unsupported_fields_are_asked_once(sim: Sim) -> None:
     assert after["nvmlDeviceGetPcieReplayCounter"] - before.get(
         "nvmlDeviceGetPcieReplayCounter", 0) == 1
     assert after["nvmlDeviceGetPowerUsage"] - before.get("nvmlDeviceGetPowerUsage", 0) == 3
-    errors = sim.metrics.nvml_errors.labels("nvmlDeviceGetPcieReplayCounter",
-                                            "NVML_ERROR_NOT_SUPPORTED")
-    assert errors._value.get() == 1
+    assert sim.metrics.registry.get_sample_value("gpu_agent_nvml_errors_total", {
+        "function": "nvmlDeviceGetPcieReplayCounter", "code": "NVML_ERROR_NOT_SUPPORTED"}) == 1
 
 
 async def test_field_values_gpm_and_rates_map_to_dcgm(sim: Sim,

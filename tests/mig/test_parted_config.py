@@ -34,14 +34,13 @@ from agent.mig.parted_config import (
     MigConfigFile,
     check_profiles,
     config_label,
-    export_config,
     normalize_profile,
     parse_config,
     profile_name_problem,
     select,
     selection,
-    standard_configs,
 )
+from agent.mig.parted_export import export_config, standard_configs
 from agent.mig.planner import plan
 from tests.mig.catalogs import A100_40GB, H100_80GB, all_layouts
 

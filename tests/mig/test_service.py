@@ -27,6 +27,7 @@ from agent.mig.journal import new_entry
 from agent.mig.service import MigService
 from agent.mig.transition import DrainPolicy, TransitionState
 from tests.service_node import ServiceNode, open_services
+from tests.waiting import until
 
 MUTATIONS = ("nvmlDeviceSetMigMode", "nvmlDeviceCreateGpuInstanceWithPlacement",
              "nvmlGpuInstanceCreateComputeInstance", "nvmlComputeInstanceDestroy",
@@ -95,8 +96,10 @@ async def test_off_to_balanced_and_back(node: Node) -> None:
             d.profile == "3g.40gb"] == [60]
     assert await node.change(DesiredDisabled()) == TransitionState.SUCCEEDED
     assert await node.geometry() == Geometry(mig_enabled=False)
-    assert node.metrics.mig_transitions.labels("succeeded")._value.get() == 2
-    assert node.metrics.mig_instances_destroyed._value.get() == 4
+    registry = node.metrics.registry
+    assert registry.get_sample_value("gpu_agent_mig_transitions_total",
+                                     {"result": "succeeded"}) == 2
+    assert registry.get_sample_value("gpu_agent_mig_instances_destroyed_total") == 4
 
 
 async def test_the_same_request_twice_makes_no_mutation(node: Node) -> None:
@@ -194,9 +197,9 @@ async def test_draining_fail_wait_and_timeout(node: Node) -> None:
     assert node.mig.draining(gpu.uuid) == frozenset()
     # Under wait, it proceeds as soon as the processes leave.
     outcome = await node.mig.request(await node.gpu(), seven, DrainPolicy("wait", 30))
-    assert outcome.transition is not None
-    await asyncio.sleep(0.2)
-    assert outcome.transition.state == TransitionState.DRAINING
+    transition = outcome.transition
+    assert transition is not None
+    await until(lambda: transition.state == TransitionState.DRAINING, "the transition to drain")
     assert node.mig.draining(gpu.uuid)
     node.sim.remove_process(5001)
     node.sim.remove_process(5002)
@@ -262,7 +265,7 @@ async def test_driver_reload_reapplies_and_drift_is_reported(tmp_path: Path) -> 
     node = await _open(tmp_path)
     await node.change(BALANCED)
     applied = _layout(await node.geometry())
-    await node.services.node.stop()
+    await node.services.stop()
     node.sim.reload_driver()  # Hopper forgets MIG mode and every instance
     node.sim.close()
     node = await _open(tmp_path)  # start-up reconciles: the geometry is re-applied
@@ -284,6 +287,7 @@ async def test_driver_reload_reapplies_and_drift_is_reported(tmp_path: Path) -> 
         await node.mig.check_drift()
         assert "left as it is" in (node.mig.drift(gpu.uuid) or "")
         assert len((await node.geometry()).instances) == 3
-        assert node.metrics.mig_geometry_drift.labels(gpu.uuid)._value.get() == 1
+        assert node.metrics.registry.get_sample_value("gpu_agent_mig_geometry_drift",
+                                                      {"gpu": gpu.uuid}) == 1
     finally:
         await node.services.close()

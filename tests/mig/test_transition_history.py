@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from agent.mig.history import HISTORY_KIND, MAX_HISTORY_BYTES, TransitionHistory
 from agent.mig.transition import DrainPolicy, Transition, TransitionState
 from tests.agent_process import AgentProcess, start_agent
 from tests.service_node import ServiceNode, open_services
+from tests.waiting import wait_for
 
 EMPTY_PLAN = Plan(keep=(), destroy=(), create=(), mig_enabled_before=False,
                   mig_enabled_after=True)
@@ -161,13 +161,10 @@ async def test_an_unreadable_history_is_kept_aside_and_started_empty(tmp_path: P
 
 
 def _wait_transition(agent: AgentProcess, location: str) -> dict[str, Any]:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    def ended() -> dict[str, Any] | None:
         body: dict[str, Any] = agent.request("GET", location).body
-        if body["terminal"]:
-            return body
-        time.sleep(0.02)
-    raise AssertionError(f"transition {location} did not finish")
+        return body if body["terminal"] else None
+    return wait_for(ended, f"transition {location} to finish", 30)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["stopped", "killed"])
@@ -186,10 +183,8 @@ def test_a_real_agent_shows_its_transitions_after_a_restart(tmp_path: Path, sig:
         before = agent.request("GET", "/v1/transitions").body["transitions"]
         epoch = agent.request("GET", "/v1/events").body["epoch"]
         path = state / "mig" / "transitions.json"
-        deadline = time.monotonic() + 10
-        while not (path.exists() and {t["id"] for t in _on_disk(path)} == set(ids)):
-            assert time.monotonic() < deadline, "history not written"
-            time.sleep(0.02)
+        wait_for(lambda: path.exists() and {t["id"] for t in _on_disk(path)} == set(ids),
+                 "the history file to hold both transitions")
         agent.stop(sig)
         agent = start_agent(state)
         after = agent.request("GET", "/v1/transitions").body["transitions"]

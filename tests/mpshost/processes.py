@@ -10,13 +10,14 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests import waiting
 
 ROOT = Path(__file__).resolve().parents[2]
 PID_FILE = "nvidia-cuda-mps-control.pid"
@@ -101,13 +102,10 @@ def alive(pid: int) -> bool:
         return False
 
 
-def wait_for(predicate: object, timeout_s: float = 10.0, what: str = "condition") -> None:
-    """Poll ``predicate`` (a callable) until true, at most ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
+def wait_for(predicate: Callable[[], object], timeout_s: float = 10.0,
+             what: str = "condition") -> None:
+    """Poll ``predicate`` until true, at most ``timeout_s``."""
+    waiting.wait_for(predicate, what, timeout_s, every_s=0.05)
 
 
 def daemon_pid(root: Path, timeout_s: float = 10.0) -> int:
@@ -180,22 +178,25 @@ def start_host(tmp: Path, *, mps_root: Path, mps_control: Path, flags: tuple[str
                                 start_new_session=True)
     host = HostProcess(proc, sock, log)
     if wait:
-        deadline = time.monotonic() + 30
-        while subprocess.run([sys.executable, "-m", "agent", "mps-host", "--socket", str(sock),
-                              "--ping"], env=_env(), capture_output=True,
-                             timeout=30, check=False).returncode != 0:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                host.stop()
-                raise AssertionError(f"mps-host did not come up:\n{host.logs()}")
-            time.sleep(0.1)
+        def answers() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError("mps-host exited")
+            return subprocess.run([sys.executable, "-m", "agent", "mps-host", "--socket",
+                                   str(sock), "--ping"], env=_env(), capture_output=True,
+                                  timeout=30, check=False).returncode == 0
+        try:
+            waiting.wait_for(answers, "mps-host to answer --ping", 30, every_s=0.1)
+        except AssertionError as err:
+            host.stop()
+            raise AssertionError(f"mps-host did not come up ({err}):\n{host.logs()}") from None
     return host
 
 
 AGENT = textwrap.dedent('''\
     import asyncio, json, sys, time
     from pathlib import Path
-    from agent.gpu.mps_direct import DirectLauncher
-    from agent.gpu.mps_host_client import HostLauncher
+    from agent.mps.direct import DirectLauncher
+    from agent.mps.host_client import HostLauncher
     mode, target = sys.argv[1], sys.argv[2]
     argv, env = json.loads(sys.argv[3]), json.loads(sys.argv[4])
     launcher = HostLauncher(Path(target)) if mode == "host" else DirectLauncher()

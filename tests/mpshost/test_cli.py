@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.gpu.mps_direct import DirectLauncher
-from agent.gpu.mps_host_client import HostLauncher, launcher_for
+from agent.mps.direct import DirectLauncher
+from agent.mps.host_client import HostLauncher, launcher_for
 
 from .processes import ROOT
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from agent.errors import SharingUnavailable
-from agent.gpu.mps_host_client import HostLauncher
+from agent.mps.host_client import HostLauncher
 from agent.mpshost.policy import SYSTEM_PATH
 
 from .processes import (

@@ -16,7 +16,7 @@ from .processes import cgroups, in_cgroup, require_cgroup2, start_host, stop_dae
 mps = pytest.importorskip("agent.gpu.mps")
 node_module = pytest.importorskip("agent.gpu.sim.node")
 
-from agent.gpu.mps_host_client import HostLauncher  # noqa: E402
+from agent.mps.host_client import HostLauncher  # noqa: E402
 
 
 @pytest.fixture

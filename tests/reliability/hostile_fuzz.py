@@ -18,6 +18,7 @@ agent for a long run and prints the figures (docs/reliability.md records one).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import random
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.agent_process import AgentProcess, start_agent
+from tests.waiting import wait_for
 
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 _ODD_METHODS = ("PATCH", "OPTIONS", "TRACE", "FOO", "HEAD", "PROPFIND")
@@ -311,22 +313,29 @@ def run(agent: AgentProcess, *, requests: int | None = None, seconds: float | No
             outcome.accepted_mutations += needs and status < 300
             sent.append((request_id, op, method, needs, label))
     outcome.seconds = time.monotonic() - started
-    logged = _logged(agent)
+    logged = _logged(agent, {request_id for request_id, _, _, needs, _ in sent if needs})
     for request_id, _, _, needs, label in sent:
         if needs and logged.get(request_id) != "agent.audit":
             outcome.unaudited.append(label)
     return outcome
 
 
-def _logged(agent: AgentProcess, settle_s: float = 2.0) -> dict[str, str]:
-    """request id → logger of its line (``agent.audit`` or ``agent.access``)."""
-    time.sleep(settle_s)
-    found: dict[str, str] = {}
+def _logged(agent: AgentProcess, audited: set[str], timeout_s: float = 10.0) -> dict[str, str]:
+    """request id → logger of its line (``agent.audit`` or ``agent.access``), once every id
+    of ``audited`` has its audit line (a line is written after the answer), or at the
+    timeout: what is missing then is reported by the caller."""
     pattern = re.compile(r"logger=(agent\.audit|agent\.access) .*request_id=(\S+)")
-    for line in agent.log().splitlines():
-        if match := pattern.search(line):
-            found.setdefault(match[2], match[1])
-    return found
+
+    def read() -> dict[str, str]:
+        found: dict[str, str] = {}
+        for line in agent.log().splitlines():
+            if match := pattern.search(line):
+                found.setdefault(match[2], match[1])
+        return found
+    with contextlib.suppress(AssertionError):
+        wait_for(lambda: audited <= {r for r, logger in read().items() if logger == "agent.audit"},
+                 "every mutating request's audit line", timeout_s, every_s=0.05)
+    return read()
 
 
 def main() -> int:

@@ -32,6 +32,7 @@ After a violation the model follows the agent, so that one defect is not counted
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import re
 import signal
@@ -46,6 +47,7 @@ from typing import Any
 
 from agent.device_names import mig_device_name, parse_device_name
 from tests.agent_process import Reply, start_agent
+from tests.waiting import wait_for
 
 GPU = "0"
 MUTATING = ("nvmlDeviceCreateGpuInstanceWithPlacement", "nvmlGpuInstanceCreateComputeInstance",
@@ -541,17 +543,18 @@ class Rig:
 
     def follow(self, transition_id: str) -> str:
         """The final state of a transition; ``not terminal`` past the bound is a violation."""
-        deadline = time.monotonic() + TRANSITION_BOUND_S
-        while time.monotonic() < deadline:
+        def ended() -> str | None:
             reply = self.send("GET", f"/v1/transitions/{transition_id}")
             if reply is None or reply.status != 200:
                 return "unknown"
-            if reply.body["terminal"]:
-                return str(reply.body["state"])
-            time.sleep(0.01)
-        self.violate("transition", f"transition {transition_id} not terminal after "
-                     f"{TRANSITION_BOUND_S:.0f}s")
-        return "not terminal"
+            return str(reply.body["state"]) if reply.body["terminal"] else None
+        try:
+            return wait_for(ended, f"transition {transition_id} to end", TRANSITION_BOUND_S,
+                            every_s=0.01)
+        except AssertionError:
+            self.violate("transition", f"transition {transition_id} not terminal after "
+                         f"{TRANSITION_BOUND_S:.0f}s")
+            return "not terminal"
 
     def _after(self, plan: dict[str, Any]) -> Layout:
         """The layout a plan leaves, less the on-demand slices it keeps: claims account for
@@ -616,9 +619,9 @@ class Rig:
                   f"{None if reply is None else reply.status}")
 
     def _await_exit(self, seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while self.agent.proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
+        with contextlib.suppress(AssertionError):  # still running: the caller kills it
+            wait_for(lambda: self.agent.proc.poll() is not None, "the agent to exit", seconds,
+                     every_s=0.01)
 
     def boot(self) -> None:
         """Start the agent again and send mutations until it is ready; an agent that dies on
@@ -645,17 +648,23 @@ class Rig:
 
     def _until_ready(self) -> bool:
         rng = random.Random(self.serial)
-        sent = 0
-        deadline = time.monotonic() + READY_BOUND_S
-        while time.monotonic() < deadline and self.agent.proc.poll() is None:
-            if sent < EARLY_REQUESTS:
-                self._early(rng)
-                sent += 1
-            else:
-                time.sleep(0.02)
+        started = time.monotonic()
+        for _ in range(EARLY_REQUESTS):  # back to back from the moment it listens
+            if self.agent.proc.poll() is not None:
+                return False
+            self._early(rng)
             if self._ready():
                 return True
-        return False
+
+        def settled() -> str | None:
+            if self.agent.proc.poll() is not None:
+                return "exited"
+            return "ready" if self._ready() else None
+        try:
+            return wait_for(settled, "the agent to be ready",
+                            max(0.0, READY_BOUND_S - (time.monotonic() - started))) == "ready"
+        except AssertionError:
+            return False
 
     def _ready(self) -> bool:
         try:

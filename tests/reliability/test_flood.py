@@ -23,6 +23,7 @@ import pytest
 
 from agent.api.connections import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, IDLE_TIMEOUT_S
 from tests.agent_process import AgentProcess, start_agent
+from tests.waiting import wait_for
 
 FD_LIMIT = 1024
 SOCKETS = 1000
@@ -151,7 +152,7 @@ def test_healthz_stays_fast_while_the_metrics_port_is_flooded(limited: AgentProc
     most_fds = 0
     unix_ok = 0
     try:
-        time.sleep(1.0)  # let the flood reach its 1,000 sockets
+        wait_for(lambda: flood.most_open >= SOCKETS * 0.9, "the flood to reach its sockets")
         deadline = time.monotonic() + FLOOD_S
         while time.monotonic() < deadline:
             latencies.append(_probe(limited))
@@ -202,6 +203,7 @@ def _closed_after(address: tuple[str, int], *, send: bytes, trickle: bool,
         sock.close()
 
 
+@pytest.mark.slow
 def test_slow_idle_and_trickling_connections_are_closed_on_time(limited: AgentProcess) -> None:
     """A request head trickled a byte a second is cut at the header timeout, a body
     trickled likewise at the body timeout, an idle keep-alive connection at the idle

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 from agent.claims.checkpoint import decode, encode
 from agent.durable import write_atomic
 from tests.agent_process import AgentProcess, Reply, start_agent
+from tests.waiting import wait_for
 
 READS = ["/v1/gpus", "/v1/topology", "/metrics", "/v1/events"]
 
@@ -61,27 +61,28 @@ def _restart_on_full_disk(first: AgentProcess) -> AgentProcess:
         proc = subprocess.Popen(first.args, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     agent = AgentProcess(proc, first.state_dir, log_path, token=first.token, args=first.args)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    def listening() -> bool:
         try:
             if agent.request("GET", "/healthz", unix=True).status == 200:
-                return agent
+                return True
         except OSError:
-            pass
+            pass  # not yet: unless it exited
         assert proc.poll() is None, f"agent exited with {proc.returncode}:\n{agent.log()}"
-        time.sleep(0.05)
-    agent.stop(signal.SIGKILL)
-    raise AssertionError(f"agent did not listen:\n{agent.log()}")
+        return False
+    try:
+        wait_for(listening, "the agent to listen", 30, every_s=0.05)
+    except AssertionError:
+        agent.stop(signal.SIGKILL)
+        raise
+    return agent
 
 
 def _readyz_until(agent: AgentProcess, status: int, timeout: float = 45) -> Reply:
-    deadline = time.monotonic() + timeout
-    reply = agent.request("GET", "/readyz", unix=True, token=None)
-    while reply.status != status and time.monotonic() < deadline:
-        time.sleep(0.1)
+    def answered() -> Reply | None:
         reply = agent.request("GET", "/readyz", unix=True, token=None)
-    assert reply.status == status, reply.body
-    return reply
+        return reply if reply.status == status else None
+    found: Reply = wait_for(answered, f"/readyz to answer {status}", timeout, every_s=0.1)
+    return found
 
 
 def _prepared_agent(state: Path, tmp_path: Path) -> AgentProcess:
@@ -131,11 +132,11 @@ def test_recovery_that_needs_a_write_waits_for_space_and_says_why(
     filler = _fill(small_disk)
     agent = _restart_on_full_disk(first)
     try:
-        deadline = time.monotonic() + 30
-        ready = agent.request("GET", "/readyz", unix=True, token=None)
-        while "cannot make" not in str(ready.body) and time.monotonic() < deadline:
-            time.sleep(0.1)
-            ready = agent.request("GET", "/readyz", unix=True, token=None)
+        def waits_for_space() -> Reply | None:
+            reply = agent.request("GET", "/readyz", unix=True, token=None)
+            return reply if "cannot make" in str(reply.body) else None
+        ready = wait_for(waits_for_space, "/readyz to say which write recovery waits for", 30,
+                         every_s=0.1)
         assert ready.status == 503
         assert "recovery needs a write it cannot make" in ready.body["reason"]
         assert "ENOSPC" in ready.body["reason"]

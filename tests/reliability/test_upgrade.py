@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.agent_process import AgentProcess, start_agent
+from tests.waiting import wait_for
 
 UPGRADE = Path(__file__).resolve().parents[1] / "data" / "upgrade"
 BASELINES = sorted(p.name for p in UPGRADE.iterdir() if (p / "expected.json").exists())
@@ -27,21 +27,22 @@ def _layout(agent: AgentProcess, gpu: str) -> list[str]:
 
 def _settled(agent: AgentProcess, timeout: float = 30) -> list[dict[str, Any]]:
     """The transitions once every one of them is terminal (a re-apply may follow recovery)."""
-    deadline = time.monotonic() + timeout
-    while True:
+    def settled() -> dict[str, Any] | None:
         reply = agent.request("GET", "/v1/transitions", token=None)
         assert reply.status == 200, reply.body
-        transitions: list[dict[str, Any]] = reply.body["transitions"]
-        if all(t["terminal"] for t in transitions) or time.monotonic() > deadline:
-            return transitions
-        time.sleep(0.05)
+        body: dict[str, Any] = reply.body
+        return body if all(t["terminal"] for t in body["transitions"]) else None
+    transitions: list[dict[str, Any]] = wait_for(
+        settled, "every transition to end", timeout, every_s=0.05)["transitions"]
+    return transitions
 
 
 @pytest.mark.parametrize("baseline", BASELINES)
 def test_state_written_by_an_earlier_agent_is_recovered(tmp_path: Path, baseline: str) -> None:
     """An agent started on a state directory written by an earlier main with three prepared
     claims (whole GPU, MIG device, slice) and an open journal entry keeps every claim with its
-    devices and CDI spec, and resolves the journal (succeeded or rolled back)."""
+    devices and CDI spec, and resolves the journal: every baseline was killed mid-apply, the
+    hardware showing neither layout (tests/data/upgrade/README.md), so it is rolled back."""
     fixture = UPGRADE / baseline
     expected = json.loads((fixture / "expected.json").read_text())
     state = tmp_path / "state"
@@ -71,12 +72,10 @@ def test_state_written_by_an_earlier_agent_is_recovered(tmp_path: Path, baseline
         recovered = next((t for t in transitions if t["id"] == expected["transition"]["id"]),
                          None)
         assert recovered is not None, transitions
-        assert recovered["state"] in ("succeeded", "rolled_back"), recovered
-        assert all(t["terminal"] for t in transitions), transitions
+        assert recovered["state"] == "rolled_back", recovered
         assert not list((state / "mig" / "journal").glob("*.json"))
         gpu = next(g["index"] for g in agent.request("GET", "/v1/gpus", token=None).body["gpus"]
                    if g["uuid"] == expected["transition"]["gpu"])
-        assert _layout(agent, str(gpu)) in (expected["transition"]["old"],
-                                            expected["transition"]["target"])
+        assert _layout(agent, str(gpu)) == expected["transition"]["old"]
     finally:
         agent.stop(signal.SIGKILL)

@@ -15,6 +15,7 @@ from agent.dra.generation import PoolGeneration
 from agent.durable import DurableMap
 from agent.mig.journal import ALL_GPUS, TransitionJournal
 from tests.agent_process import start_agent
+from tests.integration.owner_steps import wait_readyz
 from tests.service_node import open_services
 
 
@@ -84,11 +85,7 @@ def test_agent_starts_when_the_checkpoint_path_is_a_directory(tmp_path: Path) ->
     (state / "claims.checkpoint" / "junk").mkdir(parents=True)
     agent = start_agent(state, wait_ready=False)
     try:
-        deadline = time.monotonic() + 30
-        ready = agent.request("GET", "/readyz", token=None)
-        while "unreadable" not in str(ready.body) and time.monotonic() < deadline:
-            time.sleep(0.05)
-            ready = agent.request("GET", "/readyz", token=None)
+        ready = wait_readyz(agent, "unreadable", 30)
         assert ready.status == 503 and "directory" in ready.body["reason"], ready.body
         assert agent.request("GET", "/v1/gpus", token=None).status == 200
         assert len(_kept(state / "claims.checkpoint")) == 1

@@ -3,6 +3,10 @@ and events, with NVML's rules and error codes. Both the NVML facade (``nvml.py``
 controls (``node.py``) drive this; every change is saved before the call that made it returns.
 
 Callers hold :attr:`SimulatedHardware.lock` around every method here.
+
+Longer than the house's ~500 lines on purpose: NVML's MIG rules (placements, overlaps,
+``IN_USE``, stale handles, pending modes) all read and change the same per-GPU state under
+this one lock; split by call, one instance's rules would live in several files.
 """
 
 from __future__ import annotations
@@ -123,6 +127,9 @@ class SimulatedHardware:
         self.latencies: dict[str, float] = {}
         self.calls: Counter[str] = Counter()
         self.event_sets: list[EventSet] = []
+        #: Threads blocked in nvmlEventSetWait right now (under ``lock``): a test injects an
+        #: event once its waiter is blocked, not after a guessed delay.
+        self.event_waiters = 0
         # (GPU index, GI id or -1) -> counters; a GI re-created under the same id starts over.
         self._activity: dict[tuple[int, int], Activity] = {}
         self.nvlink = links.link_count(preset) > 0
@@ -514,11 +521,15 @@ class SimulatedHardware:
         """The oldest queued event, waiting up to ``timeout_s`` (the lock is released while
         waiting); None on timeout or if the set is freed meanwhile."""
         deadline = time.monotonic() + timeout_s
-        while not event_set.queue and not event_set.freed:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            self.changed.wait(left)
+        self.event_waiters += 1
+        try:
+            while not event_set.queue and not event_set.freed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self.changed.wait(left)
+        finally:
+            self.event_waiters -= 1
         return event_set.queue.popleft() if event_set.queue else None
 
     def describe_gpus(self) -> list[dict[str, Any]]:

@@ -1,6 +1,10 @@
 """A simulated GPU node: the NVML stand-in, its durable hardware state, the /proc files the
 driver would provide, and the controls (processes, faults, latency, XIDs, resets) that the
-``/v1/sim/*`` routes expose."""
+``/v1/sim/*`` routes expose.
+
+Longer than the house's ~500 lines on purpose: it is the simulator's whole control surface,
+one method per control (each a few lines of validation and one change of the hardware under
+its lock), kept in one class so the routes and the tests find every control in one place."""
 
 from __future__ import annotations
 

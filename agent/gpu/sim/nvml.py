@@ -207,6 +207,12 @@ class SimulatedNvml:
         self._addresses: dict[tuple[Kind, object], int] = {}
         self._prune_at = _PRUNE_AT
 
+    @property
+    def handles_known(self) -> int:
+        """The handles the simulator keeps (live objects', and destroyed ones' not yet
+        forgotten): bounded however many instances were ever made."""
+        return len(self._refs)
+
     # -- machinery -------------------------------------------------------------------------
 
     def __getattr__(self, name: str) -> Any:

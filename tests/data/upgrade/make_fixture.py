@@ -19,11 +19,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import agent
 from tests.agent_process import AgentProcess, start_agent
+from tests.waiting import wait_for
 
 BALANCED = ["3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb"]
 MUTATING = ("nvmlDeviceSetMigMode", "nvmlDeviceCreateGpuInstanceWithPlacement",
@@ -36,13 +36,12 @@ def _geometry(a: AgentProcess, gpu: str, body: dict[str, object]) -> None:
     reply = a.request("PUT", f"/v1/gpus/{gpu}/mig", body)
     assert reply.status in (200, 202), reply.body
     if reply.status == 202:
-        for _ in range(1500):
-            done = a.request("GET", reply.headers["location"], token=None).body
-            if done["terminal"]:
-                assert done["state"] == "succeeded", done
-                return
-            time.sleep(0.02)
-        raise AssertionError("transition did not end")
+        def ended() -> dict[str, object] | None:
+            body: dict[str, object] = a.request("GET", reply.headers["location"],
+                                                token=None).body
+            return body if body["terminal"] else None
+        done = wait_for(ended, "the transition to end", 30)
+        assert done["state"] == "succeeded", done
 
 
 def _layout(a: AgentProcess, gpu: str) -> list[str]:

@@ -11,6 +11,7 @@ import pytest
 
 from agent.gpu.sim.hardware import NO_INSTANCE
 from agent.gpu.sim.node import SimulatedNode
+from tests.waiting import wait_for
 
 from .conftest import create_gi, enable_mig
 
@@ -29,7 +30,7 @@ def test_injected_xid_wakes_a_waiting_event_set(h100: SimulatedNode) -> None:
     waiter = threading.Thread(target=lambda: got.append(
         h100.nvml.nvmlEventSetWait_v2(event_set, 5000)))
     waiter.start()
-    time.sleep(0.05)
+    wait_for(lambda: h100.hardware.event_waiters == 1, "the thread to block in the wait")
     h100.inject_xid(h100.gpu_uuids()[2], 48)
     waiter.join(timeout=5)
     assert len(got) == 1
@@ -136,9 +137,13 @@ def test_energy_counter_is_monotonic(h100: SimulatedNode) -> None:
     handle = nvml.nvmlDeviceGetHandleByIndex(0)
     readings = [nvml.nvmlDeviceGetTotalEnergyConsumption(handle)]
     process = h100.add_process(h100.gpu_uuids()[0])
-    for _ in range(3):
-        time.sleep(0.01)
-        readings.append(nvml.nvmlDeviceGetTotalEnergyConsumption(handle))
+
+    def grown() -> int | None:
+        now: int = nvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+        return now if now > readings[-1] else None
+
+    for _ in range(3):  # the counter integrates power over time
+        readings.append(wait_for(grown, "the energy counter to grow under load", every_s=0.005))
     h100.remove_process(process["pid"])
     readings.append(nvml.nvmlDeviceGetTotalEnergyConsumption(handle))
     assert readings == sorted(readings)

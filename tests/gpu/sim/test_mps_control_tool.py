@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 
 from agent.errors import Conflict, InvalidRequest
 from agent.gpu.sim.node import SimulatedNode
+from tests.waiting import wait_for
 
 from .conftest import NodeFactory, enable_mig
 
@@ -125,20 +125,23 @@ def test_control_commands(l40s: SimulatedNode, tmp_path: Path, commands: list[st
     assert output in (done.stdout + done.stderr)
 
 
+def _runs_mps_control(pid: int) -> bool:
+    """Whether ``pid`` is (still) a running MPS control daemon (a zombie's cmdline is empty)."""
+    try:
+        return b"mps_control" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def test_quit_removes_the_pid_file_and_the_daemon(l40s: SimulatedNode, tmp_path: Path) -> None:
     """``quit`` ends the daemon: pid file gone, process gone, the driver forgets it."""
     daemon = Daemon(l40s, tmp_path / "mps", None)
     assert daemon.start().returncode == 0
     pid = daemon.pid()
     assert daemon.send("quit").returncode == 0
-    deadline = time.monotonic() + 10
-    while (daemon.pipe / PID_FILE).exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not (daemon.pipe / PID_FILE).exists()
+    wait_for(lambda: not (daemon.pipe / PID_FILE).exists(), "the pid file to go")
     assert l40s.describe()["mps_daemons"] == []
-    time.sleep(0.2)
-    assert not Path(f"/proc/{pid}/cmdline").exists() or \
-        b"mps_control" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+    wait_for(lambda: not _runs_mps_control(pid), f"daemon {pid} to exit")
 
 
 def test_the_daemon_survives_sigkill_of_its_starters_process_group(l40s: SimulatedNode,
@@ -148,10 +151,7 @@ def test_the_daemon_survives_sigkill_of_its_starters_process_group(l40s: Simulat
     daemon = Daemon(l40s, tmp_path / "mps", None)
     starter = subprocess.Popen(["/bin/sh", "-c", f"'{daemon.tool}' -d && exec sleep 60"],
                                env=daemon.env, start_new_session=True)
-    deadline = time.monotonic() + 20
-    while not (daemon.pipe / PID_FILE).exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert (daemon.pipe / PID_FILE).exists()
+    wait_for((daemon.pipe / PID_FILE).exists, "the daemon's pid file", 20)
     os.killpg(starter.pid, signal.SIGKILL)
     assert starter.wait(timeout=10) == -signal.SIGKILL
     assert os.getpgid(daemon.pid()) != starter.pid
@@ -258,11 +258,8 @@ def test_a_killed_daemon_takes_its_servers_and_clients_out_of_nvml(l40s: Simulat
     handle = l40s.nvml.nvmlDeviceGetHandleByUUID(gpu)
     assert len(l40s.nvml.nvmlDeviceGetComputeRunningProcesses(handle)) == 1
     os.kill(daemon.pid(), signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while l40s.nvml.nvmlDeviceGetComputeRunningProcesses(handle) and \
-            time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert l40s.nvml.nvmlDeviceGetComputeRunningProcesses(handle) == []
+    wait_for(lambda: l40s.nvml.nvmlDeviceGetComputeRunningProcesses(handle) == [],
+             "the driver to forget the killed daemon's processes")
     assert l40s.nvml.nvmlDeviceGetMPSComputeRunningProcesses(handle) == []
     assert l40s.describe()["mps_daemons"] == []
     assert daemon.send("get_server_list").returncode == 1

@@ -156,14 +156,19 @@ def test_state_directory_where_the_file_belongs_is_kept_aside(tmp_path: Path) ->
 
 
 def test_unknown_fields_are_tolerated(tmp_path: Path) -> None:
-    """Fields a newer writer added (same schema) are ignored on load."""
+    """Fields a newer writer added (same schema) are ignored on load: the node comes back as
+    it was saved (a lost GPU included), and nothing is kept aside."""
     state_file = tmp_path / "state/sim/hardware.json"
-    SimulatedNode("dgx-h100", tmp_path / "state", tmp_path / "proc").close()
+    with SimulatedNode("dgx-h100", tmp_path / "state", tmp_path / "proc") as node:
+        node.inject_xid(node.gpu_uuids()[3], 79)
+        saved = node.describe()
     data = _saved(state_file)
     data["future"] = {"x": 1}
     data["gpus"][0]["also_future"] = True
     state_file.write_bytes(encode_envelope(KIND, json.dumps(data).encode()))
-    SimulatedNode("dgx-h100", tmp_path / "state", tmp_path / "proc").close()
+    with SimulatedNode("dgx-h100", tmp_path / "state", tmp_path / "proc") as again:
+        assert again.describe() == saved
+    assert not list(state_file.parent.glob("hardware.json.corrupt-*"))
 
 
 def test_lost_gpu_stays_lost_across_restart(tmp_path: Path) -> None:

@@ -55,7 +55,7 @@ class Delete:
 
 
 @dataclass(frozen=True)
-class SlicePlan:
+class ResourceSlicePlan:
     """The writes that bring the server to the desired pool, in the order to apply them."""
 
     generation: int
@@ -251,7 +251,7 @@ def without_shares(agent_items: Sequence[Mapping[str, Any]]) -> list[Json]:
     return out
 
 
-def desired_slices(agent_items: Sequence[Mapping[str, Any]], *, node_name: str,
+def desired_resource_slices(agent_items: Sequence[Mapping[str, Any]], *, node_name: str,
                    node_uid: str, driver: str, generation: int) -> list[Json]:
     """The agent's slices as the publisher writes them: its owner reference, pool and
     generation; the rest as the agent rendered it."""
@@ -272,7 +272,7 @@ def desired_slices(agent_items: Sequence[Mapping[str, Any]], *, node_name: str,
 
 def plan(agent_items: Sequence[Mapping[str, Any]], existing: Iterable[Mapping[str, Any]], *,
          node_name: str, node_uid: str, driver: str,
-         written: Mapping[str, Written] | None = None) -> SlicePlan:
+         written: Mapping[str, Written] | None = None) -> ResourceSlicePlan:
     """The writes that make ``existing`` (this node's slices of this driver on the server)
     the agent's pool; ``written`` is what this publisher wrote before. No ``agent_items``
     means the pool is deleted."""
@@ -283,7 +283,7 @@ def plan(agent_items: Sequence[Mapping[str, Any]], existing: Iterable[Mapping[st
     on_server = {_name(item): item for item in existing}
     agent_generation = max((_generation(item) for item in agent_items), default=0)
     # In-sync checks need the bodies; the generation is decided after them.
-    wanted = desired_slices(agent_items, node_name=node_name, node_uid=node_uid,
+    wanted = desired_resource_slices(agent_items, node_name=node_name, node_uid=node_uid,
                             driver=driver, generation=0)
     obsolete = tuple(Delete(name, str(item["metadata"].get("uid", "")),
                             str(item["metadata"].get("resourceVersion", "")))
@@ -293,12 +293,12 @@ def plan(agent_items: Sequence[Mapping[str, Any]], existing: Iterable[Mapping[st
                     if _in_sync(body, on_server.get(body["metadata"]["name"]), written))
     if len(in_sync) == len(wanted) and len(kept_generations) <= 1:
         current = kept_generations.pop() if kept_generations else agent_generation
-        return SlicePlan(generation=current, deletes=obsolete, in_sync=in_sync)
+        return ResourceSlicePlan(generation=current, deletes=obsolete, in_sync=in_sync)
     highest = max((_generation(item) for item in on_server.values()), default=0)
     generation = max(agent_generation, highest + 1 if on_server else 1)
     updates: list[Json] = []
     creates: list[Json] = []
-    for body in desired_slices(agent_items, node_name=node_name, node_uid=node_uid,
+    for body in desired_resource_slices(agent_items, node_name=node_name, node_uid=node_uid,
                                driver=driver, generation=generation):
         current_item = on_server.get(body["metadata"]["name"])
         if current_item is None:
@@ -307,7 +307,7 @@ def plan(agent_items: Sequence[Mapping[str, Any]], existing: Iterable[Mapping[st
             body["metadata"]["resourceVersion"] = str(
                 current_item["metadata"].get("resourceVersion", ""))
             updates.append(body)
-    return SlicePlan(generation=generation, deletes=obsolete, updates=tuple(updates),
+    return ResourceSlicePlan(generation=generation, deletes=obsolete, updates=tuple(updates),
                      creates=tuple(creates), in_sync=in_sync)
 
 

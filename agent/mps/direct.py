@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import IO
 
 from agent.errors import SharingUnavailable
-from agent.gpu.mps_launch import LaunchResult
+from agent.mps.launch import LaunchResult
 
 #: The most characters of a start's output kept for an error message.
 MAX_OUTPUT = 4000

@@ -3,7 +3,7 @@
 The host is a process of its own (a DaemonSet of its own, or its own systemd unit), so a
 daemon it starts lives in its cgroup and outlives an agent restart, however the runtime
 kills the agent. Only the start goes through it; commands and ``quit`` reach a daemon
-through its pipe directory as before. Wire format: ``agent/mpshost/protocol.py``.
+through its pipe directory as before. Wire format: ``agent/mps/protocol.py``.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from agent.errors import SharingUnavailable
-from agent.gpu.mps_direct import DirectLauncher
-from agent.gpu.mps_launch import LaunchResult, MpsLauncher
-from agent.mpshost import protocol
+from agent.mps import protocol
+from agent.mps.direct import DirectLauncher
+from agent.mps.launch import LaunchResult, MpsLauncher
 
 TOOL = "mps-host"
 

@@ -27,7 +27,7 @@ Two modes:
 
 What each GPU publishes with ``--dynamic-mig``:
 - MIG off on Hopper or newer: the full GPU and every placement (the first slice prepared
-  switches MIG on, ``agent/mig/slices.py``); MIG off on Ampere, or a mode change pending: the
+  switches MIG on, ``agent/mig/devices.py``); MIG off on Ampere, or a mode change pending: the
   full GPU only, without counters (Ampere's mode is never toggled: it needs a reset);
 - MIG on: the placements only (a GPU in MIG mode cannot be handed out whole);
 - never a placement that overlaps an existing instance of another shape (the instance itself
@@ -56,7 +56,7 @@ from typing import Any
 from agent.device_names import gpu_device_name, mig_device_name, shareable_mib
 from agent.gpu.topology import sysfs_bus_id
 from agent.gpu.types import DriverInfo, GiProfile, Gpu, Placement
-from agent.mig.slices import switches_mig_on
+from agent.mig.mode import switches_mig_on
 
 API_VERSION = "resource.k8s.io/v1"
 KUBERNETES_VERSIONS = ((1, 34), (1, 35), (1, 36), (1, 37))
@@ -331,7 +331,7 @@ def _chunks(items: list[Json], size: int) -> list[list[Json]]:
     return [items[i:i + size] for i in range(0, len(items), size)] or [[]]
 
 
-def slice_name(node: str, driver: str, index: int) -> str:
+def resource_slice_name(node: str, driver: str, index: int) -> str:
     """A DNS-subdomain object name for slice ``index`` of this node's pool; the index is
     zero-padded so that name order is index order (``-00010`` after ``-00002``)."""
     base = re.sub(r"[^a-z0-9.-]+", "-", f"{node}-{driver}".lower()).strip("-.")
@@ -382,7 +382,7 @@ def render(gpus: Sequence[GpuFacts], driver_info: DriverInfo,
                       "nodeName": options.node_name}
         spec.update(body)
         slices.append({"apiVersion": API_VERSION, "kind": "ResourceSlice",
-                       "metadata": {"name": slice_name(options.node_name, options.driver,
+                       "metadata": {"name": resource_slice_name(options.node_name, options.driver,
                                                        index)},
                        "spec": spec})
     return slices

@@ -1,0 +1,86 @@
+"""The two tiers, for tests/ and bench/tests/ alike (tests/processes.py): every test that
+starts a process is marked ``process`` at collection, and every other test is refused any
+process start at run time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.processes import Classifier, forbid_processes
+
+PROCESS = "process"
+#: tests/test_processes.py runs this conftest on a small project of its own.
+pytest_plugins = ("pytester",)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", f"{PROCESS}: starts processes (a real agent, a Go build, kube-apiserver); "
+        "applied at collection by tests/processes.py, never by hand")
+
+
+#: Session fixtures worth one per run, not one per worker: tests using them go to one
+#: pytest-xdist worker (``--dist loadgroup``), which starts each API server once.
+SHARED_SERVERS = {"kube_apiservers": "kube-apiserver"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    classifier = Classifier()
+    for item in items:
+        if _starts_processes(classifier, item):
+            item.add_marker(PROCESS)
+        for fixture, group in SHARED_SERVERS.items():
+            if fixture in getattr(item, "fixturenames", ()):
+                item.add_marker(pytest.mark.xdist_group(group))
+    # Longest first, so no worker starts a long test at the end while the others are idle:
+    # the shared API server's tests (one worker runs them all), the slow ones, the others
+    # that start processes, then the short in-process tests, which fill the workers up.
+    items.sort(key=_run_order)
+
+
+def _run_order(item: pytest.Item) -> int:
+    if item.get_closest_marker("xdist_group") is not None:
+        return 0
+    if item.get_closest_marker("slow") or item.get_closest_marker("packaging"):
+        return 1
+    return 2 if item.get_closest_marker(PROCESS) is not None else 3
+
+
+def _starts_processes(classifier: Classifier, item: pytest.Item) -> bool:
+    if not isinstance(item, pytest.Function):
+        return True  # not a Python test: assume the worst
+    if classifier.spawns(item.obj, test=True):
+        return True
+    # A parameter may be the code that runs (a callable passed by parametrize).
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and any(callable(value) and classifier.spawns(value)
+                                    for value in callspec.params.values()):
+        return True
+    # pytest's own record of the fixtures the test uses (transitively), and their functions.
+    definitions = item._fixtureinfo.name2fixturedefs
+    return any(classifier.spawns(fixture.func) for name in item.fixturenames
+               for fixture in definitions.get(name, ()))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    return (yield from _guarded(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    return (yield from _guarded(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    return (yield from _guarded(item))
+
+
+def _guarded(item: pytest.Item) -> Iterator[None]:
+    if item.get_closest_marker(PROCESS) is not None:
+        return (yield)
+    with forbid_processes(item.nodeid):
+        return (yield)
