@@ -169,8 +169,9 @@ class MigDevices:
             if await self._apply(t, gpu, mutator, entry, on_demand=on_demand,
                                  allow_reset=allow_reset):
                 t.advance(TransitionState.VERIFYING)
-                problem = await self._session.mutate(gpu.uuid, partial(
-                    mutator.verify, t.plan.target()))
+                check = partial(mutator.verify_changes, t.plan) if on_demand else \
+                    partial(mutator.verify, t.plan.target())
+                problem = await self._session.mutate(gpu.uuid, check)
                 if problem is not None:
                     raise VerifyFailed(problem)
                 final = TransitionState.SUCCEEDED

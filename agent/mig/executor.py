@@ -190,6 +190,25 @@ class GpuMutator:
                    f"[{', '.join(str(i) for i in target.instances)}]"
         return None
 
+    def verify_changes(self, plan: Plan) -> str | None:
+        """Why what ``plan`` creates or destroys is not as it says (None when it is), from
+        walks of those profiles only: a slice's plan keeps every other instance as it is,
+        under the GPU's lock, so one walk of the whole GPU per slice is not needed."""
+        enabled = self.mig_enabled()
+        if enabled != plan.mig_enabled_after:
+            return f"MIG mode is {'on' if enabled else 'off'}, expected " \
+                   f"{'on' if plan.mig_enabled_after else 'off'}"
+        if not enabled:
+            return None
+        for made in plan.create:
+            gi = self.instance_at(made)
+            if gi is None or not gi.compute_instances:
+                return f"{made} is {'not there' if gi is None else 'without a compute instance'}"
+        for gone in plan.destroy:
+            if self.instance_at(gone) is not None:
+                return f"{gone} is still there"
+        return None
+
     def restore(self, old: Geometry, ci_profiles: Mapping[str, list[int]],
                 on_step: Callable[[Step, str], None] | None = None) -> None:
         """Bring the GPU back to ``old`` exactly (placements and CI profiles), from whatever

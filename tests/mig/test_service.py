@@ -17,11 +17,14 @@ from agent.gpu.session import NvmlSession
 from agent.gpu.sim.node import SimulatedNode
 from agent.gpu.types import Gpu, Placement
 from agent.metrics.agent import AgentMetrics
+from agent.mig.executor import GpuMutator
 from agent.mig.geometry import (
     DesiredDisabled,
     DesiredInstances,
     DesiredProfiles,
     Geometry,
+    Instance,
+    Plan,
 )
 from agent.mig.journal import new_entry
 from agent.mig.service import MigService
@@ -291,3 +294,29 @@ async def test_driver_reload_reapplies_and_drift_is_reported(tmp_path: Path) -> 
                                                       {"gpu": gpu.uuid}) == 1
     finally:
         await node.services.close()
+
+
+# A slice's change is verified on its own instances (walks of their profiles only), on a GPU
+# at BALANCED: 3g.40gb@4:4, 2g.20gb@0:2, 1g.10gb@2:1, 1g.10gb@3:1.
+SLICE_CHECKS = {
+    "a made instance that is there": ((("3g.40gb", 4, 4),), (), True, None),
+    "a made instance that is not there": ((("1g.10gb", 6, 1),), (), True,
+                                          "1g.10gb@6:1 is not there"),
+    "a destroyed instance that is gone": ((), (("1g.10gb", 6, 1),), True, None),
+    "a destroyed instance still there": ((), (("2g.20gb", 0, 2),), True,
+                                         "2g.20gb@0:2 is still there"),
+    "MIG expected off": ((), (), False, "MIG mode is on, expected off"),
+}
+
+
+@pytest.mark.parametrize(("create", "destroy", "mig_after", "problem"), SLICE_CHECKS.values(),
+                         ids=SLICE_CHECKS)
+async def test_a_slice_change_is_verified_on_its_own_instances(
+        node: Node, create: tuple, destroy: tuple, mig_after: bool, problem: str | None) -> None:
+    assert await node.change(BALANCED) == TransitionState.SUCCEEDED
+    gpu = await node.gpu()
+    plan = Plan(keep=(), destroy=tuple(Instance(p, Placement(s, n)) for p, s, n in destroy),
+                create=tuple(Instance(p, Placement(s, n)) for p, s, n in create),
+                mig_enabled_before=True, mig_enabled_after=mig_after)
+    mutator = GpuMutator(node.session, gpu.uuid, gpu.profiles)
+    assert await node.session.read(lambda: mutator.verify_changes(plan)) == problem
