@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from tests import waiting
 from tests.agent_process import AgentProcess
 from tests.deploy.manifests import by_name, render
 from tests.k8s.conftest import StartAgent
@@ -438,6 +439,16 @@ def test_policy_lets_the_plugin_write_only_its_own_state_label(
 
     allowed = as_plugin("label", "node", mine, f"{STATE_LABEL}=success", "--overwrite")
     assert allowed.returncode == 0, allowed.stderr
+
+    def policy_in_force() -> bool:
+        # The API server starts enforcing a policy just applied a moment later (its
+        # informers); a label that got through before then is taken off again.
+        probe = as_plugin("label", "node", mine, f"{CONFIG_LABEL}=all-disabled")
+        if probe.returncode == 0:
+            kube_apiserver.kubectl("label", "node", mine, f"{CONFIG_LABEL}-")
+        return "denied request" in probe.stderr
+
+    waiting.wait_for(policy_in_force, "the admission policy to be in force", 30)
     for args, why in [
             (("label", "node", mine, f"{CONFIG_LABEL}=all-disabled"), "only the Node label"),
             (("label", "node", mine, "team=x"), "only the Node label"),
