@@ -35,7 +35,7 @@ from agent.claims.recovery import ClaimRecovery
 from agent.claims.requests import DeviceRequest, digest
 from agent.claims.sharing import SharingPlan, Target, plan
 from agent.claims.sharing_runtime import SharingRuntime
-from agent.claims.slices import ClaimSlices
+from agent.claims.slices import ClaimSlices, gpus_for
 from agent.claims.tombstones import Tombstones
 from agent.device_names import shareable_mib
 from agent.errors import AgentError, Conflict, DeviceNodesMissing, NotFound
@@ -102,7 +102,7 @@ class ClaimService:
             refresh_node_spec=self._refresh_node_spec, run_dir=run_dir)
         self.node_spec = NodeSpec(inventory=inventory, cdi=cdi,
                                   after=self.recovery.lose_destroyed_admin_claims)
-        ledger.watchers.append(lambda _gpu: self.node_spec.schedule())
+        ledger.watchers.append(self.node_spec.schedule)
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -222,7 +222,8 @@ class ClaimService:
                        supersedes: bool) -> ClaimRecord:
         """Existing devices resolve against the last inventory snapshot, confirmed by one
         cheap NVML read per device while the checkpoint is written; when the snapshot is out
-        of date (or for slices, which walk the GPUs anyway) against a fresh read."""
+        of date (or for slices, which walk the GPUs anyway) against a fresh read (of the GPUs
+        a claim of pinned slices names, else of every GPU)."""
         snapshot = self._inventory.gpus
         if snapshot and not any(r.kind == "slice" for r in requests):
             try:
@@ -231,7 +232,7 @@ class ClaimService:
                                               supersedes=supersedes)
             except existing.Stale:
                 pass
-        gpus = await self._inventory.refresh()
+        gpus = await self._inventory.refresh(gpus_for(requests, snapshot))
         return await self._prepare_on(uid, requests, metadata, wanted, gpus,
                                       snapshot_taken=False, issued_at_ns=issued_at_ns,
                                       supersedes=supersedes)

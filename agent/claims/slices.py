@@ -12,6 +12,7 @@ from agent.claims.cdi_writer import CdiWriter
 from agent.claims.checkpoint import ClaimCheckpoint, ClaimRecord, PreparedDevice, SliceRecord
 from agent.claims.placement import Candidate, choose
 from agent.claims.records import hold_of, key_of_device
+from agent.claims.requests import DeviceRequest
 from agent.device_names import mig_device_name, parse_device_name, profile_label
 from agent.errors import (
     DeviceBusy,
@@ -170,6 +171,25 @@ class ClaimSlices:
         if choice is None:
             return None
         return next(g for g in idle if g.index == choice.index), choice.placement
+
+
+def gpus_for(requests: Sequence[DeviceRequest], gpus: Sequence[Gpu]) -> frozenset[str]:
+    """The UUIDs of the GPUs, of the snapshot ``gpus``, that a claim of slices only may go
+    on: each slice a dynamic device name or a GPU pins; empty for every GPU (a slice that
+    may go anywhere, an existing device, or a reference the snapshot does not resolve)."""
+    found: set[str] = set()
+    for request in requests:
+        if request.kind != "slice":
+            return frozenset()
+        parsed = parse_device_name(request.device) if request.device is not None else None
+        gpu = next((g for g in gpus if (
+            parsed is not None and g.static.minor == parsed.minor) or (
+            parsed is None and request.gpu is not None
+            and request.gpu in (g.uuid, str(g.index)))), None)
+        if gpu is None:
+            return frozenset()
+        found.add(gpu.uuid)
+    return frozenset(found)
 
 
 def _gpu_list(indices: Sequence[int]) -> str:

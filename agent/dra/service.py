@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -57,7 +58,7 @@ class ResourceSliceService:
         self._poll_s = poll_s
         self._refresh_s = refresh_s
         self._wake = asyncio.Event()
-        self._stale = False  # a geometry changed: the inventory must be read again
+        self._stale: set[str] = set()  # GPUs whose geometry changed: to be read again
         self._changes = asyncio.Condition()
         self._ticks = 0  # counts the watcher's observed changes
         self._latest: tuple[GpuFacts, ...] | None = None
@@ -164,7 +165,7 @@ class ResourceSliceService:
 
     def _geometry_changed(self, gpu: str) -> None:
         """The ledger's watcher (on the event loop): a GPU's instances changed."""
-        self._stale = True
+        self._stale.add(gpu)
         self._wake.set()
 
     async def _watch(self) -> None:
@@ -176,11 +177,13 @@ class ResourceSliceService:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self._poll_s)
             self._wake.clear()
-            fresh = self._stale or loop.time() - refreshed >= self._refresh_s
+            due = loop.time() - refreshed >= self._refresh_s
+            fresh = due or bool(self._stale)
             if fresh:
-                self._stale = False
-                refreshed = loop.time()
-                await self._refresh_inventory()
+                changed, self._stale = self._stale, set()
+                if due:
+                    refreshed = loop.time()
+                await self._refresh_inventory(() if due else changed)
             marks = tuple(self._ledger.health_marks(g.uuid) for g in self._inventory.gpus)
             if not fresh and marks != self._marks:
                 # A GPU was lost, reset or its XID cleared: read the GPUs afresh, or a
@@ -197,9 +200,9 @@ class ResourceSliceService:
                     self._ticks += 1
                     self._changes.notify_all()
 
-    async def _refresh_inventory(self) -> None:
+    async def _refresh_inventory(self, only: Collection[str] = ()) -> None:
         try:
-            await self._inventory.refresh()
+            await self._inventory.refresh(only)
         except AgentError as err:  # the waiters still see the in-memory changes
             log.warning("inventory refresh for resourceslices failed",
                         extra={"error": err.detail})

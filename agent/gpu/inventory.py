@@ -10,7 +10,7 @@ import asyncio
 import ctypes
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from functools import partial
 from typing import Any
 
@@ -217,15 +217,17 @@ def read_gpu(session: NvmlSession, static: GpuStatic,
 
 
 class GpuInventory:
-    """The node's GPUs: loaded once NVML is up, refreshed on demand (one refresh at a time;
-    concurrent callers share it)."""
+    """The node's GPUs: loaded once NVML is up, refreshed on demand (one read of a GPU at a
+    time; concurrent callers share the next)."""
 
     def __init__(self, session: NvmlSession) -> None:
         self._session = session
         self._static: tuple[GpuStatic, ...] = ()
         self._gpus: tuple[Gpu, ...] = ()
         self._driver: DriverInfo | None = None
-        self._refreshing: asyncio.Task[tuple[Gpu, ...]] | None = None
+        #: Per GPU: the read under way, and the one queued behind it that later callers share.
+        self._reading: dict[str, asyncio.Future[Gpu]] = {}
+        self._queued: dict[str, asyncio.Future[Gpu]] = {}
         self.refreshed_at = 0.0
 
     @property
@@ -257,20 +259,35 @@ class GpuInventory:
         log.info("inventory loaded", extra={"gpus": len(statics),
                                             "driver": driver.driver_version})
 
-    async def refresh(self) -> tuple[Gpu, ...]:
-        """Re-read dynamic state of every GPU (in parallel, in the read pool)."""
-        if self._refreshing is None or self._refreshing.done():
-            self._refreshing = asyncio.ensure_future(self._refresh())
-        return await asyncio.shield(self._refreshing)
-
-    async def _refresh(self) -> tuple[Gpu, ...]:
-        previous = {g.uuid: g.profiles for g in self._gpus}
-        gpus = await asyncio.gather(*(
-            self._session.read(partial(read_gpu, self._session, s, previous.get(s.uuid, ())))
-            for s in self._static))
-        self._gpus = tuple(gpus)
-        self.refreshed_at = time.monotonic()
+    async def refresh(self, only: Collection[str] = ()) -> tuple[Gpu, ...]:
+        """Re-read the dynamic state of every GPU, or of the GPUs whose UUIDs ``only`` names
+        (the others as last read), in parallel in the read pool. Each GPU's read begins after
+        this call: a caller never gets a read begun before a change it just made, and callers
+        that arrive while a read is under way share the one queued behind it."""
+        statics = [s for s in self._static if not only or s.uuid in only]
+        await asyncio.gather(*(asyncio.shield(self._next_read(s)) for s in statics))
+        if not only:
+            self.refreshed_at = time.monotonic()
         return self._gpus
+
+    def _next_read(self, static: GpuStatic) -> asyncio.Future[Gpu]:
+        queued = self._queued.get(static.uuid)
+        if queued is None:
+            queued = self._queued[static.uuid] = asyncio.ensure_future(
+                self._read_after(static, self._reading.get(static.uuid)))
+        return queued
+
+    async def _read_after(self, static: GpuStatic, before: asyncio.Future[Gpu] | None) -> Gpu:
+        if before is not None:
+            await asyncio.wait([before])  # finished, whatever its outcome
+        uuid = static.uuid
+        self._reading[uuid] = self._queued.pop(uuid)
+        previous = next((g.profiles for g in self._gpus if g.uuid == uuid), ())
+        gpu = await self._session.read(partial(read_gpu, self._session, static, previous))
+        fresh = {g.uuid: g for g in self._gpus}
+        fresh[uuid] = gpu
+        self._gpus = tuple(fresh[s.uuid] for s in self._static if s.uuid in fresh)
+        return gpu
 
     async def still_there(self, devices: Sequence[tuple[Gpu, MigDevice | None]]) -> bool:
         """Whether the hardware still shows what a snapshot says of each (GPU, MIG device):

@@ -36,26 +36,35 @@ _MAX_CIS = 8
 _MAX_GIS = 8
 
 
-def _ci_profiles(session: NvmlSession, gi: Any, uuid: str) -> list[Any]:
-    """The compute-instance profiles this GPU instance offers (NVML profile info structs)."""
-    nvml = session.nvml
-    found = []
-    for constant in range(int(nvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT)):
-        try:
-            found.append(session.call("nvmlGpuInstanceGetComputeInstanceProfileInfo", gi,
-                                      constant, nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
-                                      gpu=uuid))
-        except NvmlError as err:
-            if err.name not in _NOT_AVAILABLE:
-                raise
-    return found
+def _ci_profiles(session: NvmlSession, gi: Any, uuid: str, gi_profile_id: int) -> list[Any]:
+    """The compute-instance profiles a GPU instance offers (NVML profile info structs): fixed
+    by the GPU and the GI's profile, so read once a session (a walk otherwise asks each GI
+    eight times)."""
+    def read() -> list[Any]:
+        nvml = session.nvml
+        found = []
+        for constant in range(int(nvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT)):
+            try:
+                found.append(session.call(
+                    "nvmlGpuInstanceGetComputeInstanceProfileInfo", gi, constant,
+                    nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED, gpu=uuid))
+            except NvmlError as err:
+                if err.name not in _NOT_AVAILABLE:
+                    raise
+        return found
+    return session.fixed(("ci-profiles", uuid, gi_profile_id), read)
 
 
-def _compute_instances(session: NvmlSession, gi: Any, uuid: str) -> list[tuple[Any, Any]]:
+def _gi_profile_id(session: NvmlSession, gi: Any, uuid: str) -> int:
+    return int(session.call("nvmlGpuInstanceGetInfo", gi, gpu=uuid).profileId)
+
+
+def _compute_instances(session: NvmlSession, gi: Any, uuid: str,
+                       gi_profile_id: int) -> list[tuple[Any, Any]]:
     """(handle, info) of every compute instance in a GPU instance."""
     nvml = session.nvml
     found = []
-    for profile in _ci_profiles(session, gi, uuid):
+    for profile in _ci_profiles(session, gi, uuid, gi_profile_id):
         array = (nvml.c_nvmlComputeInstance_t * _MAX_CIS)()
         count = ctypes.c_uint(_MAX_CIS)
         try:
@@ -91,7 +100,8 @@ def _state(session: NvmlSession, gi: Any, info: Any, uuid: str) -> GpuInstanceSt
     cis = tuple(sorted(
         (ComputeInstanceState(int(ci.id), int(ci.profileId),
                               Placement(int(ci.placement.start), int(ci.placement.size)))
-         for _, ci in _compute_instances(session, gi, uuid)), key=lambda c: c.id))
+         for _, ci in _compute_instances(session, gi, uuid, int(info.profileId))),
+        key=lambda c: c.id))
     return GpuInstanceState(
         id=int(info.id), profile_id=int(info.profileId),
         placement=Placement(int(info.placement.start), int(info.placement.size)),
@@ -134,7 +144,7 @@ def create_compute_instance(session: NvmlSession, handle: Any, uuid: str, gi_id:
     first listed: on an H100 1g.20gb that is 26 SMs instead of 16, go-nvlib #85)."""
     gi = session.call("nvmlDeviceGetGpuInstanceById", handle, gi_id, gpu=uuid)
     if ci_profile_id is None:
-        offered = _ci_profiles(session, gi, uuid)
+        offered = _ci_profiles(session, gi, uuid, _gi_profile_id(session, gi, uuid))
         if not offered:
             raise NvmlError(function="nvmlGpuInstanceGetComputeInstanceProfileInfo", code=3,
                             name="NVML_ERROR_NOT_SUPPORTED", gpu=uuid)
@@ -149,7 +159,7 @@ def create_compute_instance(session: NvmlSession, handle: Any, uuid: str, gi_id:
 def destroy_compute_instances(session: NvmlSession, handle: Any, uuid: str, gi_id: int) -> None:
     """Destroy every CI of GI ``gi_id`` (``IN_USE`` while a process runs on one)."""
     gi = session.call("nvmlDeviceGetGpuInstanceById", handle, gi_id, gpu=uuid)
-    for ci, _ in _compute_instances(session, gi, uuid):
+    for ci, _ in _compute_instances(session, gi, uuid, _gi_profile_id(session, gi, uuid)):
         session.call("nvmlComputeInstanceDestroy", ci, gpu=uuid)
 
 

@@ -11,9 +11,9 @@ import asyncio
 import contextvars
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from agent.errors import GpuLost, NvmlError
 from agent.gpu.backend import Nvml
@@ -62,6 +62,7 @@ class NvmlSession:
         self._lock = threading.Lock()
         self._lost: dict[str, str] = {}
         self._handles: dict[str, Any] = {}
+        self._fixed: dict[Hashable, Any] = {}
         self._initialised = False
         self._on_error = on_error
 
@@ -85,6 +86,8 @@ class NvmlSession:
             except NvmlError as err:
                 log.warning("nvml shutdown failed", extra={"error": err.name})
             self._initialised = False
+        with self._lock:
+            self._fixed.clear()
         self._reads.shutdown(wait=False, cancel_futures=True)
         for pool in self._mutators.values():
             pool.shutdown(wait=False, cancel_futures=True)
@@ -137,6 +140,17 @@ class NvmlSession:
             with self._lock:
                 self._handles[gpu_uuid] = handle
         return handle
+
+    def fixed(self, key: Hashable, read: Callable[[], T]) -> T:
+        """What ``read`` returns for ``key`` (from a worker thread), read once while NVML is
+        initialised: for facts the driver never changes then, such as a GPU's profiles."""
+        with self._lock:
+            if key in self._fixed:
+                return cast(T, self._fixed[key])
+        value = read()
+        with self._lock:
+            self._fixed.setdefault(key, value)
+        return value
 
     # -- GPU health seen through NVML errors -----------------------------------------------
 

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from agent.errors import NotFound
 from agent.gpu import mig
 from agent.gpu.inventory import GpuInventory, read_mig_devices
+from agent.gpu.session import NvmlSession
+from agent.gpu.sim.node import SimulatedNode
 from agent.gpu.sim.presets import PRESETS
 from agent.gpu.types import Placement
 from tests.gpu.conftest import SessionFactory
@@ -163,3 +168,101 @@ async def test_a_walk_racing_destroys_skips_what_vanished(open_session: SessionF
     finally:
         stop.set()
         worker.join()
+
+
+class _Held:
+    """The simulated NVML with one function's calls held at a gate while ``go`` is clear: a
+    read caught between its walk of the instances and its MIG device handles."""
+
+    def __init__(self, nvml: Any, function: str) -> None:
+        self._nvml = nvml
+        self._function = function
+        self.reached = threading.Event()
+        self.go = threading.Event()
+        self.go.set()
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._nvml, name)
+        if name != self._function:
+            return attribute
+
+        def held(*args: Any) -> Any:
+            if not self.go.is_set():
+                self.reached.set()
+                self.go.wait()
+            return attribute(*args)
+        return held
+
+
+async def test_a_refresh_never_answers_with_a_read_begun_before_it(tmp_path: Path) -> None:
+    """A caller that changed a GPU and then refreshes sees its change, even while a read
+    begun before the change is still under way (the node spec once joined such a read)."""
+    node = SimulatedNode("dgx-h100", tmp_path / "state", tmp_path / "proc")
+    held = _Held(node.nvml, "nvmlDeviceGetMigDeviceHandleByIndex")
+    session = NvmlSession(held)
+    try:
+        await session.initialise()
+        uuid = node.gpu_uuids()[0]
+        handle = node.nvml.nvmlDeviceGetHandleByIndex(0)
+        mig.set_mig_mode(session, handle, uuid, True)
+        mig.create_compute_instance(session, handle, uuid, mig.create_gpu_instance(
+            session, handle, uuid, 19, Placement(0, 1)))
+        inventory = GpuInventory(session)
+        await inventory.load()
+        held.go.clear()
+        before = asyncio.ensure_future(inventory.refresh([uuid]))
+        assert await asyncio.to_thread(held.reached.wait, 60), "the first read never walked"
+        mig.create_compute_instance(session, handle, uuid, mig.create_gpu_instance(
+            session, handle, uuid, 19, Placement(1, 1)))
+        after = asyncio.ensure_future(inventory.refresh([uuid]))
+        held.go.set()
+        first, second = await asyncio.gather(before, after)
+        assert [d.placement for d in first[0].mig_devices] == [Placement(0, 1)]
+        assert [d.placement for d in second[0].mig_devices] == [Placement(0, 1), Placement(1, 1)]
+        assert [d.placement for d in inventory.gpus[0].mig_devices] == \
+            [Placement(0, 1), Placement(1, 1)]
+    finally:
+        session.close()
+        node.close()
+
+
+async def test_a_refresh_of_some_gpus_reads_only_those(open_session: SessionFactory) -> None:
+    node, session = open_session("dgx-h100")
+    await session.initialise()
+    inventory = GpuInventory(session)
+    await inventory.load()
+    before = inventory.gpus
+    calls = node.describe()["calls"]["nvmlDeviceGetMigMode"]
+    gpus = await inventory.refresh([before[3].uuid])
+    assert node.describe()["calls"]["nvmlDeviceGetMigMode"] == calls + 1
+    assert [g.uuid for g in gpus] == [g.uuid for g in before]
+    assert [g is b for g, b in zip(gpus, before, strict=True)] == \
+        [True] * 3 + [False] + [True] * 4
+    await inventory.refresh()
+    assert node.describe()["calls"]["nvmlDeviceGetMigMode"] == calls + 1 + len(before)
+
+
+async def test_a_gis_compute_profiles_are_read_once_a_session(
+        open_session: SessionFactory) -> None:
+    """They are fixed by the GPU and the GI's profile; asking every GI on every walk was a
+    third of a slice prepare's NVML calls."""
+    node, session = open_session("dgx-h100")
+    await session.initialise()
+    uuid = node.gpu_uuids()[0]
+    handle = node.nvml.nvmlDeviceGetHandleByIndex(0)
+    mig.set_mig_mode(session, handle, uuid, True)
+    for start in range(3):
+        mig.create_compute_instance(session, handle, uuid, mig.create_gpu_instance(
+            session, handle, uuid, 19, Placement(start, 1)))
+    profiles = (await _loaded(session)).gpus[0].profiles
+    name = "nvmlGpuInstanceGetComputeInstanceProfileInfo"
+    first = node.describe()["calls"][name]
+    walked = mig.read_instances(session, handle, uuid, profiles)
+    assert node.describe()["calls"][name] == first
+    assert [len(g.compute_instances) for g in walked] == [1, 1, 1]
+
+
+async def _loaded(session: NvmlSession) -> GpuInventory:
+    inventory = GpuInventory(session)
+    await inventory.load()
+    return inventory
