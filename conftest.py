@@ -21,11 +21,16 @@ def pytest_configure(config: pytest.Config) -> None:
         "applied at collection by tests/processes.py, never by hand")
 
 
-#: Session fixtures worth one per run, not one per worker: tests using them go to one
-#: pytest-xdist worker (``--dist loadgroup``), which starts each API server once.
+#: Session fixtures worth a few per run, not a few per worker (an API server is about ten CPU
+#: seconds): tests using them go to one pytest-xdist worker (``--dist loadgroup``) per
+#: Kubernetes version the test names (its ``version`` parameter; the newest without one),
+#: which starts that version's API servers once. One worker for all of them ran them one
+#: after the other for longer than the rest of the suite.
 SHARED_SERVERS = {"kube_apiservers": "kube-apiserver"}
 
 
+# First, so the groups are marked before pytest-xdist reads them into the test IDs.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     classifier = Classifier()
     for item in items:
@@ -33,11 +38,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(PROCESS)
         for fixture, group in SHARED_SERVERS.items():
             if fixture in getattr(item, "fixturenames", ()):
-                item.add_marker(pytest.mark.xdist_group(group))
+                item.add_marker(pytest.mark.xdist_group(f"{group}-{_version(item)}"))
     # Longest first, so no worker starts a long test at the end while the others are idle:
     # the shared API server's tests (one worker runs them all), the slow ones, the others
     # that start processes, then the short in-process tests, which fill the workers up.
     items.sort(key=_run_order)
+
+
+def _version(item: pytest.Item) -> str:
+    callspec = getattr(item, "callspec", None)
+    version = callspec.params.get("version") if callspec is not None else None
+    return str(version) if version is not None else "newest"
 
 
 def _run_order(item: pytest.Item) -> int:

@@ -155,3 +155,46 @@ def test_an_unmarked_test_that_starts_a_process_fails_saying_so(
     ran.assert_outcomes(passed=1, failed=1)
     assert "test_hides_its_process started a process" in ran.stdout.str()
     assert "is not in the 'process' tier" in ran.stdout.str()
+
+
+GROUPED = """
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def kube_apiservers():
+    return None
+
+
+@pytest.mark.parametrize("version", ["1.34", "1.37"])
+@pytest.mark.parametrize("case", range(4))
+def test_versioned(kube_apiservers, version, case, tmp_path_factory):
+    (tmp_path_factory.getbasetemp().parent.parent / f"{version}-{case}").write_text(
+        str(os.getpid()))
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_newest(kube_apiservers, case, tmp_path_factory):
+    (tmp_path_factory.getbasetemp().parent.parent / f"newest-{case}").write_text(
+        str(os.getpid()))
+"""
+
+
+@starts_processes  # pytester's runpytest_subprocess, and the workers pytest-xdist starts
+def test_api_server_tests_run_on_one_worker_per_version(pytester: pytest.Pytester,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``--dist loadgroup`` the tests of one Kubernetes version's shared API servers
+    run in one worker, which starts them once (pytest-xdist#1386 silently dropped the
+    groups on pytest 9.2: every worker then started every server)."""
+    pytester.makeconftest(CONFTEST.read_text())
+    pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
+    pytester.makepyfile(test_grouped=GROUPED)
+    monkeypatch.setenv("PYTHONPATH", str(CONFTEST.parent))  # the conftest imports tests/
+    ran = pytester.runpytest_subprocess("-n", "3", "--dist", "loadgroup", "-p",
+                                        "no:cacheprovider")
+    ran.assert_outcomes(passed=12)
+    workers = {group: {(pytester.path / f"{group}-{case}").read_text() for case in range(4)}
+               for group in ("1.34", "1.37", "newest")}
+    assert all(len(pids) == 1 for pids in workers.values()), workers

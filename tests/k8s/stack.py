@@ -358,7 +358,11 @@ class Stack:
         """This node's slices once the API server holds exactly what the agent renders now:
         one generation, every slice of the pool, the same devices and counter sets. What a
         scheduler sees a moment after a change (a claim's prepare switches MIG on or makes
-        an instance) before the publisher has caught up is a pool of mixed generations."""
+        an instance) before the publisher has caught up is a pool of mixed generations, or
+        the complete pool of the generation before the change: the same device names (a
+        dynamic MIG pool lists every device whatever is made) with the old content. The
+        agent bumps its generation on every content change and the publisher writes at
+        least that one, so a pool below the agent's generation is not current."""
         version = self.server.version
 
         def names(items: list[Json], key: str) -> set[str]:
@@ -369,7 +373,9 @@ class Stack:
                 "GET", f"/v1/resourceslices?kubernetes={version}").body["items"]
             pools = {(s["spec"]["pool"]["generation"], s["spec"]["pool"]["resourceSliceCount"])
                      for s in found}
+            generation = max((s["spec"]["pool"]["generation"] for s in rendered), default=0)
             return (len(pools) == 1 and next(iter(pools))[1] == len(found)
+                    and next(iter(pools))[0] >= generation
                     and names(found, "devices") == names(rendered, "devices")
                     and names(found, "sharedCounters") == names(rendered, "sharedCounters"))
 
