@@ -7,7 +7,8 @@ STAMP  := $(VENV)/.installed-stamp
 
 # pytest workers. The process tier mostly waits on agents, Go programs and kube-apiserver, so
 # it runs three workers a core (on 2 cores: 4 workers 11.6 min, 6 workers 10.8, before the run
-# order of conftest.py); the in-process tier is CPU-bound: one per core.
+# order and the API-server groups of conftest.py; 9.0 min with them, docs/benchmarks.md); the
+# in-process tier is CPU-bound: one per core.
 CORES   := $(shell nproc 2>/dev/null || echo 2)
 WORKERS ?= $(shell echo $$(( $(CORES) * 3 )))
 

@@ -85,7 +85,8 @@ async def test_a_wait_ends_in_304_without_a_change(
     started = time.monotonic()
     reply = await client.get(URL + "?wait_s=0.6", headers={"If-None-Match": etag})
     assert reply.status == 304
-    assert 0.6 <= time.monotonic() - started < 3
+    # Not before wait_s; the upper bound only tells it from a wait of the 30 s default.
+    assert 0.6 <= time.monotonic() - started < 20
 
 
 def _holding(node: Node, monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
@@ -106,7 +107,8 @@ async def test_a_change_wakes_a_waiting_request(
         served: Callable[..., Awaitable[Started]], change: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A quarantine, a claim's hold on a whole GPU or a transition's marks answer a waiting
-    request within 2 s with the new content (the GPU's placements gone) and a new ETag."""
+    request with the new content (the GPU's placements gone) and a new ETag, long before its
+    20 s wait ends (how soon is bench/dra.py's republish figure, not a timed test)."""
     client, node = await served(dynamic_mig=True)
     held = _holding(node, monkeypatch)
     first = await client.get(URL)
@@ -116,7 +118,6 @@ async def test_a_change_wakes_a_waiting_request(
     await asyncio.wait_for(held.wait(), 10)
     assert not waiting.done()
     gpu = node.inventory.gpus[3]
-    started = time.monotonic()
     if change == "quarantine":
         await node.ledger.quarantine(gpu.uuid, "test")
     elif change == "claim":  # what a claim made over REST holds (the scheduler cannot see it)
@@ -126,7 +127,6 @@ async def test_a_change_wakes_a_waiting_request(
         seven = next(p for p in gpu.profiles if p.name == "7g.80gb")
         node.ledger.name_transition(gpu.uuid, "t-1", create=seven.placements)
     reply = await asyncio.wait_for(waiting, 10)
-    assert time.monotonic() - started < 2
     assert reply.status == 200
     assert reply.headers["ETag"] != etag
     body = await reply.json()

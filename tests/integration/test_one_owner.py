@@ -87,13 +87,21 @@ def _claim_calls(mig_uuid: str) -> Callable[[int], Call]:
 
 
 def _prepares_from_bind(tmp_path: Path, restarts: int) -> None:
+    """``restarts`` restarts in which requests were answered before ready. A restart whose
+    recovery finished before the first request (the client slows NVML only once the socket
+    accepts, and a loaded machine may run the agent first) is checked all the same, and
+    another one is made in its stead, up to three times as many as asked."""
     state = tmp_path / "state"
     token, before = prepared_node(state)
     mig_uuid = before["mig"]["devices"][0]["uuid"]
-    for _ in range(restarts):
+    exercised = made = 0
+    while exercised < restarts:
+        assert made < 3 * restarts, \
+            f"only {exercised} of {made} restarts had a request answered before ready"
+        made += 1
         agent, result = restart_from_bind(state, token, _claim_calls(mig_uuid))
         try:
-            assert result.early(), "no request was answered before ready"
+            exercised += bool(result.early())
             assert result.violations() == []
             assert_claims_intact(agent, before)
             before = claims(agent)
