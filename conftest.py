@@ -40,7 +40,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if fixture in getattr(item, "fixturenames", ()):
                 item.add_marker(pytest.mark.xdist_group(f"{group}-{_version(item)}"))
     # Longest first, so no worker starts a long test at the end while the others are idle:
-    # the shared API server's tests (one worker runs them all), the slow ones, the others
+    # the shared API servers' tests (one worker a version), the slow ones, the others
     # that start processes, then the short in-process tests, which fill the workers up.
     items.sort(key=_run_order)
 

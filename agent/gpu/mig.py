@@ -39,7 +39,9 @@ _MAX_GIS = 8
 def _ci_profiles(session: NvmlSession, gi: Any, uuid: str, gi_profile_id: int) -> list[Any]:
     """The compute-instance profiles a GPU instance offers (NVML profile info structs): fixed
     by the GPU and the GI's profile, so read once a session (a walk otherwise asks each GI
-    eight times)."""
+    eight times). A GI destroyed while they were read raises its ``_GONE`` error: a stale
+    handle answers INVALID_ARGUMENT, which reads as "profile not offered", and a list cut
+    short that way must not be remembered for every later GI of that profile."""
     def read() -> list[Any]:
         nvml = session.nvml
         found = []
@@ -51,6 +53,7 @@ def _ci_profiles(session: NvmlSession, gi: Any, uuid: str, gi_profile_id: int) -
             except NvmlError as err:
                 if err.name not in _NOT_AVAILABLE:
                     raise
+        session.call("nvmlGpuInstanceGetInfo", gi, gpu=uuid)  # still there throughout
         return found
     return session.fixed(("ci-profiles", uuid, gi_profile_id), read)
 
@@ -63,8 +66,14 @@ def _compute_instances(session: NvmlSession, gi: Any, uuid: str,
                        gi_profile_id: int) -> list[tuple[Any, Any]]:
     """(handle, info) of every compute instance in a GPU instance."""
     nvml = session.nvml
-    found = []
-    for profile in _ci_profiles(session, gi, uuid, gi_profile_id):
+    found: list[tuple[Any, Any]] = []
+    try:
+        profiles = _ci_profiles(session, gi, uuid, gi_profile_id)
+    except NvmlError as err:
+        if err.name not in _GONE:
+            raise
+        return found  # destroyed while this walk ran: no compute instances to list
+    for profile in profiles:
         array = (nvml.c_nvmlComputeInstance_t * _MAX_CIS)()
         count = ctypes.c_uint(_MAX_CIS)
         try:

@@ -266,3 +266,34 @@ async def _loaded(session: NvmlSession) -> GpuInventory:
     inventory = GpuInventory(session)
     await inventory.load()
     return inventory
+
+
+async def test_a_gi_destroyed_mid_walk_leaves_no_short_profile_list_behind(
+        tmp_path: Path) -> None:
+    """A walk that reads a GI's compute profiles while the GI is destroyed gets "not offered"
+    for the rest (a stale handle answers INVALID_ARGUMENT); that short list is not remembered,
+    so the next GI of the profile still shows its compute instance."""
+    node = SimulatedNode("dgx-h100", tmp_path / "state", tmp_path / "proc")
+    held = _Held(node.nvml, "nvmlGpuInstanceGetComputeInstanceProfileInfo")
+    session = NvmlSession(held)
+    try:
+        await session.initialise()
+        uuid = node.gpu_uuids()[0]
+        handle = node.nvml.nvmlDeviceGetHandleByIndex(0)
+        mig.set_mig_mode(session, handle, uuid, True)
+        profiles = (await _loaded(session)).gpus[0].profiles  # no GI walked: nothing cached
+        gi = mig.create_gpu_instance(session, handle, uuid, 19, Placement(0, 1))
+        held.go.clear()
+        walk = asyncio.ensure_future(asyncio.to_thread(
+            mig.read_instances, session, handle, uuid, profiles))
+        assert await asyncio.to_thread(held.reached.wait, 30), "the walk never got there"
+        mig.destroy_gpu_instance(session, handle, uuid, gi)
+        held.go.set()
+        await walk
+        mig.create_compute_instance(session, handle, uuid, mig.create_gpu_instance(
+            session, handle, uuid, 19, Placement(1, 1)))
+        [made] = mig.read_instances(session, handle, uuid, profiles)
+        assert len(made.compute_instances) == 1
+    finally:
+        session.close()
+        node.close()
