@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,9 +26,9 @@ def add_parser(sub: Any) -> None:
     host.add_argument("--mps-control", type=Path, metavar="PATH",
                       help="the nvidia-cuda-mps-control binary, the only one run")
     host.add_argument("--private-shm", action="store_true",
-                      help="run each daemon in a mount namespace of its own with <dir of the "
-                           "pipe directory>/shm at /dev/shm, the directory its clients get "
-                           "there (needs CAP_SYS_ADMIN, unshare and mount)")
+                      help="give each daemon <dir of the pipe directory>/shm at /dev/shm, the "
+                           "directory its clients get there (in the mount namespace of its "
+                           "own every daemon gets)")
     host.add_argument("--socket-group", metavar="GROUP",
                       help="group that may use the socket (mode 0660), name or number "
                            "(default: none, mode 0600, root only)")
@@ -37,6 +36,10 @@ def add_parser(sub: Any) -> None:
                       help="label each daemon's pipe and shm directories with this SELinux "
                            "context before it starts, e.g. system_u:object_r:"
                            "container_file_t:s0 on OpenShift (default: leave labels alone)")
+    host.add_argument("--max-connections", type=_positive, default=None, metavar="N",
+                      help="connections open at once; over it the oldest one that has not "
+                           "sent its request is answered busy and closed, or the new one "
+                           "when none is waiting (default 64)")
     host.add_argument("--ping", action="store_true",
                       help="only ask the host on --socket whether it is ready (exit 0) or "
                            "not (exit 1): a probe")
@@ -46,13 +49,19 @@ def add_parser(sub: Any) -> None:
                       default="info", help="log verbosity (default info)")
 
 
+def _positive(text: str) -> int:
+    if not (text.isascii() and text.isdigit()) or not 0 < int(text) <= 65536:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number in 1..65536")
+    return int(text)
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM (0), or answer ``--ping``; 2 when it cannot start."""
     from agent import logs  # noqa: PLC0415 - keeps the client verbs fast
     from agent.errors import AgentError  # noqa: PLC0415
     from agent.mps.host_client import HostLauncher  # noqa: PLC0415
     from agent.mpshost.policy import LaunchPolicy  # noqa: PLC0415
-    from agent.mpshost.server import MpsHost, group_id  # noqa: PLC0415
+    from agent.mpshost.server import MAX_CONNECTIONS, MpsHost, group_id  # noqa: PLC0415
     from agent.mpshost.server import run as serve  # noqa: PLC0415
 
     if args.ping:
@@ -66,10 +75,6 @@ def run(args: argparse.Namespace) -> int:
                 (("mps-root", args.mps_root), ("mps-control", args.mps_control)) if not value]
     if args.mps_control and not os.access(args.mps_control, os.X_OK):
         problems.append(f"--mps-control {args.mps_control} is not an executable file")
-    tools = {name: shutil.which(name) for name in ("unshare", "mount")} \
-        if args.private_shm else {}
-    problems += [f"--private-shm needs {name} on PATH" for name, path in tools.items()
-                 if path is None]
     group = None
     if args.socket_group is not None:
         try:
@@ -82,11 +87,10 @@ def run(args: argparse.Namespace) -> int:
     logs.configure(args.log_format, args.log_level)
     policy = LaunchPolicy(
         mps_control=args.mps_control.absolute(), mps_root=args.mps_root.absolute(),
-        private_shm=args.private_shm, unshare=tools.get("unshare") or "/usr/bin/unshare",
-        mount=tools.get("mount") or "/usr/bin/mount",
-        library_path=os.environ.get("LD_LIBRARY_PATH") or None)
+        private_shm=args.private_shm, library_path=os.environ.get("LD_LIBRARY_PATH") or None)
     host = MpsHost(policy, socket_path=args.socket.absolute(), socket_group=group,
-                   selinux_context=args.selinux_context)
+                   selinux_context=args.selinux_context,
+                   max_connections=args.max_connections or MAX_CONNECTIONS)
     try:
         return asyncio.run(serve(host))
     except AgentError as err:

@@ -15,7 +15,7 @@ import contextlib
 import os
 import signal
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import IO
 
 from agent.errors import SharingUnavailable
@@ -36,12 +36,12 @@ class DirectLauncher:
     """Runs each start as a child of this process, with exactly the environment given."""
 
     async def launch(self, argv: Sequence[str], env: Mapping[str, str], *,
-                     timeout_s: float) -> LaunchResult:
-        """Run ``argv`` with ``env`` and wait (at most ``timeout_s``) for it to exit; its
-        output goes to a temporary file rather than a pipe, so a daemon that keeps the
-        inherited descriptors open cannot hold the launch up. Raises SharingUnavailable when
-        the binary cannot be run or does not exit in time (then its process group is
-        killed)."""
+                     timeout_s: float, pass_fds: Collection[int] = ()) -> LaunchResult:
+        """Run ``argv`` with ``env`` (and the descriptors ``pass_fds``) and wait (at most
+        ``timeout_s``) for it to exit; its output goes to a temporary file rather than a
+        pipe, so a daemon that keeps the inherited descriptors open cannot hold the launch
+        up. Raises SharingUnavailable when the binary cannot be run or does not exit in time
+        (then its process group is killed)."""
         if not argv:
             raise SharingUnavailable("MPS launch: empty command", tool=TOOL,
                                      reason="empty command")
@@ -51,7 +51,8 @@ class DirectLauncher:
             try:
                 proc = await asyncio.create_subprocess_exec(
                     *argv, env=dict(env), stdin=asyncio.subprocess.DEVNULL, stdout=out,
-                    stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+                    stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+                    pass_fds=tuple(pass_fds))
             except OSError as err:
                 raise SharingUnavailable(f"cannot run {argv[0]}: {err.strerror or err}",
                                          tool=TOOL, reason=f"cannot run: {err}") from err

@@ -9,6 +9,8 @@ through its pipe directory as before. Wire format: ``agent/mps/protocol.py``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,8 @@ from agent.mps.direct import DirectLauncher
 from agent.mps.launch import LaunchResult, MpsLauncher
 
 TOOL = "mps-host"
+#: The first pause before connecting again to a host whose listen backlog is full.
+_CONNECT_RETRY_S = 0.005
 
 
 class HostLauncher:
@@ -73,24 +77,46 @@ class HostLauncher:
         return reply
 
     async def _round_trip(self, line: bytes) -> dict[str, Any]:
-        reader, writer = await asyncio.open_unix_connection(
-            str(self.socket_path), limit=protocol.MAX_LINE)
-        try:
-            writer.write(line)
-            await writer.drain()
-            try:
-                answer = await reader.readline()
-            except ValueError as err:  # past the stream's limit
-                raise protocol.ProtocolError(str(err)) from err
-            if not answer:
+        loop = asyncio.get_running_loop()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.setblocking(False)
+            await _connect(sock, str(self.socket_path))
+            # A busy host answers before it reads and closes: the request may not go out
+            # (EPIPE), but the answer is there to read.
+            with contextlib.suppress(ConnectionError):
+                await loop.sock_sendall(sock, line)
+            answer = b""
+            while not answer.endswith(b"\n"):
+                try:
+                    chunk = await loop.sock_recv(sock, protocol.MAX_LINE)
+                except ConnectionResetError:
+                    break  # closed with our request unread, after what it had to say
+                if not chunk:
+                    break
+                answer += chunk
+                if len(answer) > protocol.MAX_LINE:
+                    raise protocol.ProtocolError(f"answer over {protocol.MAX_LINE} bytes")
+            if not answer.endswith(b"\n"):
                 raise protocol.ProtocolError("closed without an answer")
             return protocol.decode(answer)
-        finally:
-            writer.close()
 
     def _error(self, what: str, *, reason: str | None = None) -> SharingUnavailable:
         return SharingUnavailable(f"MPS host on {self.socket_path}: {what}", tool=TOOL,
                                   reason=reason or what)
+
+
+async def _connect(sock: socket.socket, path: str) -> None:
+    """Connect the non-blocking ``sock`` to ``path``. A Unix socket's connect never waits in
+    the kernel: it fails EAGAIN while the listen backlog is full (a flood of peers), so it
+    is tried again, a little later each time, until the caller's deadline."""
+    pause = _CONNECT_RETRY_S
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError:
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.1)
 
 
 def launcher_for(socket_path: Path | None) -> MpsLauncher:

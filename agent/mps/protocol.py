@@ -10,7 +10,11 @@ Requests (``"v"`` is the protocol version, always sent):
 
 A refusal is ``{"v": 1, "ok": false, "error": KIND, "reason": "...", "field": "..."}`` with
 KIND one of :data:`ERRORS`. A line is at most :data:`MAX_LINE` bytes either way; a peer that
-sends more, or nothing within :data:`READ_TIMEOUT_S`, is answered ``bad-request`` and dropped.
+sends more, anything that does not parse (nesting too deep included), or nothing within
+:data:`READ_TIMEOUT_S`, is answered ``bad-request`` and dropped. The host serves its peers
+concurrently up to a cap of open connections: over it, the oldest connection still waiting
+for its request line is answered ``busy`` and closed to make room, and when none is waiting
+the new one is (``busy`` means: try again shortly).
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ READ_TIMEOUT_S = 5.0
 MAX_LAUNCH_TIMEOUT_S = 120.0
 #: Refusal kinds: malformed or oversized request; a version the host does not speak; the
 #: peer is neither root nor in the socket's group; a launch outside the host's policy; the
-#: start could not be run at all.
-ERRORS = ("bad-request", "version", "forbidden", "refused", "failed")
+#: start could not be run at all; the host is at its connection cap.
+ERRORS = ("bad-request", "version", "forbidden", "refused", "failed", "busy")
 
 
 class ProtocolError(ValueError):
@@ -49,8 +53,10 @@ def decode(line: bytes) -> dict[str, Any]:
         raise ProtocolError(f"line of {len(line)} bytes is over {MAX_LINE}")
     try:
         message = json.loads(line)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ProtocolError(f"not JSON: {err}") from err
+    except RecursionError:
+        raise ProtocolError("not JSON this host reads: nested too deeply") from None
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, an integer too long
+        raise ProtocolError(f"not JSON: {err}") from None
     if not isinstance(message, dict):
         raise ProtocolError("not a JSON object")
     return message

@@ -1,9 +1,12 @@
-"""What the MPS host agrees to run (pure checks; the filesystem is only read).
+"""What the MPS host agrees to run (pure checks: nothing here opens a directory).
 
 The host runs as root outside the agent's container, so it accepts exactly one command, the
 configured ``nvidia-cuda-mps-control`` with ``-d``, and an environment of the three MPS
-variables whose directories lie under its ``--mps-root``. Anything else is refused with a
-reason naming the offending field: a compromised agent gets no more than a daemon start.
+variables whose directories are spelled below its ``--mps-root``. Anything else is refused
+with a reason naming the offending field: a compromised agent gets no more than a daemon
+start. The check is on the spelling only; the directories themselves are opened afterwards
+without following a symlink (:mod:`agent.mpshost.directories`), and the daemon reaches only
+the opened ones (:mod:`agent.mpshost.confine`).
 """
 
 from __future__ import annotations
@@ -23,13 +26,22 @@ ALLOWED_ENV = (PIPE, LOG, VISIBLE, "PATH")
 #: The search path daemons get (the binary's directory first, where the driver keeps
 #: nvidia-cuda-mps-server beside the control binary).
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#: The shm directory beside the pipe directory (``<root>/<id>/shm``, what the claim's
+#: containers get at /dev/shm).
+SHM = "shm"
 _DEVICE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_:./-]{0,95}")
 _MAX_VALUE = 4096
+_MAX_NAME = 255  # NAME_MAX: the most bytes of one path component
 _MAX_DEVICES = 64
+
+Parts = tuple[str, ...]
+"""A directory below the MPS root, as its path components (never empty, never ``..``)."""
 
 
 class Refused(ValueError):
     """A launch the policy does not allow: ``field`` is the part of the request at fault."""
+
+    kind = "refused"
 
     def __init__(self, field: str, reason: str) -> None:
         super().__init__(f"{field}: {reason}")
@@ -37,16 +49,28 @@ class Refused(ValueError):
         self.reason = reason
 
 
+class Malformed(Refused):
+    """A value that is no value of its kind at all (not text, not a file name): answered
+    ``bad-request`` rather than ``refused``."""
+
+    kind = "bad-request"
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
-    """One accepted start: what runs, with which environment, for which directories."""
+    """One accepted start: what the daemon runs with which environment, and the directories
+    below ``root`` it gets."""
 
     argv: tuple[str, ...]
     env: Mapping[str, str]
-    pipe: Path
-    log: Path
-    shm: Path | None
-    """The directory bind-mounted at ``/dev/shm`` for the daemon (``--private-shm``)."""
+    root: Path
+    """The MPS root with its symlinks resolved (the admin's path: trusted)."""
+    pipe: Parts
+    log: Parts
+    shm: Parts
+    """``<pipe's parent>/shm``: bound at /dev/shm for the daemon with ``private_shm``, and
+    labelled with ``--selinux-context`` when it exists."""
+    private_shm: bool
 
 
 @dataclass(frozen=True)
@@ -56,8 +80,6 @@ class LaunchPolicy:
     mps_control: Path
     mps_root: Path
     private_shm: bool = False
-    unshare: str = "/usr/bin/unshare"
-    mount: str = "/usr/bin/mount"
     library_path: str | None = None
     """LD_LIBRARY_PATH for daemons: the host's own (the driver root's libraries in a
     container), never the caller's."""
@@ -68,7 +90,8 @@ class LaunchPolicy:
                 "private_shm": self.private_shm}
 
     def check(self, argv: Any, env: Any) -> LaunchPlan:
-        """The plan for ``argv`` and ``env`` as received, or Refused naming the field."""
+        """The plan for ``argv`` and ``env`` as received, or Refused (Malformed) naming the
+        field."""
         if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
             raise Refused("argv", "must be a list of strings")
         if argv != [str(self.mps_control), "-d"]:
@@ -77,18 +100,26 @@ class LaunchPolicy:
         if not isinstance(env, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
             raise Refused("env", "must be an object of strings")
+        for key, value in env.items():
+            if not _is_text(key) or not _is_text(value):
+                raise Malformed(f"env.{_printable(key)}", "is not valid Unicode text (a lone "
+                                                          "surrogate)")
         extra = sorted(set(env) - set(ALLOWED_ENV))
         if extra:
             raise Refused(f"env.{extra[0]}", f"not allowed (only {', '.join(ALLOWED_ENV)})")
         for key, value in env.items():
             if len(value) > _MAX_VALUE or "\0" in value:
                 raise Refused(f"env.{key}", "too long or holds a NUL")
-        pipe = self._directory(env, PIPE)
-        log = self._directory(env, LOG)
-        # The resolved paths, checked above: a symlink swapped in after the check cannot
-        # redirect the daemon (its clients name the directory their own way anyway: the CDI
-        # spec mounts it at /tmp/nvidia-mps in containers).
-        out = {PIPE: str(pipe), LOG: str(log),
+        # Resolved once here, for the spelling the daemon gets: the root is the admin's.
+        root = Path(os.path.realpath(self.mps_root))
+        pipe = self._below(env, PIPE, root)
+        log = self._below(env, LOG, root)
+        if _within(pipe, log) or _within(log, pipe):
+            # Each is bound at its own path in the daemon's namespace; one inside the other
+            # would be reached through the other's real directory, where links can be swapped.
+            raise Refused(f"env.{LOG}", "must neither be the pipe directory nor lie inside "
+                                        "it or contain it")
+        out = {PIPE: str(root.joinpath(*pipe)), LOG: str(root.joinpath(*log)),
                "PATH": f"{self.mps_control.parent}:{SYSTEM_PATH}"}
         if VISIBLE in env:
             devices = env[VISIBLE].split(",")
@@ -98,36 +129,42 @@ class LaunchPolicy:
             out[VISIBLE] = env[VISIBLE]
         if self.library_path:
             out["LD_LIBRARY_PATH"] = self.library_path
-        shm = None
-        command: tuple[str, ...] = (str(self.mps_control), "-d")
-        if self.private_shm:
-            # <root>/<id>/pipe -> <root>/<id>/shm: the directory the claim's containers get
-            # at /dev/shm. The daemon gets it there too, in a mount namespace of its own.
-            shm = self._inside(pipe.parent / "shm", f"env.{PIPE}",
-                               "has no shm directory beside it (--private-shm)")
-            command = (self.unshare, "--mount", "--propagation", "private", "--", "/bin/sh",
-                       "-c", '"$3" --bind "$1" /dev/shm && exec "$2" -d', "mps-host",
-                       str(shm), str(self.mps_control), self.mount)
-        return LaunchPlan(argv=command, env=out, pipe=pipe, log=log, shm=shm)
+        return LaunchPlan(argv=(str(self.mps_control), "-d"), env=out, root=root, pipe=pipe,
+                          log=log, shm=(*pipe[:-1], SHM), private_shm=self.private_shm)
 
-    def _directory(self, env: Mapping[str, str], key: str) -> Path:
+    def _below(self, env: Mapping[str, str], key: str, root: Path) -> Parts:
+        """The components below the root of ``env[key]``, spelled from the root as
+        configured or as resolved."""
         if key not in env:
             raise Refused(f"env.{key}", "missing")
         raw = env[key]
         if not os.path.isabs(raw) or os.path.normpath(raw) != raw.rstrip("/"):
             raise Refused(f"env.{key}", "must be an absolute, normalized path")
-        return self._inside(Path(raw), f"env.{key}", "is not a directory")
+        path = os.path.normpath(raw)
+        for spelling in {os.path.normpath(self.mps_root), str(root)}:
+            prefix = spelling.rstrip("/") + "/"
+            if path.startswith(prefix) and len(path) > len(prefix):
+                parts = tuple(path[len(prefix):].split("/"))
+                if any(len(os.fsencode(part)) > _MAX_NAME for part in parts):
+                    raise Malformed(f"env.{key}", f"a component is over {_MAX_NAME} bytes")
+                return parts
+        raise Refused(f"env.{key}", f"{raw} is not under the MPS root {self.mps_root}")
 
-    def _inside(self, path: Path, field: str, missing: str) -> Path:
-        """``path`` with its symlinks resolved, when that is a directory strictly below the
-        MPS root (an intermediate symlink cannot lead out of it)."""
-        root = Path(os.path.realpath(self.mps_root))
-        real = Path(os.path.realpath(path))
-        if real == root or root not in real.parents:
-            raise Refused(field, f"{path} is not under the MPS root {self.mps_root}")
-        if not real.is_dir():
-            raise Refused(field, f"{path} {missing}")
-        return real
+
+def _within(inner: Parts, outer: Parts) -> bool:
+    return inner[:len(outer)] == outer
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _printable(value: str) -> str:
+    return value.encode("ascii", "backslashreplace").decode("ascii")
 
 
 def _short(value: Any) -> str:

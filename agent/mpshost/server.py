@@ -3,11 +3,15 @@ agent, so that they live in its cgroup rather than the agent's and outlive agent
 
 It listens on a Unix socket (mode 0660 with ``--socket-group``, else 0600), answers only
 root, its own user and members of the socket's group (``SO_PEERCRED``, and the peer's
-supplementary groups from ``/proc``), checks each launch
-against :class:`~agent.mpshost.policy.LaunchPolicy` and runs it with
-:class:`~agent.mps.direct.DirectLauncher`. Everything else about a daemon (its commands,
-``quit``) the agent does itself through the pipe directory. On SIGTERM it stops accepting,
-lets the launches in flight finish, removes its socket and exits; it never stops a daemon.
+supplementary groups from ``/proc``), checks each launch against
+:class:`~agent.mpshost.policy.LaunchPolicy`, opens its directories without following a
+symlink (:mod:`agent.mpshost.directories`) and runs it confined to them
+(:mod:`agent.mpshost.confine`) with :class:`~agent.mps.direct.DirectLauncher`. Everything
+else about a daemon (its commands, ``quit``) the agent does itself through the pipe
+directory. Peers are served concurrently, at most ``max_connections`` open at once (the
+oldest one still waiting for its request line makes room for a new one; see
+:mod:`agent.mps.protocol`). On SIGTERM it stops accepting, lets the launches in flight
+finish, removes its socket and exits; it never stops a daemon.
 """
 
 from __future__ import annotations
@@ -28,12 +32,14 @@ from typing import Any
 from agent.errors import AgentError
 from agent.mps import protocol
 from agent.mps.direct import DirectLauncher
-from agent.mpshost.policy import LaunchPolicy, Refused
+from agent.mpshost import confine, directories
+from agent.mpshost.policy import LOG, PIPE, LaunchPlan, LaunchPolicy, Refused
 
 log = logging.getLogger("agent.mpshost")
 
-#: Connections served at once; more wait in the listen backlog.
-MAX_CONNECTIONS = 16
+#: Connections open at once (each a descriptor and a task); over it, room is made by
+#: dropping the oldest one that has not sent its request, or the new one is answered busy.
+MAX_CONNECTIONS = 64
 #: Launches run at once (each is a short-lived ``-d`` parent).
 MAX_LAUNCHES = 4
 #: How long SIGTERM waits for launches in flight.
@@ -69,21 +75,30 @@ class MpsHost:
     """The server: bind with :meth:`start`, then :meth:`serve` until ``stop`` is set."""
 
     def __init__(self, policy: LaunchPolicy, *, socket_path: Path, socket_group: int | None,
-                 selinux_context: str | None = None,
-                 launcher: DirectLauncher | None = None) -> None:
+                 selinux_context: str | None = None, launcher: DirectLauncher | None = None,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         self.policy = policy
         self.socket_path = socket_path
         self.socket_group = socket_group
         self.selinux_context = selinux_context
+        self.max_connections = max_connections
         self._launcher = launcher or DirectLauncher()
         self._server: asyncio.AbstractServer | None = None
-        self._connections = asyncio.Semaphore(MAX_CONNECTIONS)
         self._launches = asyncio.Semaphore(MAX_LAUNCHES)
-        self._tasks: set[asyncio.Task[Any]] = set()
+        #: Every open connection's task, oldest first, to whether it still waits for its
+        #: request line (only those may be dropped to make room).
+        self._tasks: dict[asyncio.Task[Any], bool] = {}
+        self._dropped: set[asyncio.Task[Any]] = set()
 
     async def start(self) -> None:
-        """Bind the socket. A stale socket file is replaced; one that a running host answers
-        on is not (AgentError: two hosts would race for the same daemons)."""
+        """Check that daemons can be confined, then bind the socket. A stale socket file is
+        replaced; one that a running host answers on is not (AgentError: two hosts would race
+        for the same daemons)."""
+        probe = await self._launcher.launch(confine.probe_command(), {}, timeout_s=30.0)
+        if probe.returncode != 0:
+            raise AgentError("cannot give daemons mount namespaces of their own, which confine "
+                             "each to its directories (the MPS host needs CAP_SYS_ADMIN): "
+                             f"{probe.output.strip() or f'exit status {probe.returncode}'}")
         path = self.socket_path
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists() or path.is_symlink():
@@ -103,7 +118,8 @@ class MpsHost:
             os.chown(path, -1, self.socket_group)
             os.chmod(path, 0o660)
         log.info("mps-host listening", extra={
-            "socket": str(path), "socket_group": self.socket_group, **self.policy.describe()})
+            "socket": str(path), "socket_group": self.socket_group,
+            "max_connections": self.max_connections, **self.policy.describe()})
 
     async def serve(self, stop: asyncio.Event) -> None:
         """Serve until ``stop``; then stop accepting, drain, remove the socket."""
@@ -113,7 +129,7 @@ class MpsHost:
         log.info("mps-host stopping: no new connections; daemons keep running",
                  extra={"in_flight": len(self._tasks)})
         if self._tasks:
-            _, pending = await asyncio.wait(self._tasks, timeout=DRAIN_S)
+            _, pending = await asyncio.wait(list(self._tasks), timeout=DRAIN_S)
             for task in pending:
                 task.cancel()
         await self._server.wait_closed()
@@ -125,26 +141,63 @@ class MpsHost:
                       writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self._tasks.add(task)
+        self._tasks[task] = True
         try:
-            async with self._connections:
-                reply = await self._answer(reader, writer)
-                writer.write(protocol.encode(reply))
-                with contextlib.suppress(ConnectionError):
-                    await asyncio.wait_for(writer.drain(), protocol.READ_TIMEOUT_S)
+            if len(self._tasks) > self.max_connections and not self._make_room(task):
+                log.warning("mps-host busy: a connection over the cap was answered busy",
+                            extra={"max_connections": self.max_connections})
+                reply = protocol.refusal("busy", f"{self.max_connections} connections are "
+                                                 "open with requests in progress; try again")
+            else:
+                reply = await self._served(task, reader, writer)
+            writer.write(protocol.encode(reply))
+            with contextlib.suppress(ConnectionError):
+                await asyncio.wait_for(writer.drain(), protocol.READ_TIMEOUT_S)
         except (ConnectionError, TimeoutError, protocol.ProtocolError) as err:
             log.warning("mps-host connection dropped", extra={"reason": str(err)})
         finally:
-            self._tasks.discard(task)
+            del self._tasks[task]
+            self._dropped.discard(task)
             writer.close()
 
-    async def _answer(self, reader: asyncio.StreamReader,
+    def _make_room(self, newcomer: asyncio.Task[Any]) -> bool:
+        """Drop the oldest connection that has not sent its request yet (its read is
+        cancelled, it is answered busy); False when every other one is at work."""
+        oldest = next((t for t, waiting in self._tasks.items()
+                       if waiting and t is not newcomer and t not in self._dropped), None)
+        if oldest is None:
+            return False
+        self._dropped.add(oldest)
+        oldest.cancel()
+        return True
+
+    async def _served(self, task: asyncio.Task[Any], reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> dict[str, Any]:
+        """The reply to one connection: its request's answer, busy when it was dropped to
+        make room, ``failed`` naming an internal error rather than no answer at all."""
+        try:
+            return await self._answer(task, reader, writer)
+        except asyncio.CancelledError:
+            if task not in self._dropped:
+                raise
+            task.uncancel()
+            log.warning("mps-host busy: dropped the oldest connection without a request",
+                        extra={"max_connections": self.max_connections})
+            return protocol.refusal("busy", f"{self.max_connections} connections are open; "
+                                            "this one had sent no request and made room")
+        except Exception as err:  # a bug costs one answer, never an unanswered peer
+            log.error("mps-host internal error", extra={"error": f"{type(err).__name__}: "
+                                                                 f"{err}"})
+            return protocol.refusal("failed", f"internal error ({type(err).__name__})")
+
+    async def _answer(self, task: asyncio.Task[Any], reader: asyncio.StreamReader,
                       writer: asyncio.StreamWriter) -> dict[str, Any]:
         peer = peer_of(writer.get_extra_info("socket"))
         try:
             # The line is read (bounded) before the peer is judged, so that a refused peer
             # gets its answer instead of a reset for unread data.
             line = await asyncio.wait_for(reader.readline(), protocol.READ_TIMEOUT_S)
+            self._tasks[task] = False
             if not self._allowed(peer):
                 log.warning("mps-host refused a peer", extra={
                     "peer_pid": peer.pid, "peer_uid": peer.uid, "peer_gid": peer.gid})
@@ -187,33 +240,55 @@ class MpsHost:
         try:
             plan = self.policy.check(request.get("argv"), request.get("env"))
         except Refused as err:
-            log.warning("mps-host refused a launch", extra={
-                "field": err.field, "reason": err.reason, "peer_pid": peer.pid})
-            return protocol.refusal("refused", err.reason, err.field)
+            return _refusal(err, peer)
         try:
-            if self.selinux_context:
-                self._label(plan.pipe, plan.shm or plan.pipe.parent / "shm")
             async with self._launches:
-                result = await self._launcher.launch(plan.argv, plan.env,
-                                                     timeout_s=float(timeout_s))
+                # Opened right before the start: what is open is what the daemon gets.
+                with directories.opened(plan) as opened:
+                    if self.selinux_context:
+                        self._label(opened.pipe, opened.shm)
+                    bound = _bound(plan, opened)
+                    result = await self._launcher.launch(
+                        confine.command(root=str(plan.root), bound=bound, argv=plan.argv,
+                                        env=plan.env),
+                        {}, timeout_s=float(timeout_s), pass_fds=[b.fd for b in bound])
+        except Refused as err:
+            return _refusal(err, peer)
         except (AgentError, OSError) as err:
             reason = getattr(err, "detail", None) or str(err)
-            log.warning("mps-host launch failed", extra={"pipe": str(plan.pipe),
+            log.warning("mps-host launch failed", extra={"pipe": plan.env[PIPE],
                                                          "reason": reason})
             return protocol.refusal("failed", reason)
         log.info("mps daemon launched", extra={
-            "pipe": str(plan.pipe), "returncode": result.returncode,
+            "pipe": plan.env[PIPE], "returncode": result.returncode,
             "devices": plan.env.get("CUDA_VISIBLE_DEVICES", ""),
-            "private_shm": plan.shm is not None, "peer_pid": peer.pid})
+            "private_shm": plan.private_shm, "peer_pid": peer.pid})
         return {"ok": True, "returncode": result.returncode, "output": result.output}
 
-    def _label(self, *paths: Path) -> None:
+    def _label(self, *fds: int | None) -> None:
         """Give the pipe and shm directories the SELinux context containers may use (the
         daemon's sockets and files inherit it), before the daemon creates anything."""
         assert self.selinux_context is not None
-        for path in paths:
-            if path.is_dir():
-                os.setxattr(path, _SELINUX_XATTR, self.selinux_context.encode())
+        for fd in fds:
+            if fd is not None:
+                os.setxattr(fd, _SELINUX_XATTR, self.selinux_context.encode())
+
+
+def _refusal(err: Refused, peer: Peer) -> dict[str, Any]:
+    log.warning("mps-host refused a launch", extra={
+        "field": err.field, "reason": err.reason, "kind": err.kind, "peer_pid": peer.pid})
+    return protocol.refusal(err.kind, err.reason, err.field)
+
+
+def _bound(plan: LaunchPlan, opened: directories.OpenedDirectories) -> list[confine.Bound]:
+    """The opened directories as the daemon gets them (:mod:`agent.mpshost.confine`): pipe
+    and log at their own paths, shm at /dev/shm with ``--private-shm``."""
+    bound = [confine.Bound(plan.pipe, opened.pipe, plan.env[PIPE]),
+             confine.Bound(plan.log, opened.log, plan.env[LOG])]
+    if plan.private_shm:
+        assert opened.shm is not None
+        bound.append(confine.Bound(plan.shm, opened.shm, "/dev/shm"))
+    return bound
 
 
 def _groups_of(pid: int) -> set[int]:

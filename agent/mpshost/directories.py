@@ -1,0 +1,73 @@
+"""The directories of one daemon start, opened below the MPS root one component at a time,
+each relative to its parent's descriptor and never through a symlink
+(:func:`agent.mpshost.confine.open_below`).
+
+What is open is what the daemon gets (:mod:`agent.mpshost.confine` binds these very
+directories into its mount namespace), so there is no check whose answer a later lookup
+could contradict: a directory swapped for a symlink at any moment is either refused here or
+not seen by the daemon at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from agent.mpshost.confine import open_below
+from agent.mpshost.policy import LOG, PIPE, LaunchPlan, Parts, Refused
+
+
+@dataclass(frozen=True)
+class OpenedDirectories:
+    """Descriptors of a plan's directories, valid inside :func:`opened`."""
+
+    pipe: int
+    log: int
+    shm: int | None
+    """The shm directory: always with ``private_shm``, else only when it exists (for its
+    SELinux label)."""
+
+
+@contextlib.contextmanager
+def opened(plan: LaunchPlan) -> Iterator[OpenedDirectories]:
+    """Open the plan's directories (closed on leaving); Refused naming the variable when one
+    is missing, not a directory, or a symlink at any component."""
+    with contextlib.ExitStack() as stack:
+        root = os.open(plan.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        stack.callback(os.close, root)
+
+        def below(parts: Parts, field: str) -> int:
+            try:
+                fd = open_below(root, parts)
+            except OSError as err:
+                raise Refused(field, _why(plan, err)) from None
+            stack.callback(os.close, fd)
+            return fd
+
+        pipe = below(plan.pipe, f"env.{PIPE}")
+        log = below(plan.log, f"env.{LOG}")
+        shm = None
+        if plan.private_shm:
+            try:
+                shm = below(plan.shm, f"env.{PIPE}")
+            except Refused as err:
+                raise Refused(err.field, f"{err.reason}: --private-shm gives the daemon the "
+                                         "shm directory beside the pipe directory") from None
+        else:
+            with contextlib.suppress(Refused):  # only for its label: absent is fine
+                shm = below(plan.shm, f"env.{PIPE}")
+        yield OpenedDirectories(pipe=pipe, log=log, shm=shm)
+
+
+def _why(plan: LaunchPlan, err: OSError) -> str:
+    at = plan.root / str(err.filename)
+    if err.errno == errno.ENOENT:
+        return f"{at} does not exist"
+    if err.errno in (errno.ELOOP, errno.ENOTDIR):
+        # O_NOFOLLOW: ELOOP for a symlink; ENOTDIR for anything else that is no directory.
+        return f"{at} is a symlink or not a directory (no symlink is followed below the " \
+               "MPS root)"
+    return f"{at} cannot be opened: {err.strerror or err}"
