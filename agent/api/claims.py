@@ -204,6 +204,11 @@ class ClaimRequest(Strict):
     devices: list[DeviceRequestIn] = Field(min_length=1, max_length=16)
     metadata: ClaimMetadata | None = None
     issued_at_ns: int | None = Field(default=None, ge=0, description=STAMP_DESCRIPTION)
+    device_names: Literal["any", "resourceslice"] = Field(
+        default="any", description="'resourceslice': every device is named by its "
+        "ResourceSlice device name (gpu-<minor>, gpu-<minor>-mig-<profile>-<id>-<start>), as "
+        "the kubelet plugin passes an allocation; any other name is a 422 naming the entry, "
+        "before anything is held, and the answer names each device as the request did")
 
 
 class EffectiveSharingModel(BaseModel):
@@ -337,7 +342,7 @@ async def prepare_claim(request: web.Request) -> web.Response:
     metadata = {k: v for k, v in (body.metadata.model_dump() if body.metadata else {}).items()
                 if v is not None}
     record = await service.prepare(uid, [d.value() for d in body.devices], metadata,
-                                   issued_at_ns=stamp)
+                                   issued_at_ns=stamp, device_names=body.device_names)
     return json_response(ClaimModel.of(record, request.app[AGENT].node.settings.node_name))
 
 

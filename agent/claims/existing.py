@@ -27,10 +27,13 @@ class Stale(Exception):
 def targets(requests: Sequence[DeviceRequest], gpus: Sequence[Gpu], *,
             snapshot: bool) -> list[Target]:
     """The existing devices the claim names, each once: the same device (or a GPU and one of
-    its MIG devices) named twice is refused, naming both entries. On a ``snapshot`` a name
-    not found raises :class:`Stale` (the device may have been made since)."""
+    its MIG devices) named twice is refused, naming both entries, and names of no device on
+    the node are refused together, each by its entry (``devices[1].device``), before anything
+    is reserved. On a ``snapshot`` a name not found raises :class:`Stale` (the device may have
+    been made since)."""
     found: list[Target] = []
     seen: list[tuple[int, DeviceKey]] = []
+    unknown: list[tuple[int, str]] = []
     for position, request in enumerate(requests):
         if request.kind != "gpu":
             continue
@@ -39,7 +42,8 @@ def targets(requests: Sequence[DeviceRequest], gpus: Sequence[Gpu], *,
         except InvalidRequest:
             if snapshot:
                 raise Stale from None
-            raise
+            unknown.append((position, request.device or ""))
+            continue
         key = key_of(gpu, device)
         for earlier, other in seen:
             if other.conflicts(key):
@@ -52,6 +56,13 @@ def targets(requests: Sequence[DeviceRequest], gpus: Sequence[Gpu], *,
                       f"devices[{earlier}]"}])
         seen.append((position, key))
         found.append((request, gpu, device))
+    if unknown:
+        named = ", ".join(f"devices[{position}].device {name!r}" for position, name in unknown)
+        raise InvalidRequest(
+            f"{named}: no such device on this node (a GPU UUID or index, a MIG UUID, "
+            "<gpu>:<mig>, or a ResourceSlice device name); nothing was reserved",
+            [{"field": f"devices[{position}].device", "reason": "unknown device"}
+             for position, _ in unknown])
     return found
 
 

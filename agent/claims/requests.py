@@ -7,9 +7,15 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, is_dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from agent.claims.sharing import SharingConfig
+from agent.device_names import parse_device_name
+
+#: How a claim's devices are named: ``any`` of a device's names (UUID, index, ...), or only
+#: ``resourceslice`` device names, as the kubelet plugin passes an allocation through (the
+#: answer then names each device exactly as the allocation did).
+DeviceNames = Literal["any", "resourceslice"]
 
 
 @dataclass(frozen=True)
@@ -53,3 +59,23 @@ def digest(requests: Sequence[DeviceRequest]) -> str:
         {name: _plain(value) for name in _FIELDS
          if (value := getattr(r, name)) or name not in _NEWER_FIELDS} for r in requests],
         sort_keys=True).encode()).hexdigest()[:32]
+
+
+def resourceslice_name_errors(requests: Sequence[DeviceRequest]) -> list[dict[str, Any]]:
+    """The entries of a claim that ``device_names="resourceslice"`` refuses (pure): each
+    existing device must be named ``gpu-<minor>`` or ``gpu-<minor>-mig-<profile>-<id>-<start>``
+    and each slice by a MIG device name; a GPU index, a UUID or a slice by profile is not a
+    name the scheduler allocates. Whether the node has the device is checked later, with the
+    rest of the claim, before anything is reserved."""
+    errors = []
+    for position, request in enumerate(requests):
+        parsed = parse_device_name(request.device) if request.device is not None else None
+        if parsed is None:
+            reason = "not a ResourceSlice device name"
+        elif request.kind == "slice" and parsed.profile is None:
+            reason = "not a MIG device name"
+        else:
+            continue
+        errors.append({"field": f"devices[{position}].device", "reason": reason,
+                       "device": request.device})
+    return errors

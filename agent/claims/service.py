@@ -32,13 +32,13 @@ from agent.claims.locks import ClaimLocks
 from agent.claims.node_spec import NodeSpec
 from agent.claims.records import claim_details, has_effects, mps_root
 from agent.claims.recovery import ClaimRecovery
-from agent.claims.requests import DeviceRequest, digest
+from agent.claims.requests import DeviceNames, DeviceRequest, digest, resourceslice_name_errors
 from agent.claims.sharing import SharingPlan, Target, plan
 from agent.claims.sharing_runtime import SharingRuntime
-from agent.claims.slices import ClaimSlices, gpus_for
+from agent.claims.slices import ClaimSlices, check_slices, gpus_for
 from agent.claims.tombstones import Tombstones
 from agent.device_names import shareable_mib
-from agent.errors import AgentError, Conflict, DeviceNodesMissing, NotFound
+from agent.errors import AgentError, Conflict, DeviceNodesMissing, InvalidRequest, NotFound
 from agent.events import EventLog, Severity
 from agent.gpu.inventory import GpuInventory
 from agent.gpu.types import Gpu
@@ -187,9 +187,14 @@ class ClaimService:
     # -- prepare ---------------------------------------------------------------------------
 
     async def prepare(self, uid: str, requests: Sequence[DeviceRequest],
-                      metadata: Mapping[str, str], *,
-                      issued_at_ns: int | None = None) -> ClaimRecord:
+                      metadata: Mapping[str, str], *, issued_at_ns: int | None = None,
+                      device_names: DeviceNames = "any") -> ClaimRecord:
         """Prepare a claim; a repeat with the same devices returns the same answer.
+
+        Every device the claim names is checked against the node before anything is held: a
+        name of no device here is a 422 naming its entry, and with ``device_names=
+        "resourceslice"`` so is any name but a ResourceSlice device name (the kubelet
+        plugin's: the answer then names each device as the allocation did).
 
         ``issued_at_ns`` orders this prepare against the claim's unprepares (CLOCK_BOOTTIME
         of this boot, stamped by the caller when the request reached it): one stamped after
@@ -197,6 +202,12 @@ class ClaimService:
         before it is a late retry, refused. Without a stamp a tombstone refuses every
         prepare for the tombstone window."""
         self.recovery.check_usable()
+        if device_names == "resourceslice" and (errors := resourceslice_name_errors(requests)):
+            raise InvalidRequest(
+                "; ".join(f"{e['field']}: {e['device']!r} is {e['reason']}" for e in errors)
+                + " (device_names 'resourceslice': gpu-<minor> or "
+                "gpu-<minor>-mig-<profile>-<profile id>-<start>); nothing was reserved",
+                [{"field": e["field"], "reason": e["reason"]} for e in errors])
         wanted = digest(requests)
         async with self.locks.hold(uid):
             record = self.checkpoint.data.claims.get(uid)
@@ -242,6 +253,7 @@ class ClaimService:
                           snapshot_taken: bool, issued_at_ns: int | None,
                           supersedes: bool) -> ClaimRecord:
         targets = existing.targets(requests, gpus, snapshot=snapshot_taken)
+        check_slices(requests, gpus)  # every entry is checked before anything is reserved
         shared = self._sharing_plan(requests, targets)
         self.sharing.check(shared)  # 503 before anything changes
         now = time.time()

@@ -51,30 +51,8 @@ class ClaimSlices:
             raise InvalidRequest("devices: admin_access is for existing devices, not slices made "
                                  "on demand", [{"field": "devices.admin_access",
                                                 "reason": "only with kind 'gpu'"}])
-        if device_name is not None:
-            parsed = parse_device_name(device_name)
-            if parsed is None or parsed.profile_id is None:
-                raise InvalidRequest(f"devices: {device_name!r} is not a MIG device name "
-                                     "like gpu-0-mig-1g10gb-19-0",
-                                     [{"field": "devices", "reason": "not a MIG device name"}])
-            gpu = next((g for g in gpus if g.static.minor == parsed.minor), None)
-            spec = next((p for p in gpu.profiles if p.id == parsed.profile_id
-                         and profile_label(p.name) == parsed.profile), None) if gpu else None
-            if gpu is None or spec is None:
-                raise InvalidRequest(f"devices: no GPU or profile for {device_name!r}",
-                                     [{"field": "devices", "reason": "unknown device"}])
-            profile, gpu_ref, start = spec.name, gpu.uuid, parsed.start
-        assert profile is not None
-        candidates = [g for g in gpus if g.static.mig_capable and (
-            gpu_ref is None or gpu_ref in (g.uuid, str(g.index)))]
-        if gpu_ref is not None and not candidates:
-            raise InvalidRequest(f"devices: no MIG-capable GPU {gpu_ref!r}",
-                                 [{"field": "devices.gpu", "reason": "unknown GPU"}])
-        known = {p.name for g in candidates for p in g.profiles}
-        if profile not in known:
-            raise InvalidRequest(f"devices: unknown MIG profile {profile!r}; known: "
-                                 f"{', '.join(sorted(known))}",
-                                 [{"field": "devices.profile", "reason": "unknown profile"}])
+        profile, gpu_ref, start, candidates = slice_spec(
+            profile=profile, gpu_ref=gpu_ref, start=start, device_name=device_name, gpus=gpus)
         if gpu_ref is not None:
             self._ledger.check_usable(candidates[0])  # a pinned GPU says why it cannot serve
         # A device the scheduler allocated from --dynamic-mig slices may switch MIG on.
@@ -171,6 +149,55 @@ class ClaimSlices:
         if choice is None:
             return None
         return next(g for g in idle if g.index == choice.index), choice.placement
+
+
+SliceSpec = tuple[str, str | None, int | None, list[Gpu]]
+
+
+def slice_spec(*, profile: str | None, gpu_ref: str | None, start: int | None,
+               device_name: str | None, gpus: Sequence[Gpu], where: str = "devices") -> SliceSpec:
+    """The profile, pinned GPU (UUID or index), start and candidate GPUs of a slice request
+    (pure): a dynamic ResourceSlice ``device_name`` fixes the first three.
+    :class:`InvalidRequest` naming ``where`` (``devices[2]``) for a name that is no MIG device
+    of this node, an unknown GPU or an unknown profile."""
+    if device_name is not None:
+        parsed = parse_device_name(device_name)
+        if parsed is None or parsed.profile_id is None:
+            raise InvalidRequest(f"{where}.device: {device_name!r} is not a MIG device name "
+                                 "like gpu-0-mig-1g10gb-19-0",
+                                 [{"field": f"{where}.device",
+                                   "reason": "not a MIG device name"}])
+        gpu = next((g for g in gpus if g.static.minor == parsed.minor), None)
+        spec = next((p for p in gpu.profiles if p.id == parsed.profile_id
+                     and profile_label(p.name) == parsed.profile), None) if gpu else None
+        if gpu is None or spec is None:
+            raise InvalidRequest(f"{where}.device: no GPU or profile on this node for "
+                                 f"{device_name!r}",
+                                 [{"field": f"{where}.device", "reason": "unknown device"}])
+        profile, gpu_ref, start = spec.name, gpu.uuid, parsed.start
+    if profile is None:
+        raise InvalidRequest(f"{where}: a slice names a profile or a device",
+                             [{"field": f"{where}.profile", "reason": "missing"}])
+    candidates = [g for g in gpus if g.static.mig_capable and (
+        gpu_ref is None or gpu_ref in (g.uuid, str(g.index)))]
+    if gpu_ref is not None and not candidates:
+        raise InvalidRequest(f"{where}.gpu: no MIG-capable GPU {gpu_ref!r}",
+                             [{"field": f"{where}.gpu", "reason": "unknown GPU"}])
+    known = {p.name for g in candidates for p in g.profiles}
+    if profile not in known:
+        raise InvalidRequest(f"{where}.profile: unknown MIG profile {profile!r}; known: "
+                             f"{', '.join(sorted(known))}",
+                             [{"field": f"{where}.profile", "reason": "unknown profile"}])
+    return profile, gpu_ref, start, candidates
+
+
+def check_slices(requests: Sequence[DeviceRequest], gpus: Sequence[Gpu]) -> None:
+    """Refuse a claim whose slices name no MIG device, GPU or profile of this node (pure,
+    before anything is reserved), naming the entry."""
+    for position, request in enumerate(requests):
+        if request.kind == "slice":
+            slice_spec(profile=request.profile, gpu_ref=request.gpu, start=request.start,
+                       device_name=request.device, gpus=gpus, where=f"devices[{position}]")
 
 
 def gpus_for(requests: Sequence[DeviceRequest], gpus: Sequence[Gpu]) -> frozenset[str]:

@@ -168,3 +168,100 @@ async def test_a_slice_fits_once_mig_is_enabled_as_the_refusal_says(api: Api) ->
     status, body = await api.prepare("s1", entry)
     assert status == 200, body
     assert body["devices"][0]["parent_uuid"] == (await api.node.gpu(6)).uuid
+
+
+# -- devices the node cannot prepare -----------------------------------------------------------
+
+#: With ``device_names: resourceslice`` (the kubelet plugin's): the entries sent, then the
+#: fields the 422 names. GPU 2 has MIG on, with one 1g.10gb.
+NOT_SLICE_NAMES: dict[str, tuple[list[dict[str, Any]], list[str]]] = {
+    "an index beside a slice name": ([{"kind": "gpu", "device": "gpu-0"},
+                                      {"kind": "gpu", "device": "1"}], ["devices[1].device"]),
+    "a UUID": ([{"kind": "gpu", "device": "GPU-{uuid}"}], ["devices[0].device"]),
+    "a MIG device by <gpu>:<mig>": ([{"kind": "gpu", "device": "2:0"}], ["devices[0].device"]),
+    "a slice by profile": ([{"kind": "slice", "profile": "1g.10gb", "gpu": "2"}],
+                           ["devices[0].device"]),
+    "a slice by a whole GPU's name": ([{"kind": "slice", "device": "gpu-2"}],
+                                      ["devices[0].device"]),
+    "every bad entry at once": ([{"kind": "gpu", "device": "0"},
+                                 {"kind": "gpu", "device": "gpu-1"},
+                                 {"kind": "gpu", "device": "gpu-01"}],
+                                ["devices[0].device", "devices[2].device"]),
+}
+
+
+async def _nothing_held(api: Api) -> None:
+    assert (await api.call("GET", "/v1/claims"))[1]["claims"] == []
+    for gpu in range(3):
+        assert (await api.call("GET", f"/v1/gpus/{gpu}"))[1]["holds"] == [], gpu
+
+
+@pytest.mark.parametrize(("entries", "fields"), NOT_SLICE_NAMES.values(),
+                         ids=NOT_SLICE_NAMES.keys())
+async def test_resourceslice_names_refuse_any_other_name_before_holding_anything(
+        api: Api, entries: list[dict[str, Any]], fields: list[str]) -> None:
+    """With ``device_names: resourceslice`` every entry must name its device as the
+    ResourceSlices do, so the answer names it as the allocation did: any other name of a
+    device (which the default ``any`` accepts) is a 422 naming each such entry, and nothing
+    is held; the same claim with slice names is prepared under those names."""
+    await api.node.mig_to(2, ["1g.10gb"])
+    uuid = (await api.call("GET", "/v1/gpus/0"))[1]["uuid"]
+    sent = [{**e, "device": e["device"].replace("GPU-{uuid}", uuid)} if "device" in e else e
+            for e in entries]
+    status, body = await api.call("PUT", "/v1/claims/c1",
+                                  {"devices": sent, "device_names": "resourceslice"})
+    assert status == 422, body
+    assert [e["field"] for e in body["errors"]] == fields, body
+    assert all(f in body["detail"] for f in fields), body
+    await _nothing_held(api)
+    _, slices = await api.call("GET", "/v1/resourceslices")
+    mig = next(d["name"] for item in slices["items"] for d in item["spec"]["devices"]
+               if d["name"].startswith("gpu-2-mig-1g10gb-"))
+    status, body = await api.call("PUT", "/v1/claims/c1", {"devices": [
+        {"kind": "gpu", "device": "gpu-0"}, {"kind": "gpu", "device": mig}],
+        "device_names": "resourceslice"})
+    assert status == 200, body
+    assert [d["device_name"] for d in body["devices"]] == ["gpu-0", mig]
+
+
+#: Entries of which some name nothing on this node (any naming): the fields the 422 names.
+NOT_ON_THIS_NODE: dict[str, tuple[list[dict[str, Any]], list[str]]] = {
+    "a GPU the node does not have beside one it has": (
+        [{"kind": "gpu", "device": "gpu-0"}, {"kind": "gpu", "device": "gpu-99"}],
+        ["devices[1].device"]),
+    "every unknown entry is named": (
+        [{"kind": "gpu", "device": "nope"}, {"kind": "gpu", "device": "1"},
+         {"kind": "gpu", "device": "GPU-00000000-0000-0000-0000-00000000dead"}],
+        ["devices[0].device", "devices[2].device"]),
+    "a MIG device that does not exist": (
+        [{"kind": "gpu", "device": "gpu-1"}, {"kind": "gpu", "device": "gpu-3-mig-1g10gb-19-3"}],
+        ["devices[1].device"]),
+    "a slice on a GPU the node does not have, after a whole GPU": (
+        [{"kind": "gpu", "device": "gpu-0"},
+         {"kind": "slice", "device": "gpu-9-mig-1g10gb-19-0"}], ["devices[1].device"]),
+    "a slice of a profile the GPU does not have": (
+        [{"kind": "gpu", "device": "gpu-0"}, {"kind": "slice", "profile": "9g.900gb"}],
+        ["devices[1].profile"]),
+}
+
+
+@pytest.mark.parametrize(("entries", "fields"), NOT_ON_THIS_NODE.values(),
+                         ids=NOT_ON_THIS_NODE.keys())
+async def test_devices_the_node_does_not_have_are_named_before_anything_is_held(
+        api: Api, entries: list[dict[str, Any]], fields: list[str]) -> None:
+    """A claim naming a device the node does not have beside ones it has is a 422 naming
+    every such entry, checked with the whole claim before any device is reserved."""
+    await api.node.mig_to(2, ["1g.10gb"])
+    status, body = await api.prepare("c1", *entries)
+    assert status == 422, body
+    assert [e["field"] for e in body["errors"]] == fields, body
+    await _nothing_held(api)
+
+
+async def test_device_names_is_any_or_resourceslice(api: Api) -> None:
+    """Another ``device_names`` is a 422 naming the field; the default takes any name."""
+    status, body = await api.call("PUT", "/v1/claims/c1", {
+        "devices": [{"kind": "gpu", "device": "0"}], "device_names": "uuid"})
+    assert status == 422 and body["errors"][0]["field"] == "device_names", body
+    status, body = await api.prepare("c1", {"kind": "gpu", "device": "0"})
+    assert status == 200 and body["devices"][0]["device_name"] == "gpu-0", body

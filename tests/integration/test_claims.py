@@ -112,7 +112,7 @@ def test_stale_retry_after_unprepare_is_refused(agent: AgentProcess) -> None:
     ({"devices": []}, 422, "devices"),
     ({"devices": [{"kind": "gpu"}]}, 422, "devices.0"),
     ({"devices": [{"kind": "slice", "profile": "1g.10gb", "device": "x"}]}, 422, "devices.0"),
-    ({"devices": [{"kind": "gpu", "device": "nope"}]}, 422, "devices.device"),
+    ({"devices": [{"kind": "gpu", "device": "nope"}]}, 422, "devices[0].device"),
     ({"devices": [{"kind": "gpu", "device": "0"}], "extra": 1}, 422, "extra"),
 ])
 def test_bad_claims_are_4xx_and_change_nothing(agent: AgentProcess, body: dict[str, Any],
