@@ -186,7 +186,7 @@ async def _measure(root: Path, *, cycles: int, batches: int, block: int) -> dict
             kc = KubeletClaim(meta["namespace"], meta["uid"], meta["name"])
             devices = our_devices(kc, obj, driver=DRIVER, pool=NODE)
             began = time.perf_counter()
-            await client.prepare(kc.uid, agent_body(obj, devices, stamp()))
+            await client.prepare(kc.uid, agent_body(kc, obj, devices, stamp()))
             took = time.perf_counter() - began
             await client.unprepare(kc.uid, stamp())
             return took

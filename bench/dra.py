@@ -429,7 +429,7 @@ def run_prepare(loop: asyncio.AbstractEventLoop, server: ApiServer, agent: Agent
         kc = _kubelet_claim(obj)
         devices = our_devices(kc, obj, driver=DRIVER, pool=NODE)
         started = time.perf_counter()
-        await client.prepare(kc.uid, agent_body(obj, devices, arrival_ns()))
+        await client.prepare(kc.uid, agent_body(kc, obj, devices, arrival_ns()))
         elapsed = time.perf_counter() - started
         await client.unprepare(kc.uid, arrival_ns())
         return elapsed

@@ -84,7 +84,7 @@ def body_of(kind: Kind, uid: str) -> dict[str, Any]:
     obj = resource_claim(kind, uid)
     devices = with_configs(claim, obj, our_devices(claim, obj, driver=DRIVER, pool=NODE),
                            driver=DRIVER)
-    return agent_body(obj, devices, time.clock_gettime_ns(time.CLOCK_BOOTTIME))
+    return agent_body(claim, obj, devices, time.clock_gettime_ns(time.CLOCK_BOOTTIME))
 
 
 @dataclass

@@ -20,6 +20,15 @@ naming ``requests`` applies to the devices of those requests (``<request>`` cove
 subrequests) and must be of the device's kind, one naming none applies to every device of its
 kind. The device's ``sharing`` then goes to the agent as it is: the agent validates the
 values. Opaque configs of other drivers are not ours and are ignored.
+
+Shapes: every part of the ResourceClaim read here is checked for its JSON type before it is
+used (``results`` an array of objects, ``device`` a string, ...), and so is the agent's
+answer: a claim of the wrong shape is a :class:`ClaimError` naming the field
+(``status.allocation.devices.results[2].device: want a string, got number``), never a
+``TypeError`` from deep inside. Device names go to the agent as ResourceSlice device names
+(``device_names: resourceslice``): a name like ``0`` or a UUID, which the agent would
+otherwise take for an index or a UUID and answer under another name, is refused by the agent
+before it holds anything.
 """
 
 from __future__ import annotations
@@ -99,45 +108,120 @@ class KubeletDevice:
     share_id: str | None = None
 
 
+def _json_kind(value: Any) -> str:
+    """The JSON name of ``value``'s type, as an error message shows it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, Mapping):
+        return "object"
+    return type(value).__name__
+
+
+def _wrong(claim: KubeletClaim, reason: str, where: str, want: str, value: Any) -> ClaimError:
+    return ClaimError(reason, f"claim {claim}: {where}: want {want}, got {_json_kind(value)}")
+
+
+def _object(claim: KubeletClaim, where: str, value: Any,
+            reason: str = "bad-allocation") -> Mapping[str, Any]:
+    """``value`` as an object; absent (null) is an empty one."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise _wrong(claim, reason, where, "an object", value)
+    return value
+
+
+def _array(claim: KubeletClaim, where: str, value: Any,
+           reason: str = "bad-allocation") -> Sequence[Any]:
+    """``value`` as an array; absent (null) is an empty one."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise _wrong(claim, reason, where, "an array", value)
+    return value
+
+
+def _string(claim: KubeletClaim, where: str, value: Any,
+            reason: str = "bad-allocation") -> str | None:
+    """``value`` as a string, or None when absent."""
+    if value is None or isinstance(value, str):
+        return value
+    raise _wrong(claim, reason, where, "a string", value)
+
+
+def _name(claim: KubeletClaim, where: str, value: Any, reason: str) -> str:
+    """``value`` as a string that is not empty (an entry of a list of names)."""
+    if not isinstance(value, str) or not value:
+        raise _wrong(claim, reason, where, "a name (a non-empty string)", value)
+    return value
+
+
+def _allocation(claim: KubeletClaim, obj: Any) -> Mapping[str, Any]:
+    """The claim's ``status.allocation``, after its UID is checked; :class:`ClaimError` when
+    ``obj`` is another claim of the same name, not allocated, or not the shape of one."""
+    if not isinstance(obj, Mapping):
+        raise _wrong(claim, "bad-claim", "the API server's ResourceClaim", "an object", obj)
+    meta = _object(claim, "metadata", obj.get("metadata"), "bad-claim")
+    if meta.get("uid") != claim.uid:
+        raise ClaimError("uid-mismatch",
+                         f"claim {claim}: the API server's {claim.namespace}/{claim.name} has "
+                         f"UID {meta.get('uid')!r} (deleted and created again?)")
+    allocation = _object(claim, "status", obj.get("status"), "bad-claim").get("allocation")
+    if allocation is None or allocation == {}:
+        raise ClaimError("not-allocated", f"claim {claim}: not allocated", retryable=True)
+    return _object(claim, "status.allocation", allocation)
+
+
 def our_devices(claim: KubeletClaim, obj: Mapping[str, Any], *, driver: str,
                 pool: str) -> list[Allocated]:
     """The devices of the ResourceClaim ``obj`` that this node's agent prepares, in allocation
     order; a result naming the same device twice (two requests sharing it) is one device
     serving both, unless they are shares (a ``shareID`` each). :class:`ClaimError` when the
-    object is another claim of the same name (deleted and recreated), is not allocated, or
-    holds nothing of ours."""
-    meta = obj.get("metadata") or {}
-    if meta.get("uid") != claim.uid:
-        raise ClaimError("uid-mismatch",
-                         f"claim {claim}: the API server's {claim.namespace}/{claim.name} has "
-                         f"UID {meta.get('uid')!r} (deleted and created again?)")
-    allocation = (obj.get("status") or {}).get("allocation")
-    if not allocation:
-        raise ClaimError("not-allocated", f"claim {claim}: not allocated", retryable=True)
-    results = ((allocation.get("devices") or {}).get("results")) or []
+    object is another claim of the same name (deleted and recreated), is not allocated, holds
+    nothing of ours, or a part of it read here has the wrong shape (naming the field)."""
+    where = "status.allocation.devices"
+    devices = _object(claim, where, _allocation(claim, obj).get("devices"))
+    results = _array(claim, f"{where}.results", devices.get("results"))
     found: dict[tuple[str, str | None], Allocated] = {}
-    for result in results:
+    for i, result in enumerate(results):
+        at = f"{where}.results[{i}]"
+        if not isinstance(result, Mapping):
+            raise _wrong(claim, "bad-allocation", at, "an object", result)
         if result.get("driver") != driver or result.get("pool") != pool:
             continue
-        name = str(result.get("device") or "")
-        request = str(result.get("request") or "")
-        admin = bool(result.get("adminAccess"))
+        name = _string(claim, f"{at}.device", result.get("device"))
+        request = _string(claim, f"{at}.request", result.get("request"))
         if not name or not request:
             raise ClaimError("bad-allocation",
-                             f"claim {claim}: an allocation result of {driver} names no "
+                             f"claim {claim}: {at}: an allocation result of {driver} names no "
                              "device or request")
-        share_id = str(result["shareID"]) if result.get("shareID") else None
-        consumed = result.get("consumedCapacity") or {}
-        memory = consumed.get("memory") if isinstance(consumed, Mapping) else None
+        admin = result.get("adminAccess")
+        if admin is not None and not isinstance(admin, bool):
+            raise _wrong(claim, "bad-allocation", f"{at}.adminAccess", "a boolean", admin)
+        share_id = _string(claim, f"{at}.shareID", result.get("shareID")) or None
+        consumed = _object(claim, f"{at}.consumedCapacity", result.get("consumedCapacity"))
+        memory = consumed.get("memory")
+        if memory is not None and (isinstance(memory, bool) or
+                                   not isinstance(memory, str | int)):
+            raise _wrong(claim, "bad-allocation", f"{at}.consumedCapacity.memory",
+                         "a quantity (a string like '10Gi')", memory)
         key = (name, share_id)
         known = found.get(key)
         if known is None:
-            found[key] = Allocated(name, pool, (request,), admin, share_id=share_id,
+            found[key] = Allocated(name, pool, (request,), bool(admin), share_id=share_id,
                                    memory=str(memory) if memory is not None else None)
         elif request not in known.requests:
             # Exclusive as soon as one of its requests is.
             found[key] = replace(known, requests=(*known.requests, request),
-                                 admin_access=known.admin_access and admin)
+                                 admin_access=known.admin_access and bool(admin))
     if not found:
         drivers = sorted({f"{r.get('driver')}/{r.get('pool')}" for r in results})
         raise ClaimError("no-devices",
@@ -197,19 +281,24 @@ def with_configs(claim: KubeletClaim, obj: Mapping[str, Any], devices: Sequence[
     """``devices`` with the ``sharing`` of the last of this driver's opaque configs that
     applies to each (the module docstring says which); :class:`ClaimError` for a config of
     this driver that is not ours or applies to a device of the other kind."""
-    allocation = (obj.get("status") or {}).get("allocation") or {}
-    entries = (allocation.get("devices") or {}).get("config") or []
+    at = "status.allocation.devices"
+    allocated = _object(claim, at, _allocation(claim, obj).get("devices"))
+    entries = _array(claim, f"{at}.config", allocated.get("config"))
     decoded: list[tuple[int, str, tuple[str, ...], str, Any]] = []
-    for i, entry in enumerate(entries):
-        opaque = entry.get("opaque") if isinstance(entry, Mapping) else None
-        if not isinstance(opaque, Mapping) or opaque.get("driver") != driver:
+    for i, raw in enumerate(entries):
+        field = f"{at}.config[{i}]"
+        entry = _object(claim, field, raw, "bad-config")
+        opaque = _object(claim, f"{field}.opaque", entry.get("opaque"), "bad-config")
+        if opaque.get("driver") != driver:
             continue
-        where = f"config[{i}] ({entry.get('source') or 'FromClaim'})"
+        source = _string(claim, f"{field}.source", entry.get("source"), "bad-config")
+        where = f"config[{i}] ({source or 'FromClaim'})"
         kind, sharing = decode_config(claim, f"{where} parameters", opaque.get("parameters"))
-        requests = tuple(str(r) for r in entry.get("requests") or [])
+        named = _array(claim, f"{field}.requests", entry.get("requests"), "bad-config")
+        requests = tuple(_name(claim, f"{field}.requests[{j}]", r, "bad-config")
+                         for j, r in enumerate(named))
         # The class's configs come first, then the claim's: the claim's win.
-        decoded.append((0 if entry.get("source") == "FromClass" else 1, where, requests, kind,
-                        sharing))
+        decoded.append((0 if source == "FromClass" else 1, where, requests, kind, sharing))
     decoded.sort(key=lambda d: d[0])
     out = []
     for device in devices:
@@ -231,12 +320,14 @@ def with_configs(claim: KubeletClaim, obj: Mapping[str, Any], devices: Sequence[
     return out
 
 
-def agent_body(obj: Mapping[str, Any], devices: Sequence[Allocated], issued_at_ns: int,
-               on_demand: Collection[str] = ()) -> dict[str, Any]:
-    """The ``PUT /v1/claims/{uid}`` body: each device by its ResourceSlice name, as an
-    existing device or (named in ``on_demand``: a partitionable MIG device) a slice to make,
-    request names kept, ``admin_access`` for monitoring access; the claim's namespace, name
-    and resourceVersion; and when kubelet's call arrived (``issued_at_ns``, CLOCK_BOOTTIME)."""
+def agent_body(claim: KubeletClaim, obj: Mapping[str, Any], devices: Sequence[Allocated],
+               issued_at_ns: int, on_demand: Collection[str] = ()) -> dict[str, Any]:
+    """The ``PUT /v1/claims/{uid}`` body: each device by its ResourceSlice name (and the
+    agent told so, ``device_names``), as an existing device or (named in ``on_demand``: a
+    partitionable MIG device) a slice to make, request names kept, ``admin_access`` for
+    monitoring access; the claim's namespace, name, resourceVersion and only pod; and when
+    kubelet's call arrived (``issued_at_ns``, CLOCK_BOOTTIME). :class:`ClaimError` naming a
+    field of ``metadata`` or ``status.reservedFor`` of the wrong shape."""
     entries: list[dict[str, Any]] = []
     for device in devices:
         entry: dict[str, Any] = {"kind": "slice" if device.device in on_demand else "gpu",
@@ -252,15 +343,24 @@ def agent_body(obj: Mapping[str, Any], devices: Sequence[Allocated], issued_at_n
         if device.sharing is not None:
             entry["sharing"] = dict(device.sharing)
         entries.append(entry)
-    meta = obj.get("metadata") or {}
-    metadata = {key: str(meta[field]) for key, field in (
-        ("namespace", "namespace"), ("name", "name"), ("resource_version", "resourceVersion"))
-        if meta.get(field)}
-    pods = [ref for ref in (obj.get("status") or {}).get("reservedFor") or []
-            if ref.get("resource") == "pods" and ref.get("name")]
+    meta = _object(claim, "metadata", obj.get("metadata"), "bad-claim")
+    metadata = {}
+    for key, field in (("namespace", "namespace"), ("name", "name"),
+                       ("resource_version", "resourceVersion")):
+        if value := _string(claim, f"metadata.{field}", meta.get(field), "bad-claim"):
+            metadata[key] = value
+    status = _object(claim, "status", obj.get("status"), "bad-claim")
+    pods = []
+    for i, raw in enumerate(_array(claim, "status.reservedFor", status.get("reservedFor"),
+                                   "bad-claim")):
+        ref = _object(claim, f"status.reservedFor[{i}]", raw, "bad-claim")
+        name = _string(claim, f"status.reservedFor[{i}].name", ref.get("name"), "bad-claim")
+        if ref.get("resource") == "pods" and name:
+            pods.append(name)
     if len(pods) == 1:  # a shared claim has many consumers: none is "the" pod
-        metadata["pod"] = str(pods[0]["name"])
-    return {"devices": entries, "metadata": metadata, "issued_at_ns": issued_at_ns}
+        metadata["pod"] = pods[0]
+    return {"devices": entries, "metadata": metadata, "issued_at_ns": issued_at_ns,
+            "device_names": "resourceslice"}
 
 
 def kubelet_devices(claim: KubeletClaim, devices: Sequence[Allocated],
@@ -269,11 +369,18 @@ def kubelet_devices(claim: KubeletClaim, devices: Sequence[Allocated],
     device with its requests, the CDI names the agent wrote for it and, for a share, the
     share ID the agent answers (``share.share_id`` of its device)."""
     cdi: dict[tuple[str, str | None], list[str]] = {}
-    for prepared in answer.get("devices") or []:
-        share = prepared.get("share")
-        share_id = share.get("share_id") if isinstance(share, Mapping) else None
-        cdi.setdefault((str(prepared.get("device_name")), share_id and str(share_id)),
-                       []).extend(str(name) for name in prepared.get("cdi_devices") or [])
+    for i, raw in enumerate(_array(claim, "the agent's answer: devices",
+                                   answer.get("devices"), "agent-answer")):
+        at = f"the agent's answer: devices[{i}]"
+        prepared = _object(claim, at, raw, "agent-answer")
+        share = _object(claim, f"{at}.share", prepared.get("share"), "agent-answer")
+        share_id = _string(claim, f"{at}.share.share_id", share.get("share_id"),
+                           "agent-answer")
+        name = _string(claim, f"{at}.device_name", prepared.get("device_name"), "agent-answer")
+        listed = _array(claim, f"{at}.cdi_devices", prepared.get("cdi_devices"), "agent-answer")
+        cdi.setdefault((name or "", share_id or None), []).extend(
+            _name(claim, f"{at}.cdi_devices[{j}]", n, "agent-answer")
+            for j, n in enumerate(listed))
     out = []
     for device in devices:
         names = cdi.get((device.device, device.share_id))

@@ -5,6 +5,17 @@ Every claim of a call runs as a task of its own, at once: there is no node-wide 
 never wait for each other. Each task is shielded from kubelet's deadline: when kubelet stops
 waiting (45 s) the agent call still finishes, and kubelet's retry, which the agent answers
 idempotently, finds the result. Errors are per claim; one bad claim never fails the call.
+
+A prepare is all or nothing across kubelet, the plugin and the agent: when the plugin will
+answer a claim with an error after the agent may have prepared it (an answer it cannot map
+or read, a 5xx, no answer in time, a connection lost after the request went out), it first
+unprepares the claim in the agent, stamped with the prepare's own ``issued_at_ns``, and
+answers once the agent confirmed it. Only an agent that cannot be reached for the undo (gone
+mid-call, restarting) is not waited for, since kubelet's deadline would pass first: the
+answer says so and the undo is retried in the background for up to :data:`UNDO_WINDOW_S`.
+The stamp makes the undo safe at any moment: a later prepare of the claim that succeeded is
+newer, so the agent ignores the undo, and a prepare still queued in the agent is refused as a
+late retry. Refusals (4xx) need no undo: the agent holds nothing for a prepare it refused.
 """
 
 from __future__ import annotations
@@ -40,6 +51,14 @@ from agent.kubeplugin.protocols import ClaimReader
 log = logging.getLogger("agent.kubeplugin.dra")
 T = TypeVar("T")
 
+#: How long the undo of a failed prepare is retried in the background while the agent is
+#: unreachable or not ready (a restart takes seconds); kubelet's retry of the claim, failing
+#: the same way, undoes it again.
+UNDO_WINDOW_S = 120.0
+_UNDO_FIRST_DELAY_S, _UNDO_MAX_DELAY_S = 0.1, 5.0
+#: Failures to connect: the request never reached the agent, which then holds nothing.
+_NOT_SENT = (FileNotFoundError, ConnectionRefusedError, PermissionError, NotADirectoryError)
+
 
 def arrival_ns() -> int:
     """Now on CLOCK_BOOTTIME, the clock of the agent's ``issued_at_ns`` ordering stamps: it
@@ -63,6 +82,9 @@ def _agent_error(claim: KubeletClaim, err: AgentCallError) -> ClaimError:
             f"the GPU agent cannot prepare it yet ({err.kind})"
         return ClaimError("agent-not-ready", f"claim {claim}: {what}: {err.detail}; retry in "
                                              f"{err.retry_after_s:g} s", retryable=True)
+    if isinstance(err, AgentRefused) and err.status < 400:
+        return ClaimError("agent-answer", f"claim {claim}: the GPU agent's answer (HTTP "
+                                          f"{err.status}) is not a claim object")
     if isinstance(err, AgentRefused):
         return ClaimError("agent-refused", f"claim {claim}: the GPU agent refused it "
                                            f"(HTTP {err.status} {err.kind}): {err.detail}")
@@ -72,6 +94,25 @@ def _agent_error(claim: KubeletClaim, err: AgentCallError) -> ClaimError:
         return ClaimError("agent-unreachable",
                           f"claim {claim}: GPU agent unreachable: {err.reason}", retryable=True)
     return ClaimError("agent", f"claim {claim}: {err}")
+
+
+def _may_hold(err: AgentCallError) -> bool:
+    """Whether the agent may hold a claim whose prepare call failed with ``err``: it answered
+    200 with a body that is not a claim, failed inside (5xx, 503 excepted: not ready refuses
+    before anything is held), or gave no answer to a request that may have reached it. A 4xx
+    is a refusal (nothing held), and a token or a connection that failed is a call never made."""
+    if isinstance(err, AgentRefused):
+        return err.status < 400 or err.status >= 500
+    if isinstance(err, AgentUnreachable):
+        return not isinstance(err.__cause__, _NOT_SENT)
+    return False
+
+
+def _described(err: AgentCallError) -> str:
+    """``err`` in words, with the status and problem type of a refusal."""
+    if isinstance(err, AgentRefused):
+        return f"HTTP {err.status} {err.kind}: {err.detail}"
+    return str(err)
 
 
 def _read_error(claim: KubeletClaim, err: Exception) -> ClaimError:
@@ -186,9 +227,84 @@ class DraService:
                                                        pool=self.pool), driver=self.driver)
         on_demand = await self._call_agent(claim, lambda: self._kinds.on_demand(
             d.device for d in devices if is_mig_name(d.device)))
-        answer = await self._call_agent(claim, lambda: self._agent.prepare(
-            claim.uid, agent_body(obj, devices, issued_at_ns, on_demand)))
-        return kubelet_devices(claim, devices, answer)
+        body = agent_body(claim, obj, devices, issued_at_ns, on_demand)
+        try:
+            answer = await self._agent.prepare(claim.uid, body)
+        except AgentCallError as err:
+            failure = _agent_error(claim, err)
+            if _may_hold(err):
+                failure = await self._undo(claim, issued_at_ns, failure)
+            raise failure from err
+        try:
+            return kubelet_devices(claim, devices, answer)
+        except Exception as err:  # the agent holds it: undone before kubelet hears of it
+            failure = err if isinstance(err, ClaimError) else ClaimError(
+                "internal", f"claim {claim}: internal error in the kubelet plugin reading the "
+                            f"agent's answer: {type(err).__name__}: {err}")
+            if failure is not err:
+                log.exception("reading the agent's answer failed", extra={"claim": claim.uid})
+            raise await self._undo(claim, issued_at_ns, failure) from err
+
+    async def _undo(self, claim: KubeletClaim, issued_at_ns: int,
+                    failure: ClaimError) -> ClaimError:
+        """Unprepare in the agent a prepare stamped ``issued_at_ns`` that failed with
+        ``failure`` after the agent may have made it; the error kubelet is answered, saying
+        whether the agent confirmed that it holds nothing. An agent that cannot be reached
+        (gone mid-call, restarting) is not waited for: kubelet hears so at once and the undo
+        is retried in the background (:meth:`_undo_later`)."""
+        try:
+            await self._agent.unprepare(claim.uid, issued_at_ns)
+        except AgentCallError as err:
+            if err.retryable:
+                log.warning("undoing a failed prepare did not reach the agent; retrying",
+                            extra={"claim": claim.uid, "reason": failure.reason,
+                                   "error": _described(err)})
+                task = asyncio.ensure_future(self._undo_later(claim, issued_at_ns, failure, err))
+                self._running.add(task)
+                task.add_done_callback(self._running.discard)
+                return ClaimError(failure.reason, f"{failure}; undoing it in the GPU agent did "
+                                  f"not get through ({_described(err)}): retrying for up to "
+                                  f"{UNDO_WINDOW_S:g} s", retryable=True)
+            return self._undo_failed(claim, failure, err)
+        self._undone(claim, failure)
+        return ClaimError(failure.reason, f"{failure} (undone in the GPU agent: it holds "
+                                          "nothing for the claim)",
+                          retryable=failure.retryable)
+
+    async def _undo_later(self, claim: KubeletClaim, issued_at_ns: int, failure: ClaimError,
+                          err: AgentCallError) -> None:
+        """Retry an undo the agent did not get, with backoff, for :data:`UNDO_WINDOW_S`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + UNDO_WINDOW_S
+        delay = _UNDO_FIRST_DELAY_S
+        while True:
+            wait = max(delay, err.retry_after_s) if isinstance(err, AgentNotReady) else delay
+            if not err.retryable or loop.time() + wait >= deadline:
+                self._undo_failed(claim, failure, err)
+                return
+            await asyncio.sleep(wait)
+            delay = min(delay * 2, _UNDO_MAX_DELAY_S)
+            try:
+                await self._agent.unprepare(claim.uid, issued_at_ns)
+            except AgentCallError as again:
+                err = again
+                continue
+            self._undone(claim, failure)
+            return
+
+    def _undone(self, claim: KubeletClaim, failure: ClaimError) -> None:
+        self._metrics.prepares_undone.labels("undone").inc()
+        log.warning("failed prepare undone in the agent", extra={
+            "claim": claim.uid, "reason": failure.reason})
+
+    def _undo_failed(self, claim: KubeletClaim, failure: ClaimError,
+                     err: AgentCallError) -> ClaimError:
+        self._metrics.prepares_undone.labels("failed").inc()
+        log.error("undoing a failed prepare in the agent failed", extra={
+            "claim": claim.uid, "reason": failure.reason, "error": _described(err)})
+        return ClaimError(failure.reason, f"{failure}; undoing it in the GPU agent failed too "
+                          f"({_described(err)}): the agent may hold the claim until kubelet "
+                          "prepares or unprepares it again", retryable=failure.retryable)
 
     async def _unprepare_one(self, claim: KubeletClaim, issued_at_ns: int) -> str | None:
         try:

@@ -33,6 +33,11 @@ class PluginMetrics:
         self.unprepare_errors = Counter(
             "gpu_agent_plugin_unprepare_errors",
             "Claims whose unprepare failed, by reason", ["reason"], registry=registry)
+        self.prepares_undone = Counter(
+            "gpu_agent_plugin_prepares_undone",
+            "Failed prepares the agent may have made, unprepared there before kubelet was "
+            "answered, by outcome (undone; failed: the agent may still hold the claim)",
+            ["outcome"], registry=registry)
         self.in_flight = Gauge(
             "gpu_agent_plugin_claims_in_flight",
             "Claim prepares and unprepares running, those kubelet stopped waiting for included",

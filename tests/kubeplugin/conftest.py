@@ -211,12 +211,16 @@ def settings_for(root: Path, agent: Agent) -> PluginSettings:
 
 
 async def open_kubelet(settings: PluginSettings, claims: FakeClaims | None = None,
-                       publisher: FakePublisher | None = None) -> Kubelet:
-    """Start the plugin in this loop and connect kubelet's clients to its two sockets."""
+                       publisher: FakePublisher | None = None, *,
+                       claim_timeout_s: float | None = None) -> Kubelet:
+    """Start the plugin in this loop and connect kubelet's clients to its two sockets
+    (``claim_timeout_s``: how long the plugin waits for the agent's answer to a claim)."""
     claims = claims or FakeClaims()
     publisher = publisher or FakePublisher()
-    plugin = Plugin(settings, Wiring(claims=claims, api=claims, publisher=publisher),
-                    AgentClient(settings.agent_socket, settings.token_file),
+    client = AgentClient(settings.agent_socket, settings.token_file) if claim_timeout_s is None \
+        else AgentClient(settings.agent_socket, settings.token_file,
+                         claim_timeout_s=claim_timeout_s)
+    plugin = Plugin(settings, Wiring(claims=claims, api=claims, publisher=publisher), client,
                     CollectorRegistry())
     await plugin.start()
     reg = grpc.aio.insecure_channel(f"unix://{plugin.servers.registration_socket}")

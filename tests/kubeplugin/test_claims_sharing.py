@@ -69,7 +69,7 @@ def test_shares_are_devices_of_their_own_with_capacity_and_share_id() -> None:
         Allocated("gpu-0", NODE, ("a",), False, share_id="s-1", memory="10Gi"),
         Allocated("gpu-0", NODE, ("b",), False, share_id="s-2", memory="20Gi"),
         Allocated("gpu-1", NODE, ("c",), False)]
-    body = agent_body(obj, devices, 5)
+    body = agent_body(CLAIM, obj, devices, 5)
     assert body["devices"] == [
         {"kind": "gpu", "device": "gpu-0", "name": "a", "capacity": {"memory": "10Gi"},
          "share_id": "s-1"},
@@ -183,7 +183,7 @@ def test_sharing_configs(what: str, configs: list[dict[str, Any]],
         return
     configured = with_configs(CLAIM, obj, devices, driver=DRIVER)
     assert tuple(d.sharing for d in configured) == expected
-    body = agent_body(obj, configured, 1)
+    body = agent_body(CLAIM, obj, configured, 1)
     assert tuple(e.get("sharing") for e in body["devices"]) == expected
 
 
