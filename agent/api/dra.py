@@ -8,6 +8,7 @@ re-reading on a timer."""
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from aiohttp import web
@@ -50,17 +51,23 @@ def _version(text: str | None) -> tuple[int, int]:
     return min(version, KUBERNETES_VERSIONS[-1])
 
 
-def _wait(text: str | None) -> float:
+#: Seconds as ASCII digits, an optional fraction, no sign, exponent, space or underscore
+#: (``float()`` takes `` 5``, ``1_0``, ``1e1`` and every Unicode digit).
+_SECONDS = re.compile(r"^(0|[1-9][0-9]?)(\.[0-9]{1,6})?\Z")
+
+
+def parse_wait(text: str | None) -> float:
+    """``wait_s`` as seconds from 0 to :data:`MAX_WAIT_S` (0 without it); anything else, or
+    any other spelling, is an :class:`InvalidRequest` naming the field."""
     if text is None:
         return 0.0
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
+    value = float(text) if _SECONDS.match(text) else math.nan
     if not 0 <= value <= MAX_WAIT_S:  # NaN fails too
-        raise InvalidRequest(f"wait_s={text[:32]!r}: seconds from 0 to {MAX_WAIT_S:g}",
+        raise InvalidRequest(f"wait_s={text[:32]!r}: seconds from 0 to {MAX_WAIT_S:g} in ASCII "
+                             "digits (e.g. 30 or 0.5)",
                              errors=[{"field": "wait_s",
-                                      "reason": f"a number from 0 to {MAX_WAIT_S:g}"}])
+                                      "reason": f"a number from 0 to {MAX_WAIT_S:g} in ASCII "
+                                                "digits"}])
     return value
 
 
@@ -84,7 +91,7 @@ async def list_slices(request: web.Request) -> web.Response:
     if not ctx.node.topology.loaded:
         raise NotReady("topology not discovered yet")
     kubernetes = _version(request.query.get("kubernetes"))
-    wait_s = _wait(request.query.get("wait_s"))
+    wait_s = parse_wait(request.query.get("wait_s"))
     tags = _tags(request.headers.get("If-None-Match"))
     service = ctx.node.resource_slices
     current = await service.render(kubernetes)
