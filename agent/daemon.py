@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import json
 import logging
@@ -104,6 +103,17 @@ async def _write_listeners(path: Path, doc: dict[str, object]) -> None:
         log.warning("listeners.json not written; serving anyway", extra={"error": err.detail})
 
 
+def _remove_listeners(path: Path) -> None:
+    """At stop; a state directory that no longer takes writes (remounted read-only) leaves
+    the file behind with a warning, not a traceback: the stop is still clean, and the next
+    start rewrites it."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as err:
+        log.warning("listeners.json not removed; it names a stopped agent until the next start",
+                    extra={"path": str(path), "error": err.strerror or str(err)})
+
+
 async def serve(settings: Settings) -> int:
     """Run the agent until SIGTERM/SIGINT; return the process exit code."""
     lock = ExclusiveLock(settings.state_dir / "agent.lock")
@@ -193,5 +203,4 @@ async def _serve(node: Node) -> int:
         await runner.cleanup()
         if metrics_runner is not None:
             await metrics_runner.cleanup()
-        with contextlib.suppress(FileNotFoundError):
-            (settings.state_dir / "listeners.json").unlink()
+        _remove_listeners(settings.state_dir / "listeners.json")

@@ -66,8 +66,11 @@ class DriverSocket:
             pass  # wakes the accept: the thread sees the stop at once
         self._thread.join(timeout=CONNECTION_TIMEOUT_S + 1)
         self._sock.close()
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError as err:  # a read-only state directory: the next start replaces it
+            log.warning("simulator driver socket not removed",
+                        extra={"path": str(self.path), "error": err.strerror or str(err)})
 
     def _serve(self) -> None:
         while not self._stop.is_set():
