@@ -18,7 +18,7 @@ import agent
 from agent.api.access import TokenReloader, set_socket_owner, ssl_context
 from agent.api.app import build_app
 from agent.api.auth import TokenStore, generate_token_file
-from agent.api.connections import IDLE_TIMEOUT_S, ConnectionLimits, GuardedSite
+from agent.api.connections import IDLE_TIMEOUT_S, ConnectionLimits, GuardedSite, ListenerCaps
 from agent.api.context import AgentContext
 from agent.api.metrics_app import build_metrics_app
 from agent.claims.cdi_writer import CdiDirectoryLock
@@ -70,16 +70,17 @@ def _unlink_stale_socket(path: Path) -> None:
 
 
 async def _start_sites(runner: web.AppRunner, listeners: tuple[Listener, ...], *,
-                      cap: int, limits: ConnectionLimits, tls: ssl.SSLContext | None = None,
+                      caps: ListenerCaps, limits: ConnectionLimits,
+                      tls: ssl.SSLContext | None = None,
                       socket_group: str | None = None) -> list[str]:
-    """Bind every listener, each holding at most ``cap`` connections: Unix sockets mode 0660
+    """Bind every listener, each holding connections as ``caps`` say: Unix sockets mode 0660
     (group ``socket_group``), TCP listeners over TLS when ``tls`` is given."""
     bound: list[str] = []
     for listener in listeners:
         if listener.path is not None:
             listener.path.parent.mkdir(parents=True, exist_ok=True)
             _unlink_stale_socket(listener.path)
-        site = GuardedSite(runner, listener, cap=cap, limits=limits,
+        site = GuardedSite(runner, listener, caps=caps, limits=limits,
                            ssl_context=tls if listener.path is None else None)
         try:
             await site.start()
@@ -168,10 +169,10 @@ async def _serve(node: Node) -> int:
     started = asyncio.ensure_future(node.started.wait())
     try:
         bound = await _start_sites(runner, settings.listen, tls=ssl_context(settings),
-                                   socket_group=settings.socket_group, cap=limits.api_cap,
+                                   socket_group=settings.socket_group, caps=limits.api,
                                    limits=limits)
         metrics_bound = (await _start_sites(metrics_runner, (settings.metrics_listen,),
-                                            cap=limits.metrics_cap, limits=limits)
+                                            caps=limits.metrics, limits=limits)
                          if metrics_runner is not None and settings.metrics_listen else [])
         await _write_listeners(settings.state_dir / "listeners.json",
                                {"pid": os.getpid(), "listeners": bound, "metrics": metrics_bound})

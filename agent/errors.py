@@ -202,6 +202,11 @@ class NotReady(AgentError):
         self.retry_after_s = retry_after_s
 
 
+class Overloaded(NotReady):
+    """The agent holds as many requests of this kind as it takes (long-polls on one
+    listener); ask again in ``retry_after_s`` seconds."""
+
+
 class SharingUnavailable(NotReady):
     """A GPU-sharing tool (``nvidia-cuda-mps-control``, ``nvidia-smi``) is missing or failed:
     ``tool`` names it, ``gpu`` the device when one is concerned, ``reason`` what went wrong."""

@@ -67,6 +67,7 @@ SLEEPS: dict[str, str] = {
     "tests/reliability/one_owner.py::Rig.restart": "the stateful test kills at a seeded moment",
     "tests/reliability/test_flood.py::test_healthz_stays_fast_while_the_metrics_port_is_flooded":
         "paces the probes of a load test",
+    "tests/reliability/peers.py::probe_for": "paces the probes of a load test",
     "tests/soak.py::_Driver.run": "the soak's load driver backs off after an error",
     "tests/soak.py::run_soak": "the soak samples the agent at a fixed rate",
 }

@@ -14,6 +14,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
+from agent.api.connections import long_poll
 from agent.api.context import AGENT
 from agent.api.node import require_ready
 from agent.api.routing import QueryParam, Route, json_response
@@ -98,7 +99,8 @@ async def list_slices(request: web.Request) -> web.Response:
     if tags is None or not (current.etag in tags or "*" in tags):
         return _answer(current, kubernetes)
     if wait_s > 0:
-        changed = await service.wait_for_change(kubernetes, current, wait_s)
+        with long_poll(request):  # 503 with Retry-After once the listener holds its cap
+            changed = await service.wait_for_change(kubernetes, current, wait_s)
         if changed is not None:
             return _answer(changed, kubernetes)
     return web.Response(status=304, headers={"ETag": current.etag})

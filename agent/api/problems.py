@@ -32,6 +32,7 @@ from agent.errors import (
     NotFound,
     NotReady,
     NvmlError,
+    Overloaded,
     SharingUnavailable,
     StateLocked,
     StateUnreadable,
@@ -82,6 +83,7 @@ PROBLEMS: Mapping[type[AgentError], Problem] = {
     NvmlError: Problem(502, "nvml-error", "NVML call failed"),
     GpuLost: Problem(503, "gpu-lost", "GPU lost"),
     NotReady: Problem(503, "not-ready", "Not ready"),
+    Overloaded: Problem(503, "overloaded", "Service Unavailable"),
     DeviceNodesMissing: Problem(503, "device-nodes-missing", "Device nodes not present yet"),
     SharingUnavailable: Problem(503, "sharing-unavailable", "GPU sharing tool unavailable"),
     CheckpointUnusable: Problem(503, "checkpoint-corrupt", "Claims checkpoint unusable"),
@@ -113,8 +115,12 @@ def problem_headers(err: AgentError) -> dict[str, str] | None:
 def error_response(request: web.Request, err: AgentError) -> web.Response:
     """The problem for a domain error, from the table and the error's own fields."""
     status, type_name, title = problem_of(err)
-    return problem_response(request, status=status, type_name=type_name, title=title,
-                            detail=err.detail, extra=err.fields(), headers=problem_headers(err))
+    response = problem_response(request, status=status, type_name=type_name, title=title,
+                                detail=err.detail, extra=err.fields(),
+                                headers=problem_headers(err))
+    if isinstance(err, Overloaded):
+        response.force_close()  # told to come back later, a caller holds no slot meanwhile
+    return response
 
 
 def problem_response(request: web.Request, *, status: int, type_name: str, title: str,
