@@ -43,6 +43,9 @@ def add_parser(sub: Any) -> None:
     plugin.add_argument("--agent-lost-after", type=float, default=60.0, metavar="SECONDS",
                         help="delete this node's slices once the agent has been unreachable "
                              "this long (default 60)")
+    plugin.add_argument("--claim-read-timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="fail a claim whose ResourceClaim the API server has not sent "
+                             "within this long (kubelet retries it; default 10)")
     plugin.add_argument("--mig-config-map", metavar="NAMESPACE/NAME",
                         help="follow this Node's nvidia.com/mig.config label as mig-manager "
                              "does: apply that label of this ConfigMap's config.yaml through "
@@ -77,6 +80,7 @@ def run(args: argparse.Namespace, wire: Any = None) -> int:
         node_name=args.node_name or "", driver=args.driver, registry_dir=args.registry_dir,
         plugins_dir=args.plugins_dir, kubeconfig=args.kubeconfig,
         health_listen=args.health_listen, agent_lost_after_s=args.agent_lost_after,
+        claim_read_timeout_s=args.claim_read_timeout,
         mig_config_map=args.mig_config_map, mig_token_file=args.mig_token_file,
         mig_allow_reset=args.mig_allow_reset)
     try:

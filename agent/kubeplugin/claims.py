@@ -33,6 +33,7 @@ before it holds anything.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -42,6 +43,16 @@ from agent.device_names import parse_device_name
 #: The agent's longest request name (a DNS label); a longer ``<request>/<subrequest>`` is not
 #: sent as the name (the plugin keeps the request names itself).
 MAX_AGENT_REQUEST_NAME = 63
+#: The most allocation results a ResourceClaim has (resource.k8s.io's
+#: ``AllocationResultsMaxSize``, 1.34 to 1.37): more is counted and refused before any is
+#: mapped.
+MAX_RESULTS = 32
+#: A namespace is a DNS-1123 label; a claim's name a DNS-1123 subdomain (each dot-separated
+#: part a label); a UID kubelet sends is the server's (a UUID), never a path.
+_LABEL = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
+_NAMESPACE = re.compile(rf"{_LABEL}\Z")
+_NAME = re.compile(rf"{_LABEL}(\.{_LABEL})*\Z")
+_UID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 #: The project's own config API (NVIDIA's is ``resource.nvidia.com/v1beta1``).
 CONFIG_API_VERSION = "resource.nodeagent.dev/v1beta1"
 GPU_CONFIG, MIG_CONFIG = "GpuConfig", "MigDeviceConfig"
@@ -75,7 +86,30 @@ class KubeletClaim:
     name: str
 
     def __str__(self) -> str:
-        return f"{self.namespace}/{self.name} ({self.uid})"
+        return f"{self.namespace}/{self.name} ({self.uid})"[:400]
+
+
+def check_uid(claim: KubeletClaim) -> None:
+    """:class:`ClaimError` unless the claim's UID is a plain token (it goes into the agent's
+    URL paths)."""
+    if not (isinstance(claim.uid, str) and _UID.match(claim.uid)):
+        raise ClaimError("bad-claim-name", f"claim {claim}: its uid {claim.uid!r:.80} from "
+                                           "kubelet is not letters, digits, '.', '_' and '-'")
+
+
+def check_names(claim: KubeletClaim) -> None:
+    """:class:`ClaimError` unless the claim's namespace is a DNS-1123 label, its name a
+    DNS-1123 subdomain (253 characters at most) and its UID a plain token: they go into URL
+    paths of the API server and the agent, where a ``/`` or ``..`` would name another
+    object."""
+    for field, value, pattern, what in (
+            ("namespace", claim.namespace, _NAMESPACE, "a DNS-1123 label"),
+            ("name", claim.name, _NAME, "a DNS-1123 subdomain"),
+            ("uid", claim.uid, _UID, "letters, digits, '.', '_' and '-'")):
+        if not (isinstance(value, str) and pattern.match(value)
+                and (field != "name" or len(value) <= 253)):
+            raise ClaimError("bad-claim-name", f"claim {claim}: its {field} {value!r:.80} from "
+                                               f"kubelet is not {what}")
 
 
 @dataclass(frozen=True)
@@ -190,6 +224,9 @@ def our_devices(claim: KubeletClaim, obj: Mapping[str, Any], *, driver: str,
     where = "status.allocation.devices"
     devices = _object(claim, where, _allocation(claim, obj).get("devices"))
     results = _array(claim, f"{where}.results", devices.get("results"))
+    if len(results) > MAX_RESULTS:
+        raise ClaimError("bad-allocation", f"claim {claim}: {where}.results has {len(results)} "
+                                           f"entries, over the API's limit of {MAX_RESULTS}")
     found: dict[tuple[str, str | None], Allocated] = {}
     for i, result in enumerate(results):
         at = f"{where}.results[{i}]"

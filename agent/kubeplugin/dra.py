@@ -28,11 +28,14 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from agent.kubeplugin.agent_client import AgentClient
+from agent.kubeplugin.claim_reads import READ_TIMEOUT_S, ClaimReads, ClaimReadTimeout
 from agent.kubeplugin.claims import (
     ClaimError,
     KubeletClaim,
     KubeletDevice,
     agent_body,
+    check_names,
+    check_uid,
     kubelet_devices,
     our_devices,
     with_configs,
@@ -45,6 +48,7 @@ from agent.kubeplugin.errors import (
     TokenFileError,
 )
 from agent.kubeplugin.kinds import DeviceKinds, is_mig_name
+from agent.kubeplugin.kube import KubeTooLarge
 from agent.kubeplugin.metrics import PluginMetrics
 from agent.kubeplugin.protocols import ClaimReader
 
@@ -116,6 +120,13 @@ def _described(err: AgentCallError) -> str:
 
 
 def _read_error(claim: KubeletClaim, err: Exception) -> ClaimError:
+    if isinstance(err, KubeTooLarge):
+        return ClaimError("claim-too-large", f"claim {claim}: the API server's answer is over "
+                                             f"the plugin's limit of {err.limit} bytes for "
+                                             "a ResourceClaim (not read further)")
+    if isinstance(err, ClaimReadTimeout):
+        return ClaimError("api-server-timeout", f"claim {claim}: reading it: {err}",
+                          retryable=True)
     if isinstance(err, LookupError) or getattr(err, "status", None) == 404:
         return ClaimError("claim-not-found",
                           f"claim {claim}: not found on the API server", retryable=True)
@@ -127,9 +138,10 @@ class DraService:
     """Prepares and unprepares claims through the agent's REST API."""
 
     def __init__(self, agent: AgentClient, claims: ClaimReader, *, driver: str,
-                 node_name: str, metrics: PluginMetrics) -> None:
+                 node_name: str, metrics: PluginMetrics,
+                 read_timeout_s: float = READ_TIMEOUT_S) -> None:
         self._agent = agent
-        self._claims = claims
+        self._claims = ClaimReads(claims, timeout_s=read_timeout_s)
         self.driver = driver
         self.pool = node_name  # the publisher names this node's pool after the node
         self._metrics = metrics
@@ -141,12 +153,13 @@ class DraService:
         """Prepare every claim (by UID) in parallel; ``issued_at_ns`` is when kubelet's call
         arrived (:func:`arrival_ns`, taken before anything was awaited)."""
         unique = list({c.uid: c for c in claims}.values())
+        call = object()  # the claim reads share their slots fairly among kubelet's calls
         if len(unique) == 1:  # kubelet's usual call: no gather (a task and a future) for one
             claim = unique[0]
-            return {claim.uid: await self._shielded("prepare", claim,
-                                                    self._prepare_one(claim, issued_at_ns))}
+            return {claim.uid: await self._shielded(
+                "prepare", claim, self._prepare_one(claim, issued_at_ns, call))}
         results = await asyncio.gather(*(
-            self._shielded("prepare", c, self._prepare_one(c, issued_at_ns))
+            self._shielded("prepare", c, self._prepare_one(c, issued_at_ns, call))
             for c in unique))
         return {c.uid: r for c, r in zip(unique, results, strict=True)}
 
@@ -192,14 +205,19 @@ class DraService:
         log.info("claim's %s finished after kubelet's deadline", call,
                  extra={"claim": claim.uid, "error": error or ""})
 
+    async def close(self) -> None:
+        """Cancel the claim reads still running (after :meth:`drain`, at the stop)."""
+        await self._claims.close()
+
     async def drain(self, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` for claim calls still running (shutdown)."""
         if self._running:
             await asyncio.wait(set(self._running), timeout=timeout_s)
 
-    async def _prepare_one(self, claim: KubeletClaim, issued_at_ns: int) -> PrepareResult:
+    async def _prepare_one(self, claim: KubeletClaim, issued_at_ns: int,
+                           call: object) -> PrepareResult:
         try:
-            devices = await self._prepare_devices(claim, issued_at_ns)
+            devices = await self._prepare_devices(claim, issued_at_ns, call)
         except ClaimError as err:
             self._metrics.prepare_errors.labels(err.reason).inc()
             log.warning("prepare failed", extra={"claim": claim.uid, "reason": err.reason,
@@ -217,10 +235,11 @@ class DraService:
                                     "devices": ",".join(d.device_name for d in devices)})
         return PrepareResult(devices=tuple(devices))
 
-    async def _prepare_devices(self, claim: KubeletClaim,
-                               issued_at_ns: int) -> list[KubeletDevice]:
+    async def _prepare_devices(self, claim: KubeletClaim, issued_at_ns: int,
+                               call: object) -> list[KubeletDevice]:
+        check_names(claim)
         try:
-            obj = await self._claims.get_resource_claim(claim.namespace, claim.name)
+            obj = await self._claims.read(call, claim.namespace, claim.name)
         except Exception as err:  # any client failure is this claim's error
             raise _read_error(claim, err) from err
         devices = with_configs(claim, obj, our_devices(claim, obj, driver=self.driver,
@@ -308,6 +327,7 @@ class DraService:
 
     async def _unprepare_one(self, claim: KubeletClaim, issued_at_ns: int) -> str | None:
         try:
+            check_uid(claim)
             await self._call_agent(claim, lambda: self._agent.unprepare(claim.uid,
                                                                         issued_at_ns))
         except ClaimError as err:

@@ -17,13 +17,20 @@ Errors are a small hierarchy, by what a caller does about them: :class:`KubeUnav
 (retry with backoff), :class:`KubeConflict` (re-read and re-plan), :class:`KubeNotFound`,
 :class:`KubeForbidden` (RBAC or credentials: an operator must act), :class:`KubeInvalid`
 (the server refused the content), :class:`KubeExpired` (a watch's resourceVersion is too
-old: list again).
+old: list again), :class:`KubeTooLarge` (an answer over its limit: not read further).
+
+An answer is read with a limit, never whole into memory first: an object over
+:data:`MAX_OBJECT_BYTES` (a list over :data:`MAX_LIST_BYTES`) stops the read at the limit
+and drops the connection, so an endless or oversize answer costs the limit, not the answer.
+A large answer is decoded on a thread, not on the event loop. Every name put in a path is
+escaped as one path segment (callers validate names first; this is the last line).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import logging
 import re
@@ -31,6 +38,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import quote
 
 import aiohttp
 from kubernetes_asyncio.client import ApiClient, Configuration
@@ -45,6 +53,15 @@ SLICES_PATH = "/apis/resource.k8s.io/v1/resourceslices"
 CALL_TIMEOUT_S = 30.0
 #: How long the server keeps one watch open before the client opens the next.
 WATCH_TIMEOUT_S = 290
+#: The longest object answer read (a ResourceClaim, a Node). kube-apiserver takes no request
+#: body over 3 MiB (``--max-request-body-bytes``' default) and etcd stores no object over
+#: 1.5 MiB (``--max-request-bytes``), so no object a real server holds is longer as JSON.
+MAX_OBJECT_BYTES = 3 * 1024 * 1024
+#: The longest list answer read (this node's ResourceSlices of one driver: a few objects).
+MAX_LIST_BYTES = 32 * 1024 * 1024
+#: Answers longer than this are decoded on a thread (a 3 MiB claim takes 40-60 ms).
+DECODE_ON_THREAD_BYTES = 64 * 1024
+_CHUNK_BYTES = 64 * 1024
 
 
 class KubeError(Exception):
@@ -84,6 +101,14 @@ class KubeInvalid(KubeError):
 
 class KubeExpired(KubeError):
     """410: the watch's resourceVersion is older than the server keeps; list again."""
+
+
+class KubeTooLarge(KubeError):
+    """The answer is longer than ``limit`` bytes; it was not read further."""
+
+    def __init__(self, message: str, *, limit: int) -> None:
+        super().__init__(message)
+        self.limit = limit
 
 
 class KubeConfigMissing(KubeError):
@@ -150,6 +175,12 @@ def parse_version(doc: Mapping[str, Any]) -> tuple[int, int]:
     return major, minor
 
 
+def segment(name: str) -> str:
+    """``name`` as one URL path segment: ``/``, ``?``, ``%`` and ``..`` cannot escape it."""
+    escaped = quote(name, safe="")
+    return escaped.replace(".", "%2E") if escaped in (".", "..") else escaped
+
+
 def error_for(status: int, body: Any, *, retry_after: str | None = None) -> KubeError:
     """The exception for an HTTP error status and its ``Status`` body."""
     message = reason = ""
@@ -214,6 +245,14 @@ class KubeClient:
         """A client for an explicit configuration (host, TLS, token): tests use it."""
         return cls(ApiClient(configuration=config), refresher=refresher)
 
+    def sibling(self, *, connections: int) -> KubeClient:
+        """A client with the same server and credentials (a refreshed token reaches both)
+        but a connection pool of its own of ``connections``: the claim reads, so that reads
+        the server leaves hanging never take the publisher's connections."""
+        config = copy.copy(self._api.configuration)  # shares api_key: one token for both
+        config.connection_pool_maxsize = connections
+        return KubeClient(ApiClient(configuration=config))
+
     async def close(self) -> None:
         if self._refresher is not None:
             self._refresher.cancel()
@@ -250,16 +289,20 @@ class KubeClient:
                         retry_after=response.headers.get("Retry-After"))
 
     async def _call(self, method: str, path: str, *,
-                    query: Sequence[tuple[str, str]] = (), body: Json | None = None) -> Json:
+                    query: Sequence[tuple[str, str]] = (), body: Json | None = None,
+                    max_bytes: int = MAX_OBJECT_BYTES) -> Json:
         response = await self._open(method, path, query=query, body=body)
         try:
-            doc = await response.json(content_type=None)
-        except (aiohttp.ClientError, OSError, TimeoutError) as err:
-            raise KubeUnavailable(f"{method} {path}: reply cut: {err}") from err
-        except ValueError as err:
-            raise KubeUnavailable(f"{method} {path}: reply not JSON: {err}") from err
+            data = await _read_limited(response, f"{method} {path}", max_bytes)
         finally:
             response.release()
+        try:
+            if len(data) > DECODE_ON_THREAD_BYTES:
+                doc = await asyncio.to_thread(json.loads, data)
+            else:
+                doc = json.loads(data)
+        except (ValueError, RecursionError) as err:
+            raise KubeUnavailable(f"{method} {path}: reply not JSON: {err}") from err
         if not isinstance(doc, dict):
             raise KubeUnavailable(f"{method} {path}: reply not a JSON object")
         return doc
@@ -269,16 +312,18 @@ class KubeClient:
         return parse_version(await self._call("GET", "/version"))
 
     async def get_node(self, name: str) -> Json:
-        return await self._call("GET", f"/api/v1/nodes/{name}")
+        return await self._call("GET", f"/api/v1/nodes/{segment(name)}")
 
     async def get_resource_claim(self, namespace: str, name: str) -> Json:
-        return await self._call(
-            "GET", f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}")
+        """The ResourceClaim, read up to :data:`MAX_OBJECT_BYTES` (:class:`KubeTooLarge`)."""
+        return await self._call("GET", f"/apis/resource.k8s.io/v1/namespaces/"
+                                       f"{segment(namespace)}/resourceclaims/{segment(name)}")
 
     async def list_resource_slices(self, *, driver: str, node: str) -> ResourceSliceList:
         doc = await self._call("GET", SLICES_PATH,
                                query=[("fieldSelector", resource_slice_selector(driver=driver,
-                                                                       node=node))])
+                                                                       node=node))],
+                               max_bytes=MAX_LIST_BYTES)
         items = doc.get("items") or []
         return ResourceSliceList(resource_version=str(doc.get("metadata", {}).get("resourceVersion",
                                                                           "")),
@@ -340,12 +385,41 @@ class KubeClient:
     async def update_resource_slice(self, body: Json) -> Json:
         """Replace the slice named in ``body``; its ``metadata.resourceVersion`` makes the
         write fail with :class:`KubeConflict` when the slice changed since it was read."""
-        return await self._call("PUT", f"{SLICES_PATH}/{body['metadata']['name']}", body=body)
+        name = segment(body["metadata"]["name"])
+        return await self._call("PUT", f"{SLICES_PATH}/{name}", body=body)
 
     async def delete_resource_slice(self, name: str, *, uid: str,
                                     resource_version: str) -> None:
         """Delete the slice only if it is still the object read (same UID and version):
         :class:`KubeConflict` otherwise, :class:`KubeNotFound` when it is gone."""
-        await self._call("DELETE", f"{SLICES_PATH}/{name}", body={
+        await self._call("DELETE", f"{SLICES_PATH}/{segment(name)}", body={
             "apiVersion": "v1", "kind": "DeleteOptions",
             "preconditions": {"uid": uid, "resourceVersion": resource_version}})
+
+
+async def _read_limited(response: aiohttp.ClientResponse, what: str, limit: int) -> bytes:
+    """The answer's body, or :class:`KubeTooLarge` as soon as it passes ``limit`` bytes (by
+    its Content-Length, before anything is read, or while reading): the connection is then
+    dropped, since the rest of the answer is never read."""
+    declared = response.content_length
+    if declared is not None and declared > limit:
+        _drop(response)
+        raise KubeTooLarge(f"{what}: the answer is {declared} bytes, over the limit of "
+                           f"{limit} bytes", limit=limit)
+    data = bytearray()
+    try:
+        async for chunk in response.content.iter_chunked(_CHUNK_BYTES):
+            data += chunk
+            if len(data) > limit:
+                _drop(response)
+                raise KubeTooLarge(f"{what}: the answer is over the limit of {limit} bytes "
+                                   "(not read further)", limit=limit)
+    except (aiohttp.ClientError, OSError, TimeoutError) as err:
+        raise KubeUnavailable(f"{what}: reply cut: {err}") from err
+    return bytes(data)
+
+
+def _drop(response: aiohttp.ClientResponse) -> None:
+    """Close the connection of an answer left unread: it cannot go back to the pool."""
+    if response.connection is not None and response.connection.transport is not None:
+        response.connection.transport.abort()

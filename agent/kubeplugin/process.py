@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from agent.kubeplugin.agent_client import AgentClient, token_file_usable
+from agent.kubeplugin.claim_reads import READ_TIMEOUT_S, READS_AT_ONCE
 from agent.kubeplugin.dra import DraService
 from agent.kubeplugin.health import HealthServer, Readiness, parse_listen
 from agent.kubeplugin.kube import KubeClient
@@ -44,6 +46,9 @@ class PluginStartError(Exception):
     """The plugin cannot start: a one-line reason for the operator."""
 
 
+#: A Node's name: a DNS-1123 subdomain.
+_NODE_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*\Z")
+
 @dataclass(frozen=True)
 class PluginSettings:
     """The command line of ``gpu-agent kubelet-plugin``."""
@@ -57,6 +62,7 @@ class PluginSettings:
     kubeconfig: Path | None = None
     health_listen: str = DEFAULT_HEALTH_LISTEN
     agent_lost_after_s: float = 60.0
+    claim_read_timeout_s: float = READ_TIMEOUT_S
     #: mig-manager's node labels (docs/mig.md), off unless a ConfigMap is named.
     mig_config_map: str | None = None
     mig_token_file: Path | None = None
@@ -68,8 +74,14 @@ class PluginSettings:
             raise PluginStartError("--node-name (or NODE_NAME) is required")
         if not self.driver or "/" in self.driver:
             raise PluginStartError(f"--driver {self.driver!r}: a DNS subdomain, no '/'")
+        if not _NODE_NAME.match(self.node_name) or len(self.node_name) > 253:
+            raise PluginStartError(f"--node-name {self.node_name[:80]!r}: a DNS-1123 subdomain "
+                                   "(it goes into API paths and field selectors)")
         if self.agent_lost_after_s <= 0:
             raise PluginStartError("--agent-lost-after must be above 0 seconds")
+        if not 0 < self.claim_read_timeout_s <= 300:
+            raise PluginStartError("--claim-read-timeout must be above 0 and at most 300 "
+                                   "seconds")
         try:
             parse_listen(self.health_listen)
         except ValueError as err:
@@ -101,12 +113,18 @@ async def wire_kubernetes(settings: PluginSettings, agent: AgentClient,
     """The real Kubernetes side: the API server client (in-cluster, or ``--kubeconfig``) as
     claim reader and API probe, and the ResourceSlice publisher on the same client."""
     kube = await KubeClient.from_environment(settings.kubeconfig)
+    claims = kube.sibling(connections=READS_AT_ONCE)
     publisher = ResourceSlicePublisher(agent, kube, node_name=settings.node_name,
                                driver=settings.driver,
                                agent_lost_after_s=settings.agent_lost_after_s,
                                registry=registry)
     if settings.mig_config_map is None or settings.mig_token_file is None:
-        return Wiring(claims=kube, api=kube, publisher=publisher, close=kube.close)
+
+        async def close_clients() -> None:
+            await claims.close()
+            await kube.close()
+
+        return Wiring(claims=claims, api=kube, publisher=publisher, close=close_clients)
     labels = await MigLabels.open(
         kubeconfig=settings.kubeconfig, agent_socket=settings.agent_socket,
         token_file=settings.mig_token_file, node_name=settings.node_name,
@@ -114,9 +132,10 @@ async def wire_kubernetes(settings: PluginSettings, agent: AgentClient,
 
     async def close() -> None:
         await labels.close()
+        await claims.close()
         await kube.close()
 
-    return Wiring(claims=kube, api=kube, publisher=publisher, close=close, mig_labels=labels)
+    return Wiring(claims=claims, api=kube, publisher=publisher, close=close, mig_labels=labels)
 
 
 @dataclass
@@ -139,7 +158,8 @@ class Plugin:
     def __post_init__(self) -> None:
         metrics = PluginMetrics(self.registry)
         self.service = DraService(self.agent, self.wiring.claims, driver=self.settings.driver,
-                                  node_name=self.settings.node_name, metrics=metrics)
+                                  node_name=self.settings.node_name, metrics=metrics,
+                                  read_timeout_s=self.settings.claim_read_timeout_s)
         self.servers = PluginServers(self.service, driver=self.settings.driver,
                                      registry_dir=self.settings.registry_dir,
                                      plugins_dir=self.settings.plugins_dir,
@@ -177,6 +197,7 @@ class Plugin:
         stop publishing, close everything; the socket files are removed."""
         await self.servers.stop(grace_s)
         await self.service.drain(grace_s)
+        await self.service.close()
         if self._publishing is not None:
             self._publishing.cancel()
             with contextlib.suppress(asyncio.CancelledError):
