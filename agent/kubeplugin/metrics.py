@@ -29,7 +29,8 @@ class PluginMetrics:
             "gpu_agent_plugin_prepare_errors",
             "Claims whose prepare failed, by reason (agent-not-ready, agent-unreachable, "
             "agent-refused, claim-not-found, uid-mismatch, not-allocated, no-devices, "
-            "api-server, ...)", ["reason"], registry=registry)
+            "api-server, api-server-timeout, claim-too-large, bad-claim-name, "
+            "bad-allocation, ...)", ["reason"], registry=registry)
         self.unprepare_errors = Counter(
             "gpu_agent_plugin_unprepare_errors",
             "Claims whose unprepare failed, by reason", ["reason"], registry=registry)
