@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import partial
 
 from agent.claims.cdi_writer import CdiWriter
@@ -51,8 +52,10 @@ class ClaimSlices:
             raise InvalidRequest("devices: admin_access is for existing devices, not slices made "
                                  "on demand", [{"field": "devices.admin_access",
                                                 "reason": "only with kind 'gpu'"}])
-        profile, gpu_ref, start, candidates = slice_spec(
-            profile=profile, gpu_ref=gpu_ref, start=start, device_name=device_name, gpus=gpus)
+        asked = slice_spec(profile=profile, gpu_ref=gpu_ref, start=start,
+                           device_name=device_name, gpus=gpus)
+        profile, gpu_ref, start, candidates = asked.profile, asked.gpu_ref, asked.start, \
+            asked.candidates
         if gpu_ref is not None:
             self._ledger.check_usable(candidates[0])  # a pinned GPU says why it cannot serve
         # A device the scheduler allocated from --dynamic-mig slices may switch MIG on.
@@ -151,7 +154,16 @@ class ClaimSlices:
         return next(g for g in idle if g.index == choice.index), choice.placement
 
 
-SliceSpec = tuple[str, str | None, int | None, list[Gpu]]
+@dataclass(frozen=True)
+class SliceSpec:
+    """What a slice request asks for, checked against the node."""
+
+    profile: str
+    gpu_ref: str | None
+    """The pinned GPU (UUID or index), if any."""
+    start: int | None
+    candidates: list[Gpu]
+    """The MIG-capable GPUs it may go on."""
 
 
 def slice_spec(*, profile: str | None, gpu_ref: str | None, start: int | None,
@@ -188,7 +200,7 @@ def slice_spec(*, profile: str | None, gpu_ref: str | None, start: int | None,
         raise InvalidRequest(f"{where}.profile: unknown MIG profile {profile!r}; known: "
                              f"{', '.join(sorted(known))}",
                              [{"field": f"{where}.profile", "reason": "unknown profile"}])
-    return profile, gpu_ref, start, candidates
+    return SliceSpec(profile, gpu_ref, start, candidates)
 
 
 def check_slices(requests: Sequence[DeviceRequest], gpus: Sequence[Gpu]) -> None:
