@@ -47,6 +47,8 @@ LAYER_OF = {
     "agent.topology": "services",
     "agent.metrics": "services",
     "agent.dra": "services",
+    # device health as Kubernetes sees it: faults and their taints (pure)
+    "agent.health": "services",
     # kubelet's PodResources client (pod labels on metrics; grpcio only with the flag)
     "agent.podresources": "services",
     # the kubelet plugin: a process of its own that reaches the agent only over REST

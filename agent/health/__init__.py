@@ -1,0 +1,1 @@
+"""GPU health as the cluster sees it: faults, and the device taints they become."""
