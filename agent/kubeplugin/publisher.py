@@ -35,6 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception
 from tenacity.wait import wait_base, wait_exponential, wait_random
 
+from agent.kubeplugin.device_health import DeviceHealthView
 from agent.kubeplugin.kube import (
     KubeConflict,
     KubeError,
@@ -201,6 +202,8 @@ class ResourceSlicePublisher:
         self._counters_dropped = False
         #: The server dropped consumable capacity once: GPUs are published whole, as above.
         self._shares_dropped: tuple[str, ...] = ()
+        #: Each device's health as the agent last rendered it (claim status, health stream).
+        self.device_health = DeviceHealthView()
 
     def health(self) -> PublisherHealth:
         reasons = []
@@ -264,6 +267,7 @@ class ResourceSlicePublisher:
                                 extra={"after_s": round(now - failing_since, 1),
                                        "problem": self._agent_problem})
                     self._dirty.set()
+                    await self.device_health.update(None)
                 await asyncio.sleep(delay if self._agent_lost else min(delay, max(left, 0.0)))
                 delay = min(delay * 2, self._backoff.max_s, AGENT_RETRY_MAX_S)
                 continue
@@ -275,6 +279,7 @@ class ResourceSlicePublisher:
             if answer.items is not None:
                 etag, self._desired = answer.etag, list(answer.items)
                 self._dirty.set()
+                await self.device_health.update(self._desired)
 
     # --- the server ---
 
