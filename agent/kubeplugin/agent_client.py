@@ -165,6 +165,15 @@ class AgentClient:
         if status not in (200, 204, 404):
             self._raise(status, headers, answer)
 
+    async def claims(self) -> list[dict[str, Any]]:
+        """``GET /v1/claims``: the claims the agent holds (the claim status writer follows
+        them again after a plugin restart)."""
+        status, headers, answer = await self._call("GET", "/v1/claims",
+                                                   timeout_s=READY_TIMEOUT_S * 6)
+        if status != 200 or not isinstance(answer, dict):
+            self._raise(status, headers, answer)
+        return [c for c in answer.get("claims") or [] if isinstance(c, dict)]
+
     async def resource_slices(self, kubernetes: str, etag: str | None,
                               wait_s: float) -> ResourceSlicesAnswer:
         """``GET /v1/resourceslices?kubernetes=X``; with ``etag``, held up to ``wait_s`` for a

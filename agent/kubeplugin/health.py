@@ -1,6 +1,8 @@
 """The plugin's health listener (``--health-listen``): ``/healthz`` (the process answers),
 ``/readyz`` (registered with kubelet, agent reachable and ready, API server reachable, slices
-in sync; 503 naming every failing check) and ``/metrics`` (the plugin's and the publisher's
+in sync; 503 naming every failing check; ``claim_status`` is reported there but never fails
+it: prepares work without device status, and a server that does not keep it is a cluster's
+setting, not a node to take out) and ``/metrics`` (the plugin's and the publisher's
 series, one registry). No tokens: nothing here changes anything or shows a secret."""
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from agent.kubeplugin.agent_client import AgentClient
+from agent.kubeplugin.claim_status import ClaimStatusWriter
 from agent.kubeplugin.protocols import ApiServer, Publisher
 from agent.kubeplugin.servers import RegistrationState
 
@@ -25,6 +28,8 @@ log = logging.getLogger("agent.kubeplugin.health")
 CHECK_TIMEOUT_S = 3.0
 
 Check = Callable[[], Awaitable[str | None]]
+#: Checks shown by ``/readyz`` that do not make it fail.
+REPORTED_ONLY = frozenset({"claim_status"})
 
 
 @dataclass
@@ -35,6 +40,10 @@ class Readiness:
     agent: AgentClient
     api: ApiServer | None = None
     publisher: Publisher | None = None
+    claim_status: ClaimStatusWriter | None = None
+
+    async def _claim_status(self) -> str | None:
+        return None if self.claim_status is None else self.claim_status.problem
 
     async def _registered(self) -> str | None:
         return self.registration.reason
@@ -58,7 +67,8 @@ class Readiness:
         """Every check's result, run concurrently, each bounded by ``CHECK_TIMEOUT_S``."""
         named: dict[str, Check] = {"registered": self._registered,
                                    "agent": self.agent.readiness, "api_server": self._api,
-                                   "slices": self._slices}
+                                   "slices": self._slices,
+                                   "claim_status": self._claim_status}
 
         async def bounded(check: Check) -> str | None:
             try:
@@ -78,11 +88,17 @@ def health_app(readiness: Readiness, registry: CollectorRegistry) -> web.Applica
 
     async def readyz(request: web.Request) -> web.Response:
         checks = await readiness.checks()
-        failing = {name: reason for name, reason in checks.items() if reason is not None}
-        body = {"status": "not ready" if failing else "ready",
-                "checks": {name: reason or "ok" for name, reason in checks.items()}}
+        failing = {name: reason for name, reason in checks.items()
+                   if reason is not None and name not in REPORTED_ONLY}
+        body: dict[str, object] = {
+            "status": "not ready" if failing else "ready",
+            "checks": {name: reason or "ok" for name, reason in checks.items()}}
         if failing:
             body["reason"] = "; ".join(f"{name}: {why}" for name, why in failing.items())
+        warnings = {name: reason for name, reason in checks.items()
+                    if reason is not None and name in REPORTED_ONLY}
+        if warnings:
+            body["warnings"] = warnings
         return web.json_response(body, status=503 if failing else 200)
 
     async def metrics(request: web.Request) -> web.Response:

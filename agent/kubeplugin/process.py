@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from agent.kubeplugin.agent_client import AgentClient, token_file_usable
 from agent.kubeplugin.claim_reads import READ_TIMEOUT_S, READS_AT_ONCE
+from agent.kubeplugin.claim_status import WRITES_AT_ONCE, ClaimStatusWriter
 from agent.kubeplugin.dra import DraService
 from agent.kubeplugin.health import HealthServer, Readiness, parse_listen
 from agent.kubeplugin.kube import KubeClient
@@ -40,6 +41,8 @@ DEFAULT_HEALTH_LISTEN = "127.0.0.1:9478"
 STOP_GRACE_S = 10.0
 #: A publisher that fails is started again after this long.
 PUBLISHER_RESTART_S = 5.0
+#: How long the stop waits for claim status writes still wanted (an unprepare's removal).
+STATUS_FLUSH_S = 2.0
 
 
 class PluginStartError(Exception):
@@ -103,6 +106,8 @@ class Wiring:
     close: Callable[[], Awaitable[None]] | None = None
     #: mig-manager's node labels (None: the mode is off).
     mig_labels: MigLabels | None = None
+    #: Writes the claims' device status (None: not written by this process).
+    claim_status: ClaimStatusWriter | None = None
 
 
 Wire = Callable[[PluginSettings, AgentClient, CollectorRegistry], Awaitable[Wiring]]
@@ -118,13 +123,19 @@ async def wire_kubernetes(settings: PluginSettings, agent: AgentClient,
                                driver=settings.driver,
                                agent_lost_after_s=settings.agent_lost_after_s,
                                registry=registry)
+    # Its own connections: status writes never wait behind claim reads or slice writes.
+    statuses = kube.sibling(connections=WRITES_AT_ONCE)
+    writer = ClaimStatusWriter(statuses, publisher.device_health, driver=settings.driver,
+                               pool=settings.node_name, registry=registry, agent=agent)
     if settings.mig_config_map is None or settings.mig_token_file is None:
 
         async def close_clients() -> None:
+            await statuses.close()
             await claims.close()
             await kube.close()
 
-        return Wiring(claims=claims, api=kube, publisher=publisher, close=close_clients)
+        return Wiring(claims=claims, api=kube, publisher=publisher, close=close_clients,
+                      claim_status=writer)
     labels = await MigLabels.open(
         kubeconfig=settings.kubeconfig, agent_socket=settings.agent_socket,
         token_file=settings.mig_token_file, node_name=settings.node_name,
@@ -132,10 +143,12 @@ async def wire_kubernetes(settings: PluginSettings, agent: AgentClient,
 
     async def close() -> None:
         await labels.close()
+        await statuses.close()
         await claims.close()
         await kube.close()
 
-    return Wiring(claims=claims, api=kube, publisher=publisher, close=close, mig_labels=labels)
+    return Wiring(claims=claims, api=kube, publisher=publisher, close=close, mig_labels=labels,
+                  claim_status=writer)
 
 
 @dataclass
@@ -154,19 +167,21 @@ class Plugin:
     # Running while started:
     _publishing: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
     _labelling: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
+    _status_writing: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         metrics = PluginMetrics(self.registry)
         self.service = DraService(self.agent, self.wiring.claims, driver=self.settings.driver,
                                   node_name=self.settings.node_name, metrics=metrics,
-                                  read_timeout_s=self.settings.claim_read_timeout_s)
+                                  read_timeout_s=self.settings.claim_read_timeout_s,
+                                  status=self.wiring.claim_status)
         self.servers = PluginServers(self.service, driver=self.settings.driver,
                                      registry_dir=self.settings.registry_dir,
                                      plugins_dir=self.settings.plugins_dir,
                                      registration=self.registration, metrics=metrics)
         self.health = HealthServer(self.settings.health_listen, Readiness(
-            self.registration, self.agent, self.wiring.api, self.wiring.publisher),
-            self.registry)
+            self.registration, self.agent, self.wiring.api, self.wiring.publisher,
+            self.wiring.claim_status), self.registry)
 
     async def start(self) -> None:
         try:
@@ -179,6 +194,8 @@ class Plugin:
             self._publishing = asyncio.create_task(self._publish(self.wiring.publisher))
         if self.wiring.mig_labels is not None:
             self._labelling = asyncio.create_task(self.wiring.mig_labels.run())
+        if self.wiring.claim_status is not None:
+            self._status_writing = asyncio.create_task(self.wiring.claim_status.run())
 
     async def _publish(self, publisher: Publisher) -> None:
         while True:
@@ -198,6 +215,12 @@ class Plugin:
         await self.servers.stop(grace_s)
         await self.service.drain(grace_s)
         await self.service.close()
+        if self._status_writing is not None and self.wiring.claim_status is not None:
+            await self.wiring.claim_status.flush(STATUS_FLUSH_S)
+            self._status_writing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._status_writing
+            self._status_writing = None
         if self._publishing is not None:
             self._publishing.cancel()
             with contextlib.suppress(asyncio.CancelledError):
