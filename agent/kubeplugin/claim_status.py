@@ -322,11 +322,17 @@ class ClaimStatusWriter:
         self._last_error: str | None = None
         self._idle = asyncio.Event()
         self._idle.set()
+        #: While the agent's claims are read back at start: the claims unprepared meanwhile.
+        self._recovering = False
+        self._unprepared_lately: set[str] = set()
 
     # -- what dra.py tells it (never awaits) --
 
     def prepared(self, claim: PreparedClaim) -> None:
         """A prepare succeeded: its entries are to be written (or kept)."""
+        if self._unsupported is not None:
+            return  # nothing is written: nothing to remember
+        self._unprepared_lately.discard(claim.uid)
         tracked = self._claims.get(claim.uid)
         if tracked is None:
             tracked = self._claims[claim.uid] = _Tracked(claim.namespace, claim.name,
@@ -340,6 +346,8 @@ class ClaimStatusWriter:
         written)."""
         tracked = self._claims.get(claim.uid)
         if tracked is None:
+            if self._recovering:
+                self._unprepared_lately.add(claim.uid)  # not to be taken back from the agent
             return
         tracked.devices = None
         self._touch(claim.uid)
@@ -381,18 +389,23 @@ class ClaimStatusWriter:
     async def _recover(self, agent: PreparedClaims) -> None:
         """Follow the claims the agent holds prepared for this driver's pool (a restarted
         plugin): each read from the API server for its keys and its conditions' times."""
-        delay = RETRY_FIRST_S
-        while True:
-            try:
-                held = await agent.claims()
-                break
-            except Exception as err:  # the agent restarting: try again, never give up
-                log.info("reading the agent's claims for their status failed; retrying",
-                         extra={"error": f"{type(err).__name__}: {err}"})
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, RETRY_MAX_S)
-        await asyncio.gather(*(self._recover_one(c) for c in held
-                               if isinstance(c, Mapping)))
+        self._recovering = True
+        try:
+            delay = RETRY_FIRST_S
+            while True:
+                try:
+                    held = await agent.claims()
+                    break
+                except Exception as err:  # the agent restarting: try again, never give up
+                    log.info("reading the agent's claims for their status failed; retrying",
+                             extra={"error": f"{type(err).__name__}: {err}"})
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, RETRY_MAX_S)
+            await asyncio.gather(*(self._recover_one(c) for c in held
+                                   if isinstance(c, Mapping)))
+        finally:
+            self._recovering = False
+            self._unprepared_lately.clear()
 
     async def _recover_one(self, record: Mapping[str, Any]) -> None:
         meta = _obj(record.get("metadata"))
@@ -412,7 +425,8 @@ class ClaimStatusWriter:
             log.info("not following a held claim's status", extra={
                 "claim": uid, "error": f"{type(err).__name__}: {err}"})
             return
-        if uid in self._claims:
+        if uid in self._claims or uid in self._unprepared_lately or \
+                self._unsupported is not None:
             return
         self._claims[uid] = _Tracked(namespace, name, devices,
                                      times=stored_times(obj, self.driver, self.pool))

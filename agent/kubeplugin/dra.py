@@ -16,6 +16,10 @@ answer says so and the undo is retried in the background for up to :data:`UNDO_W
 The stamp makes the undo safe at any moment: a later prepare of the claim that succeeded is
 newer, so the agent ignores the undo, and a prepare still queued in the agent is refused as a
 late retry. Refusals (4xx) need no undo: the agent holds nothing for a prepare it refused.
+
+A prepare that succeeded, and an unprepare, are handed to the claim status writer
+(:mod:`agent.kubeplugin.claim_status`), which writes the claim's ``status.devices`` in the
+background: its writes never delay or fail a claim call.
 """
 
 from __future__ import annotations

@@ -195,7 +195,8 @@ class Plugin:
         if self.wiring.mig_labels is not None:
             self._labelling = asyncio.create_task(self.wiring.mig_labels.run())
         if self.wiring.claim_status is not None:
-            self._status_writing = asyncio.create_task(self.wiring.claim_status.run())
+            self._status_writing = asyncio.create_task(
+                self._write_status(self.wiring.claim_status))
 
     async def _publish(self, publisher: Publisher) -> None:
         while True:
@@ -206,6 +207,18 @@ class Plugin:
                 raise
             except Exception:
                 log.exception("the ResourceSlice publisher failed; restarting it",
+                              extra={"restart_in_s": PUBLISHER_RESTART_S})
+                await asyncio.sleep(PUBLISHER_RESTART_S)
+
+    async def _write_status(self, writer: ClaimStatusWriter) -> None:
+        while True:
+            try:
+                await writer.run()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug: the writer's state is kept, its loops start again
+                log.exception("the claim status writer failed; restarting it",
                               extra={"restart_in_s": PUBLISHER_RESTART_S})
                 await asyncio.sleep(PUBLISHER_RESTART_S)
 
