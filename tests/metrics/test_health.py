@@ -34,8 +34,11 @@ async def test_watcher_reports_xids_of_gpus_and_mig_devices(sim: Sim) -> None:
         sim.node.inject_xid(mig.uuid, 31)
         sim.node.inject_xid(uuids[0], XID_FALLEN_OFF_THE_BUS)
         await until(lambda: len(received) >= 3, "the three XIDs")
-        assert received == [XidEvent(uuids[3], 48), XidEvent(uuids[1], 31, mig.gi_id, mig.ci_id),
-                          XidEvent(uuids[0], 79)]
+        # With each, the GPU's recovery action (none after an application XID; unknown on
+        # a GPU fallen off the bus, which answers no NVML call).
+        assert received == [XidEvent(uuids[3], 48, recovery_action=1),
+                            XidEvent(uuids[1], 31, mig.gi_id, mig.ci_id, recovery_action=0),
+                            XidEvent(uuids[0], 79)]
     finally:
         started = time.monotonic()
         watcher.stop()
