@@ -45,6 +45,7 @@ def _serve(args: argparse.Namespace) -> int:
             "mps_root": args.mps_root, "mps_control": args.mps_control,
             "nvidia_smi": args.nvidia_smi, "mps_host_socket": args.mps_host_socket,
             "gpu_shares": True if args.gpu_shares else None,
+            "no_execute_taints": True if args.no_execute_taints else None,
         })
         systemd.check_environment()  # Type=notify without systemd-python: refuse to start
         logs.configure(settings.log_format, settings.log_level)
@@ -200,6 +201,10 @@ def _add_serve(sub: Any) -> None:
                        help="publish full GPUs as shareable devices with a memory capacity "
                             "(DRA consumable capacity), each share enforced with MPS; not with "
                             "--dynamic-mig (default: off)")
+    serve.add_argument("--no-execute-taints", action="store_true",
+                       help="taint a lost GPU (and a reboot-class fault) NoExecute, so "
+                            "Kubernetes evicts the pods using it (default: NoSchedule, running "
+                            "pods stay)")
     serve.add_argument("--mps-root", metavar="DIR",
                        help="where MPS daemons' pipe, log and shm directories go; keep it "
                             "short (default <run-dir>/mps)")

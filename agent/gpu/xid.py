@@ -67,6 +67,8 @@ class XidWatcher:
         self._thread: threading.Thread | None = None
         self._recovery = RecoveryActionReader(session)
         self.registered: tuple[str, ...] = ()
+        #: Set once registration ended (``registered`` is then final, empty or not).
+        self.registration_done = threading.Event()
 
     def start(self, gpus: Iterable[GpuStatic]) -> None:
         """Start watching these GPUs (registration happens on the watcher thread)."""
@@ -91,10 +93,12 @@ class XidWatcher:
             event_set = self._session.call("nvmlEventSetCreate")
         except NvmlError as err:
             log.error("xid watcher cannot create an event set", extra={"error": err.detail})
+            self.registration_done.set()
             return
         try:
             by_handle = self._register(event_set, gpus)
             self.registered = tuple(by_handle.values())
+            self.registration_done.set()
             if not by_handle:
                 log.warning("no GPU accepts XID event registration; XIDs are not watched")
                 return
