@@ -412,6 +412,11 @@ def has_taints(bodies: Iterable[Mapping[str, Any]], *, informational: bool = Fal
                for t in device.get("taints") or [])
 
 
+#: A taint field in a refusal's message (``spec.devices[1].taints[0].effect``); the slice's
+#: name, quoted in the message too, may hold any word.
+_TAINT_PATH = re.compile(r"devices\[\d+\]\.taints\b")
+
+
 def taint_refusal(support: TaintSupport, bodies: Sequence[Mapping[str, Any]],
                   message: str) -> TaintSupport | None:
     """The support to fall back to after the server refused (400/422, ``message``) a write of
@@ -419,7 +424,7 @@ def taint_refusal(support: TaintSupport, bodies: Sequence[Mapping[str, Any]],
     message names no taint field). One step at a time: a refusal of bodies with
     informational taints first drops those (a 1.34 server with the gate refuses effect
     ``None``), then every taint."""
-    if "taints" not in message or not has_taints(bodies):
+    if not _TAINT_PATH.search(message) or not has_taints(bodies):
         return None
     if support is TaintSupport.KEPT and has_taints(bodies, informational=True):
         return TaintSupport.BLOCKING_ONLY

@@ -140,6 +140,8 @@ REFUSALS = {
         (KEPT, MIG_POOL, TOO_MANY, NONE),
     "a refusal about another field is not the taints' doing":
         (KEPT, MIXED, OTHER, None),
+    "a slice name with the word in it does not make it the taints' doing":
+        (KEPT, MIXED, OTHER.replace("node-a-0", "taints-0"), None),
     "a refusal naming taints of a pool without any is not the taints' doing":
         (KEPT, pool([device("gpu-0")]), TOO_MANY, None),
 }

@@ -249,6 +249,24 @@ async def test_a_server_without_taints_never_shows_a_faulty_device_untainted(
         "(enable DRADeviceTaints on the API server and the scheduler)"]
 
 
+async def test_a_server_without_taints_and_nothing_tainted_is_ready(
+        kube_apiservers: StartApiServer, node_agent: NodeAgents) -> None:
+    """The fallback hides nothing while no device is tainted: on 1.34's default every device
+    is published, in sync and ready, and only the metric says taints would be withdrawn."""
+    server = kube_apiservers("1.34", feature_gates="")
+    name = "taints-dormant-v1-34"
+    await asyncio.to_thread(Cluster(server, name).node_uid)
+    agent = node_agent.start(name, preset="l40s")
+    async with node_of(server, agent, name, {}) as node, running(node.publisher) as task:
+        await eventually(lambda: node.publisher.health().in_sync, task=task)
+        status, ready = await node.readyz()
+        stored = await asyncio.to_thread(node.cluster.slices)
+    assert status == 200, ready
+    assert sorted(device_map(stored)) == ["gpu-0", "gpu-1", "gpu-2", "gpu-3"]
+    assert sample(node.registry, "slice_features_withdrawn", feature="taints") == 1
+    assert sample(node.registry, "slice_tainted_devices_withdrawn") == 0
+
+
 class ProbedElsewhere(KubeClient):
     """The plugin's client, but its dry run answered by a server that keeps taints (another
     API server behind the same address, mid-upgrade): only the real writes show the truth."""
