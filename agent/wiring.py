@@ -31,6 +31,7 @@ from agent.gpu.nvidia_smi import NvidiaSmi
 from agent.gpu.session import NvmlSession
 from agent.gpu.sim.node import SimulatedNode
 from agent.gpu.xid import XidWatcher
+from agent.health.report import PlacedTaint, TaintId, changes, node_taints
 from agent.host import boot_id
 from agent.ledger.ledger import NodeLedger
 from agent.metrics.agent import AgentMetrics
@@ -82,6 +83,8 @@ class Node:
     started: asyncio.Event = field(default_factory=asyncio.Event)
     #: The background work :meth:`running` started after start-up.
     _tasks: list[asyncio.Task[None]] = field(default_factory=list, repr=False)
+    #: The taints last published (events and the gauge follow their changes).
+    _taints: dict[TaintId, PlacedTaint] = field(default_factory=dict, repr=False)
 
     @property
     def sim(self) -> SimulatedNode | None:
@@ -139,6 +142,8 @@ class Node:
         await self.session.initialise()
         self.readiness.set("loading inventory")
         await self.inventory.load()
+        # Health first: a GPU lost before this start is known again with its fault's time.
+        self.health.track(gpu.static for gpu in self.inventory.gpus)
         await self.ledger.register(self.inventory.gpus)
         self.readiness.set("discovering topology")
         await self.topology.load()
@@ -200,10 +205,37 @@ class Node:
                 await self.start()
 
     def publish_availability(self) -> None:
-        """``gpu_agent_gpu_available`` from the ledger's one availability model."""
+        """``gpu_agent_gpu_available`` from the ledger's one availability model, and its
+        taints: the gauge of each, and an event when one is added or goes."""
         for gpu in self.inventory.gpus:
             self.metrics.gpu_available.labels(str(gpu.index), gpu.uuid).set(
                 0 if self.ledger.condition(gpu) else 1)
+        now = node_taints((((self.health.identity(g.uuid) or (g.uuid, 0))[0], g.index,
+                            self.ledger.faults(g)) for g in self.inventory.gpus),
+                          driver=self.ledger.driver, no_execute=self.ledger.no_execute)
+        added, removed = changes(self._taints, now)
+        self._taints.clear()
+        self._taints.update(now)
+        gauge = self.metrics.gpu_taint_added
+        for placed, verb in [*((p, "removed") for p in removed), *((p, "added") for p in added)]:
+            t = placed.taint
+            labels = (str(placed.index), placed.gpu,
+                      "" if placed.gpu_instance is None else str(placed.gpu_instance),
+                      t.key, t.value or "", t.effect)
+            if verb == "added":
+                gauge.labels(*labels).set(t.time_added)
+            else:
+                with contextlib.suppress(KeyError):
+                    gauge.remove(*labels)
+            where = "" if placed.gpu_instance is None else f" GPU instance {placed.gpu_instance}"
+            value = "" if t.value is None else f"={t.value}"
+            self.events.append(
+                f"gpu.taint_{verb}", f"GPU {placed.index}{where} ({placed.gpu}): taint "
+                f"{t.key}{value}:{t.effect} {verb}: {t.reason}",
+                severity=Severity.WARNING if verb == "added" and t.blocking else Severity.INFO,
+                gpu=placed.gpu, details={"key": t.key, "value": t.value, "effect": t.effect,
+                                         "time_added": t.time_added, "reason": t.reason,
+                                         "gpu_instance_id": placed.gpu_instance})
 
     async def _publish_availability(self) -> None:
         """Keep the gauge as fresh as the DCGM series (one collection interval), off the
@@ -230,6 +262,7 @@ class Node:
         await self.claims.checkpoint.idle()
         await asyncio.to_thread(self.xids.stop)  # up to one wait slice: off the event loop
         self.collector.stop()
+        await asyncio.to_thread(self.health.close)  # the health state's last write
         if self.pods is not None:
             await self.pods.close()
         self.session.close()
@@ -252,10 +285,22 @@ def build_node(settings: Settings, backend: Backend, *,
     session = NvmlSession(backend.nvml, on_error=metrics.count_nvml_error)
     inventory = GpuInventory(session)
     events = EventLog(history=settings.state_dir / "events.json")
-    health = GpuHealth(events=events, metrics=metrics, lost_reason=session.lost_reason)
     state = settings.state_dir
+    xids: XidWatcher | None = None
+
+    def monitored() -> tuple[str, ...] | None:
+        """The GPUs whose XIDs are watched; None until registration ended."""
+        if xids is None or not xids.registration_done.is_set():
+            return None
+        return xids.registered
+
+    health = GpuHealth(events=events, metrics=metrics, lost_reason=session.lost_reason,
+                       state_path=state / "health" / "faults.json",
+                       boot_id=boot_id(settings.proc_root), monitored=monitored)
     ledger = NodeLedger(quarantine_path=state / "mig" / "quarantine.json", events=events,
-                        xid_reasons=health.xid_reasons, lost_reason=session.lost_reason)
+                        faults=health.faults, lost_reason=session.lost_reason,
+                        drain_path=state / "health" / "drain.json",
+                        driver=settings.driver_name, no_execute=settings.no_execute_taints)
     devices = MigDevices(session=session, ledger=ledger,
                          journal=TransitionJournal(state / "mig" / "journal"), events=events,
                          metrics=metrics, reset_command=settings.gpu_reset_command,
@@ -280,7 +325,7 @@ def build_node(settings: Settings, backend: Backend, *,
     resource_slices = ResourceSliceService(inventory=inventory, topology=topology, ledger=ledger,
                           state_dir=state, node_name=settings.node_name,
                           driver=settings.driver_name, dynamic_mig=settings.dynamic_mig,
-                          gpu_shares=settings.gpu_shares)
+                          gpu_shares=settings.gpu_shares, identity=health.identity)
     pods = _pod_resources(settings, inventory, metrics)
     collector = Collector(session=session, inventory=inventory, metrics=metrics, health=health,
                           interval_s=settings.collect_interval_s, hostname=settings.node_name,
