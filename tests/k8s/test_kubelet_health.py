@@ -6,6 +6,7 @@ writes into ``status.containerStatuses[].allocatedResourcesStatus``."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -81,8 +82,11 @@ def test_a_device_health_change_reaches_kubelets_dra_manager(
     assert seen["gate"] is True
 
     gpu = device.split("-")[1]
+    asked = time.monotonic()
     assert running.agent.request("POST", "/v1/sim/xid", {"gpu": gpu, "xid": 48}).status == 202
     lost_seen = kubelet_sees(running, "kh", cdi_id, "Unhealthy", updates_above=seen["updates"])
+    print(f"kubelet {version} held the device Unhealthy {time.monotonic() - asked:.2f} s after "
+          "the XID was raised (polled every 20 ms)")
     [status] = lost_seen["containers"]["main"]
     [resource] = status["resources"]
     # 1.37's ResourceHealthStatusMessage (beta, on) keeps the message; 1.34 has none.
