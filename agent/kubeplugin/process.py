@@ -165,8 +165,8 @@ class Plugin:
                                      plugins_dir=self.settings.plugins_dir,
                                      registration=self.registration, metrics=metrics)
         self.health = HealthServer(self.settings.health_listen, Readiness(
-            self.registration, self.agent, self.wiring.api, self.wiring.publisher),
-            self.registry)
+            self.registration, self.agent, self.wiring.api, self.wiring.publisher,
+            metrics=metrics), self.registry)
 
     async def start(self) -> None:
         try:
