@@ -32,6 +32,7 @@ from agent.gpu.nvidia_smi import NvidiaSmi
 from agent.gpu.session import NvmlSession
 from agent.gpu.sim.node import SimulatedNode
 from agent.gpu.xid import XidWatcher
+from agent.health.report import PlacedTaint, TaintId, changes, node_taints
 from agent.host import boot_id
 from agent.ledger.ledger import NodeLedger
 from agent.metrics.agent import AgentMetrics
@@ -86,6 +87,8 @@ class Node:
     started: asyncio.Event = field(default_factory=asyncio.Event)
     #: The background work :meth:`running` started after start-up.
     _tasks: list[asyncio.Task[None]] = field(default_factory=list, repr=False)
+    #: The taints last published (events and the gauge follow their changes).
+    _taints: dict[TaintId, PlacedTaint] = field(default_factory=dict, repr=False)
 
     @property
     def sim(self) -> SimulatedNode | None:
@@ -207,10 +210,37 @@ class Node:
                 await self.start()
 
     def publish_availability(self) -> None:
-        """``gpu_agent_gpu_available`` from the ledger's one availability model."""
+        """``gpu_agent_gpu_available`` from the ledger's one availability model, and its
+        taints: the gauge of each, and an event when one is added or goes."""
         for gpu in self.inventory.gpus:
             self.metrics.gpu_available.labels(str(gpu.index), gpu.uuid).set(
                 0 if self.ledger.condition(gpu) else 1)
+        now = node_taints((((self.health.identity(g.uuid) or (g.uuid, 0))[0], g.index,
+                            self.ledger.faults(g)) for g in self.inventory.gpus),
+                          driver=self.ledger.driver, no_execute=self.ledger.no_execute)
+        added, removed = changes(self._taints, now)
+        self._taints.clear()
+        self._taints.update(now)
+        gauge = self.metrics.gpu_taint_added
+        for placed, verb in [*((p, "removed") for p in removed), *((p, "added") for p in added)]:
+            t = placed.taint
+            labels = (str(placed.index), placed.gpu,
+                      "" if placed.gpu_instance is None else str(placed.gpu_instance),
+                      t.key, t.value or "", t.effect)
+            if verb == "added":
+                gauge.labels(*labels).set(t.time_added)
+            else:
+                with contextlib.suppress(KeyError):
+                    gauge.remove(*labels)
+            where = "" if placed.gpu_instance is None else f" GPU instance {placed.gpu_instance}"
+            value = "" if t.value is None else f"={t.value}"
+            self.events.append(
+                f"gpu.taint_{verb}", f"GPU {placed.index}{where} ({placed.gpu}): taint "
+                f"{t.key}{value}:{t.effect} {verb}: {t.reason}",
+                severity=Severity.WARNING if verb == "added" and t.blocking else Severity.INFO,
+                gpu=placed.gpu, details={"key": t.key, "value": t.value, "effect": t.effect,
+                                         "time_added": t.time_added, "reason": t.reason,
+                                         "gpu_instance_id": placed.gpu_instance})
 
     async def _publish_availability(self) -> None:
         """Keep the gauge as fresh as the DCGM series (one collection interval), off the
