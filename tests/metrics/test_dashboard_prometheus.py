@@ -1,7 +1,7 @@
-"""The dashboard's "Claims, shares and MPS" panels have data through a real Prometheus (issue
-23): Debian's Prometheus scrapes a real agent (a simulated L40S node with GPU shares) and the
-kubelet plugin's health listener, evaluates the shipped recording rules, and answers every
-query of those panels, as Grafana would send it."""
+"""The dashboard's "Claims, shares, MPS and taints" panels have data through a real
+Prometheus (issue 23): Debian's Prometheus scrapes a real agent (a simulated L40S node with
+GPU shares and a tainted GPU) and the kubelet plugin's health listener, evaluates the shipped
+recording rules, and answers every query of those panels, as Grafana would send it."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from tests.waiting import until
 MONITORING = Path(__file__).resolve().parents[2] / "daemonset" / "monitoring"
 DASHBOARD = MONITORING / "gpu-node-agent-dashboard.json"
 RULES = MONITORING / "gpu-node-agent-rules.yaml"
-ROW = "Claims, shares and MPS"
+ROW = "Claims, shares, MPS and taints"
 
 
 def row_panels(title: str) -> list[dict[str, Any]]:
@@ -120,9 +120,9 @@ async def node(tmp_path: Path) -> AsyncIterator[tuple[Agent, Kubelet]]:
 
 async def test_every_claims_shares_and_mps_panel_has_data(node: tuple[Agent, Kubelet],
                                                           tmp_path: Path) -> None:
-    """Two 10 GiB shares of GPU 0 (one MPS client using 3000 MiB): every query of the row
-    answers at least one series, and the per-claim framebuffer and shares taken are the
-    node's own numbers."""
+    """Two 10 GiB shares of GPU 0 (one MPS client using 3000 MiB) and XID 48 on GPU 3: every
+    query of the row answers at least one series, and the per-claim framebuffer, the shares
+    taken and the taint are the node's own."""
     agent, kubelet = node
     process = agent.process
     share = {"kind": "gpu", "device": "0", "capacity": {"memory": "10Gi"}}
@@ -135,11 +135,12 @@ async def test_every_claims_shares_and_mps_panel_has_data(node: tuple[Agent, Kub
         "device": claims[0]["devices"][0]["uuid"], "used_memory_mib": 3000,
         "mps_pipe_directory": claims[0]["mps"]["pipe_directory"]})
     assert added.status in (200, 201), added.body
+    assert process.request("POST", "/v1/sim/xid", {"gpu": "3", "xid": 48}).status == 202
     listeners = json.loads((process.state_dir / "listeners.json").read_text())
     agent_target = urllib.parse.urlsplit(listeners["metrics"][0]).netloc
     plugin_target = urllib.parse.urlsplit(kubelet.health_url).netloc
     panels = row_panels(ROW)
-    assert len(panels) >= 8, [p["title"] for p in panels]
+    assert len(panels) >= 10, [p["title"] for p in panels]
     with prometheus([agent_target, plugin_target], RULES, tmp_path) as url:
         for panel in panels:
             for target in panel["targets"]:
@@ -154,3 +155,7 @@ async def test_every_claims_shares_and_mps_panel_has_data(node: tuple[Agent, Kub
             p for p in panels if p["title"] == "GPU share memory taken")["targets"][0]["expr"]))
         assert {r["metric"]["gpu"]: float(r["value"][1]) for r in taken} == {
             "0": 20480 / 45056, "1": 0.0, "2": 0.0, "3": 0.0}
+        tainted = await asyncio.to_thread(query, url, grafana(next(
+            p for p in panels if p["title"] == "Tainted devices by key")["targets"][0]["expr"]))
+        assert [(r["metric"]["key"], r["metric"]["effect"], r["value"][1]) for r in tainted] == [
+            ("gpu.nodeagent.dev/xid", "NoSchedule", "1")]

@@ -24,9 +24,6 @@ DASHBOARD = MONITORING / "gpu-node-agent-dashboard.json"
 ALERTS = MONITORING / "gpu-node-agent-alerts.yaml"
 ALERT_TESTS = MONITORING / "gpu-node-agent-alerts.test.yaml"
 _METRIC = re.compile(r"\b(DCGM_[A-Z0-9_]+|gpu_agent_[a-z0-9_]+|process_[a-z0-9_]+)\b")
-#: Issue 23's contract gauge that engineer A's branch adds to agent/metrics/agent.py; until
-#: it is merged the alerts and panels on taints are checked against its contracted name.
-CONTRACTED = {"gpu_agent_gpu_taint_added_timestamp_seconds"}
 
 
 def exported_names() -> set[str]:
@@ -47,7 +44,7 @@ def exported_names() -> set[str]:
     PublisherMetrics(plugin).dropped.set(0)
     names |= {s.name for family in plugin.collect() for s in family.samples}
     # Gauges whose labels only the code knows (one series per taint, per shared GPU).
-    names |= {f.name for f in metrics.registry.collect() if f.type == "gauge"} | CONTRACTED
+    names |= {f.name for f in metrics.registry.collect() if f.type == "gauge"}
     process = CollectorRegistry()
     ProcessCollector(registry=process)
     names |= {s.name for family in process.collect() for s in family.samples}
