@@ -43,7 +43,7 @@ def _hold_text(gpu: dict[str, Any], hold: dict[str, Any]) -> str:
     return f"{hold['claim']} ({what})"
 
 
-def _holders(gpu: dict[str, Any]) -> str:
+def holders_text(gpu: dict[str, Any]) -> str:
     """Who holds what on the GPU, from the ledger; the transition owning it, if any."""
     held = [_hold_text(gpu, h) for h in gpu.get("holds", ())]
     if gpu.get("transition"):
@@ -51,7 +51,7 @@ def _holders(gpu: dict[str, Any]) -> str:
     return ", ".join(held) or "-"
 
 
-def _available(gpu: dict[str, Any]) -> str:
+def available_text(gpu: dict[str, Any]) -> str:
     """What a new claim may have of the GPU: ``ok`` (all of it), the memory shares have left,
     the free MIG devices, or ``NO`` and why (the blocking reasons, or who holds it)."""
     availability = gpu.get("availability", {})
@@ -116,7 +116,7 @@ def gpu_table(gpus: Sequence[dict[str, Any]]) -> str:
              "-" if g["numa_node"] is None else str(g["numa_node"]), _mig(g),
              ",".join(d["profile"] for d in g["mig_devices"]) or "-",
              "ok" if g["health"]["healthy"] else "UNHEALTHY: " + "; ".join(g["health"]["reasons"]),
-             _taints(g), _available(g), _holders(g)]
+             _taints(g), available_text(g), holders_text(g)]
             for g in gpus]
     text = table(["IDX", "NAME", "UUID", "BUS ID", "MEMORY MiB", "NUMA", "MIG", "MIG DEVICES",
                   "HEALTH", "TAINTS", "AVAILABLE", "HELD BY"], rows)
