@@ -175,8 +175,8 @@ class Plugin:
                                          self.wiring.device_health or DeviceHealthView(),
                                          self.agent))
         self.health = HealthServer(self.settings.health_listen, Readiness(
-            self.registration, self.agent, self.wiring.api, self.wiring.publisher),
-            self.registry)
+            self.registration, self.agent, self.wiring.api, self.wiring.publisher,
+            metrics=metrics), self.registry)
 
     async def start(self) -> None:
         try:
