@@ -16,11 +16,12 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 from tenacity.wait import wait_exponential_jitter
 
 import agent
-from agent.claims.attribution import claim_attribution
+from agent.claims.attribution import claim_attribution, share_attribution
 from agent.claims.cdi_writer import CdiWriter, agent_id
 from agent.claims.checkpoint import ClaimCheckpoint
 from agent.claims.service import ClaimService
 from agent.claims.sharing_runtime import SharingRuntime
+from agent.claims.signals import ClaimSampler
 from agent.dra.service import ResourceSliceService
 from agent.errors import AgentError, NvmlError, StorageUnavailable
 from agent.events import EventLog, Severity
@@ -35,6 +36,7 @@ from agent.health.report import PlacedTaint, TaintId, changes, node_taints
 from agent.host import boot_id
 from agent.ledger.ledger import NodeLedger
 from agent.metrics.agent import AgentMetrics
+from agent.metrics.claims import ClaimMetrics
 from agent.metrics.collector import Collector
 from agent.metrics.health import GpuHealth
 from agent.mig.devices import MigDevices
@@ -77,6 +79,8 @@ class Node:
     topology: TopologyService
     resource_slices: ResourceSliceService
     xids: XidWatcher
+    #: Claims, shares and MPS daemons as metrics (agent/claims/signals.py).
+    signals: ClaimSampler
     #: Pod attribution from kubelet (--pod-resources-socket), else None.
     pods: PodResourcesPoller | None = None
     #: Set once start-up (recovery) has finished and the background work runs.
@@ -124,7 +128,8 @@ class Node:
         await (self._start_retrying() if retry else self.start())
         background = [self._publish_availability(), self._watch_drift(),
                       self.claims.node_spec.run(),
-                      self.claims.supervise_daemons(MPS_SUPERVISE_INTERVAL_S)]
+                      self.claims.supervise_daemons(MPS_SUPERVISE_INTERVAL_S),
+                      self.signals.run(self.settings.collect_interval_s)]
         if self.pods is not None:
             background.append(self.pods.run())
         for work in background:
@@ -327,16 +332,21 @@ def build_node(settings: Settings, backend: Backend, *,
                           driver=settings.driver_name, dynamic_mig=settings.dynamic_mig,
                           gpu_shares=settings.gpu_shares, identity=health.identity)
     pods = _pod_resources(settings, inventory, metrics)
+    signals = ClaimSampler(claims=claims, ledger=ledger, inventory=inventory,
+                           metrics=ClaimMetrics(metrics.registry), gpu_shares=settings.gpu_shares)
     collector = Collector(session=session, inventory=inventory, metrics=metrics, health=health,
                           interval_s=settings.collect_interval_s, hostname=settings.node_name,
                           hostname_label=settings.metrics_hostname_label,
                           attribution=lambda: claim_attribution(claims.records()),
-                          holders=pods.holders if pods is not None else None)
+                          holders=pods.holders if pods is not None else None,
+                          shares=lambda: share_attribution(claims.records(),
+                                                           signals.share_used))
     xids = XidWatcher(session, collector.on_xid, on_error=metrics.count_nvml_error)
     return Node(settings=settings, backend=backend, session=session, inventory=inventory,
                 events=events, metrics=metrics, readiness=Readiness(), ledger=ledger,
                 mig=mig, claims=claims, health=health, collector=collector,
-                topology=topology, resource_slices=resource_slices, xids=xids, pods=pods)
+                topology=topology, resource_slices=resource_slices, xids=xids,
+                signals=signals, pods=pods)
 
 
 def _sharing(settings: Settings, backend: Backend, session: NvmlSession) -> SharingRuntime:

@@ -1,9 +1,9 @@
 """The plugin's health listener (``--health-listen``): ``/healthz`` (the process answers),
 ``/readyz`` (registered with kubelet, agent reachable and ready, API server reachable, slices
-in sync; 503 naming every failing check; ``claim_status`` is reported there but never fails
-it: prepares work without device status, and a server that does not keep it is a cluster's
-setting, not a node to take out) and ``/metrics`` (the plugin's and the publisher's
-series, one registry). No tokens: nothing here changes anything or shows a secret."""
+in sync; 503 naming every failing check; under ``warnings``, what it reports without failing:
+``claim_status``, since prepares work without device status and a server that does not keep
+it is a cluster's setting, not a node to take out) and ``/metrics`` (the plugin's and the
+publisher's series, one registry). No tokens: nothing here changes anything or shows a secret."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from agent.kubeplugin.agent_client import AgentClient
 from agent.kubeplugin.claim_status import ClaimStatusWriter
+from agent.kubeplugin.metrics import PluginMetrics
 from agent.kubeplugin.protocols import ApiServer, Publisher
 from agent.kubeplugin.servers import RegistrationState
 
@@ -28,8 +29,6 @@ log = logging.getLogger("agent.kubeplugin.health")
 CHECK_TIMEOUT_S = 3.0
 
 Check = Callable[[], Awaitable[str | None]]
-#: Checks shown by ``/readyz`` that do not make it fail.
-REPORTED_ONLY = frozenset({"claim_status"})
 
 
 @dataclass
@@ -40,10 +39,15 @@ class Readiness:
     agent: AgentClient
     api: ApiServer | None = None
     publisher: Publisher | None = None
+    #: ``gpu_agent_plugin_ready``: set from every round of checks.
+    metrics: PluginMetrics | None = None
+    #: Reported under ``warnings``, never failing readiness (nor the ready metric).
     claim_status: ClaimStatusWriter | None = None
 
-    async def _claim_status(self) -> str | None:
-        return None if self.claim_status is None else self.claim_status.problem
+    def warnings(self) -> dict[str, str]:
+        """What ``/readyz`` reports without failing: why claim device status is not written."""
+        problem = None if self.claim_status is None else self.claim_status.problem
+        return {} if problem is None else {"claim_status": problem}
 
     async def _registered(self) -> str | None:
         return self.registration.reason
@@ -67,8 +71,7 @@ class Readiness:
         """Every check's result, run concurrently, each bounded by ``CHECK_TIMEOUT_S``."""
         named: dict[str, Check] = {"registered": self._registered,
                                    "agent": self.agent.readiness, "api_server": self._api,
-                                   "slices": self._slices,
-                                   "claim_status": self._claim_status}
+                                   "slices": self._slices}
 
         async def bounded(check: Check) -> str | None:
             try:
@@ -77,7 +80,10 @@ class Readiness:
                 return f"no answer within {CHECK_TIMEOUT_S:g} s"
 
         results = await asyncio.gather(*(bounded(c) for c in named.values()))
-        return dict(zip(named, results, strict=True))
+        checks = dict(zip(named, results, strict=True))
+        if self.metrics is not None:
+            self.metrics.set_readiness(checks)
+        return checks
 
 
 def health_app(readiness: Readiness, registry: CollectorRegistry) -> web.Application:
@@ -88,20 +94,20 @@ def health_app(readiness: Readiness, registry: CollectorRegistry) -> web.Applica
 
     async def readyz(request: web.Request) -> web.Response:
         checks = await readiness.checks()
-        failing = {name: reason for name, reason in checks.items()
-                   if reason is not None and name not in REPORTED_ONLY}
-        body: dict[str, object] = {
-            "status": "not ready" if failing else "ready",
-            "checks": {name: reason or "ok" for name, reason in checks.items()}}
+        failing = {name: reason for name, reason in checks.items() if reason is not None}
+        body: dict[str, object] = {"status": "not ready" if failing else "ready",
+                "checks": {name: reason or "ok" for name, reason in checks.items()}}
         if failing:
             body["reason"] = "; ".join(f"{name}: {why}" for name, why in failing.items())
-        warnings = {name: reason for name, reason in checks.items()
-                    if reason is not None and name in REPORTED_ONLY}
-        if warnings:
+        if warnings := readiness.warnings():
             body["warnings"] = warnings
         return web.json_response(body, status=503 if failing else 200)
 
     async def metrics(request: web.Request) -> web.Response:
+        # The checks run first, so gpu_agent_plugin_ready is what /readyz answers now, even
+        # where nothing probes /readyz (the checks are bounded: a scrape waits at most
+        # CHECK_TIMEOUT_S for them).
+        await readiness.checks()
         return web.Response(body=generate_latest(registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 

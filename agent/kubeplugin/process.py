@@ -189,7 +189,7 @@ class Plugin:
                                          self.agent))
         self.health = HealthServer(self.settings.health_listen, Readiness(
             self.registration, self.agent, self.wiring.api, self.wiring.publisher,
-            self.wiring.claim_status), self.registry)
+            metrics=metrics, claim_status=self.wiring.claim_status), self.registry)
 
     async def start(self) -> None:
         try:

@@ -297,3 +297,26 @@ def _cli(agent: AgentProcess, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "agent", *args, "--url", agent.url,
                            "--token-file", str(agent.state_dir / "tokens")],
                           capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_a_gpu_whose_xid_events_cannot_be_registered_is_tainted_unmonitored(
+        tmp_path: Path) -> None:
+    """NVML refuses event registration on GPU 2 (armed before the agent starts): its device
+    gets the informational ``unmonitored`` taint, every other GPU none, and GPU 2 stays
+    available (nobody can know it is faulty, so nothing keeps claims off it)."""
+    faults = '[{"function": "nvmlDeviceRegisterEvents", "error": "NOT_SUPPORTED", "gpu": "2"}]'
+    agent = start_agent(tmp_path / "state", env={"GPU_AGENT_SIM_FAULTS": faults})
+    try:
+        def tainted() -> Any:
+            body = agent.request("GET", URL).body
+            return body if taints_of(body, "gpu-2") else None
+
+        body = wait_for(tainted, "GPU 2 tainted unmonitored")
+        assert [(t["key"], t.get("value"), t["effect"]) for t in taints_of(body, "gpu-2")
+                or []] == [(f"{DRIVER}/unmonitored", None, "None")]
+        assert all(taints_of(body, f"gpu-{i}") == [] for i in range(8) if i != 2)
+        gpu = agent.request("GET", "/v1/gpus/2").body
+        assert gpu["availability"]["available"] is True
+        assert [t["key"] for t in gpu["taints"]] == [f"{DRIVER}/unmonitored"]
+    finally:
+        agent.stop(signal.SIGKILL)

@@ -27,7 +27,7 @@ from agent.kubeplugin.proto import (
 )
 from tests.k8s.harness import ApiServer
 from tests.k8s.objects import DRIVER
-from tests.k8s.stack import Stack, StartStack, stack_factory
+from tests.k8s.stack import StartStack, stack_factory
 from tests.k8s.workload import allocate, claim_uid, create_pod, example_claim
 from tests.waiting import until
 
@@ -90,25 +90,13 @@ def open_watch(channel: grpc.aio.Channel, version: str, pool: str,
     return watch
 
 
-def after_loss(stack: Stack, device: str) -> str | None:
-    """What a lost GPU's device reads as once the agent renders the loss: ``UNHEALTHY`` where
-    it publishes the device with a blocking taint (issue 23), ``UNKNOWN`` where it withdraws
-    the device (before); None while it still renders the device as healthy."""
-    reply = stack.agent.request("GET", f"/v1/resourceslices?kubernetes={stack.server.version}")
-    devices = {d["name"]: d for s in reply.body["items"] for d in s["spec"].get("devices", [])}
-    if device not in devices:
-        return "UNKNOWN"
-    if any(t.get("effect") != "None" for t in devices[device].get("taints", [])):
-        return "UNHEALTHY"
-    return None
-
-
 async def test_the_stream_reports_each_prepared_device_and_every_change(
         kube_apiserver: ApiServer, stack: StartStack) -> None:
     """A stream answers at once (nothing prepared: an empty report); the device kubelet
-    prepares shows Healthy, on every open stream of both versions; XID 79 on its GPU turns
-    it Unhealthy (or Unknown where the agent withdraws the GPU) and a reset back to Healthy;
-    after unprepare it is no longer reported; the plugin's stop ends every stream with OK."""
+    prepares shows Healthy, on every open stream of both versions; XID 48 on its GPU turns
+    it Unhealthy with the taint as the message, a reset back to Healthy, and an application
+    XID (31, an informational taint) leaves it Healthy with that taint named; after
+    unprepare it is no longer reported; the plugin's stop ends every stream with OK."""
     node = "hs-plugin"
     running = stack(kube_apiserver, "dgx-h100", node=node, kubelet=False)
     running.wait_slices()
@@ -135,17 +123,20 @@ async def test_the_stream_reports_each_prepared_device_and_every_change(
         assert await second.shows(lambda r: r == healthy, "the same report on v1alpha1")
 
         assert running.agent.request("POST", "/v1/sim/xid",
-                                     {"gpu": gpu, "xid": 79}).status == 202
-        lost = await until(lambda: after_loss(running, device),
-                           "the agent to render the lost GPU", WAIT_S)
+                                     {"gpu": gpu, "xid": 48}).status == 202
+        unhealthy = {device: ("UNHEALTHY", f"{DRIVER}/xid=48:NoSchedule")}
         for watch in (first, second):
-            report = await watch.shows(lambda r: r.get(device, ("",))[0] == lost,
-                                       f"{device} {lost}")
-            assert report[device][1], f"no message says why: {report}"
+            await watch.shows(lambda r: r == unhealthy, f"{device} unhealthy")
 
         assert running.agent.request("POST", "/v1/sim/reset", {"gpu": gpu}).status == 204
         for watch in (first, second):
             await watch.shows(lambda r: r == {device: ("HEALTHY", "")}, f"{device} healthy")
+
+        assert running.agent.request("POST", "/v1/sim/xid",
+                                     {"gpu": gpu, "xid": 31}).status == 202
+        informational = {device: ("HEALTHY", f"{DRIVER}/xid=31:None")}
+        for watch in (first, second):
+            await watch.shows(lambda r: r == informational, f"{device} informational")
 
         done = await dra.NodeUnprepareResources(
             dra_v1_pb2.NodeUnprepareResourcesRequest(claims=[claim]), timeout=WAIT_S)
