@@ -564,6 +564,8 @@ class ClaimStatusWriter:
             self._touch(uid)
 
     def _not_served(self) -> None:
+        if self._unsupported is not None:
+            return  # another write in flight found it first: logged and counted once
         self._unsupported = (
             "the API server does not keep ResourceClaim status.devices "
             "(DRAResourceClaimDeviceStatus off?): claim device status is not written; "
