@@ -45,9 +45,17 @@ class Readiness:
     claim_status: ClaimStatusWriter | None = None
 
     def warnings(self) -> dict[str, str]:
-        """What ``/readyz`` reports without failing: why claim device status is not written."""
+        """What ``/readyz`` reports without failing: why claim device status is not written,
+        and which faulty devices a server without taints has withdrawn (the node works, and a
+        node taken out for a bad GPU would stall every rolling update)."""
+        found = {}
         problem = None if self.claim_status is None else self.claim_status.problem
-        return {} if problem is None else {"claim_status": problem}
+        if problem is not None:
+            found["claim_status"] = problem
+        withheld = None if self.publisher is None else self.publisher.health().withheld
+        if withheld is not None:
+            found["taints"] = withheld
+        return found
 
     async def _registered(self) -> str | None:
         return self.registration.reason
