@@ -17,6 +17,11 @@ LOST_KEY = f"{DRIVER}/gpu-lost"
 #: What the eviction controller writes on a pod before it deletes it (kube-controller-manager's
 #: device taint manager).
 EVICTION_REASON = "DeletionByDeviceTaintManager"
+#: Whether a claim's NoExecute toleration keeps its pod running. The eviction controller reads
+#: tolerations from the allocation result, and 1.34's allocator never copies them there
+#: (kubernetes/kubernetes#134434, fixed in 1.35 by #134479, not in 1.34.4): on 1.34 every pod
+#: on a NoExecute-tainted device is evicted, tolerated or not.
+TOLERATION_PROTECTS = {"1.34": False, "1.37": True}
 
 
 def toleration(key: str = XID_KEY, *, operator: str = "Exists", value: str | None = None,

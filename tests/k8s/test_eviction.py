@@ -16,6 +16,7 @@ import pytest
 
 from tests.k8s.device_taints import (
     EVICTION_REASON,
+    TOLERATION_PROTECTS,
     XID_KEY,
     device_taints,
     disruption,
@@ -33,11 +34,6 @@ from tests.k8s.stack import DEVICE_CLASSES, apply_shipped, wait_for
 Json = dict[str, Any]
 GPU_CLASS = "gpu.nodeagent.dev"
 TOLERATE_XID = toleration(XID_KEY, effect="NoExecute")
-#: Whether a claim's NoExecute toleration keeps its pod running. The eviction controller reads
-#: tolerations from the allocation result, and 1.34's allocator never copies them there
-#: (kubernetes/kubernetes#134434, fixed in 1.35 by #134479, not in 1.34.4): on 1.34 every pod
-#: on a NoExecute-tainted device is evicted, tolerated or not.
-TOLERATION_PROTECTS = {"1.34": False, "1.37": True}
 
 
 def eviction_server(kube_apiservers: StartApiServer, version: str) -> ApiServer:
