@@ -170,7 +170,9 @@ def kubelet_health(running: Stack, pod: str, device: str) -> str | None:
     for statuses in answer["containers"].values():
         for status in statuses:
             for resource in status.get("resources") or []:
-                if str(resource["resourceID"]).endswith(f"/{device}"):
+                # kubelet names a device by its first CDI ID (``k8s.gpu.nodeagent.dev/claim=
+                # <uid>-<device>``), else driver/pool/device.
+                if str(resource["resourceID"]).endswith((f"/{device}", f"-{device}")):
                     return str(resource.get("health"))
     return None
 

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"sort"
+	"strings"
 	"syscall"
 	"time"
 
@@ -81,10 +83,16 @@ func runEvict(args []string) error {
 	}()
 	syncCtx, syncCancel := context.WithTimeout(ctx, 60*time.Second)
 	defer syncCancel()
+	var unsynced []string
 	for informer, synced := range factory.WaitForCacheSync(syncCtx.Done()) {
 		if !synced {
-			return fmt.Errorf("informer %v did not sync (is its API served?)", informer)
+			unsynced = append(unsynced, informer.String())
 		}
+	}
+	if len(unsynced) > 0 {
+		sort.Strings(unsynced)
+		return fmt.Errorf("informers not synced within 60s: %s (a 1.34 server must serve "+
+			"resource.k8s.io/v1alpha3 for DeviceTaintRules)", strings.Join(unsynced, ", "))
 	}
 	emit(map[string]any{"ready": true, "pid": os.Getpid(), "kubernetes": kubernetesVersion})
 	<-done
