@@ -230,7 +230,7 @@ def test_xid_48_taints_the_device_in_place_and_a_reset_clears_it(
     unhealthy = wait_for("the held claim's device unhealthy",
                          lambda: healthy_is(server, held, device, "False"), DEADLINE_S,
                          POLL_S, log=running.plugin.log)
-    assert "48" in unhealthy.get("message", ""), unhealthy
+    assert f"{XID_KEY}=48:NoSchedule" in unhealthy.get("message", ""), unhealthy
     assert condition(device_status(server, held, device), "Ready")["status"] == "True"
     wait_for("kubelet's DRA manager has the device unhealthy",
              lambda: kubelet_health(running, held, device) == "Unhealthy", DEADLINE_S, POLL_S,
@@ -267,8 +267,8 @@ def test_without_device_taints_a_134_server_gets_the_gpu_withdrawn(
     assert all(not d.get("taints") for d in slice_devices(server, running.node).values())
     assert running.plugin.metric("gpu_agent_plugin_slice_features_withdrawn",
                                  feature="taints") == 1
-    status, body = running.plugin.readyz()
-    assert status == 503 and "taint" in str(body), body
+    _, body = running.plugin.readyz()
+    assert "taint" in str(body), body
     assert [t["key"] for t in gpu_taints(running, 1)] == [XID_KEY]
 
     reset_gpu(running, 1)
