@@ -43,6 +43,22 @@ func celFeatures() cel.Features {
 	return cel.Features{EnableConsumableCapacity: utilfeature.DefaultFeatureGate.Enabled(features.DRAConsumableCapacity)}
 }
 
+// deviceTaintEvictionController builds the controller as kube-controller-manager 1.34 does
+// (cmd/kube-controller-manager/app/core.go): DeviceTaintRules from resource.k8s.io/v1alpha3,
+// which the server must serve (--runtime-config=resource.k8s.io/v1alpha3=true), or the
+// controller's informers never sync; no worker count.
+func deviceTaintEvictionController(client kubernetes.Interface, f informers.SharedInformerFactory,
+	_ int) (func(context.Context), error) {
+	c := devicetainteviction.New(client, f.Core().V1().Pods(), f.Resource().V1().ResourceClaims(),
+		f.Resource().V1().ResourceSlices(), f.Resource().V1alpha3().DeviceTaintRules(),
+		f.Resource().V1().DeviceClasses(), "device-taint-eviction-controller")
+	return func(ctx context.Context) {
+		if err := c.Run(ctx); err != nil {
+			klog.FromContext(ctx).Error(err, "Device taint eviction controller failed")
+		}
+	}, nil
+}
+
 // 1.34's kubelet asks for the node without a context.
 func nodeGetter(ctx context.Context, get func(context.Context) (*v1.Node, error)) dra.GetNodeFunc {
 	return func() (*v1.Node, error) { return get(ctx) }
@@ -82,19 +98,3 @@ func podResourcesProviders(h *kubeletHarness) podresources.PodResourcesProviders
 
 // 1.34's DRA state and PodResources API have no share IDs.
 func setShareID(*podresourcesv1.ClaimResource, state.Device) {}
-
-// deviceTaintEvictionController builds the controller as kube-controller-manager 1.34 does
-// (cmd/kube-controller-manager/app/core.go): DeviceTaintRules from resource.k8s.io/v1alpha3,
-// which the server must serve (--runtime-config=resource.k8s.io/v1alpha3=true), or the
-// controller's informers never sync; no worker count.
-func deviceTaintEvictionController(client kubernetes.Interface, f informers.SharedInformerFactory,
-	_ int) (func(context.Context), error) {
-	c := devicetainteviction.New(client, f.Core().V1().Pods(), f.Resource().V1().ResourceClaims(),
-		f.Resource().V1().ResourceSlices(), f.Resource().V1alpha3().DeviceTaintRules(),
-		f.Resource().V1().DeviceClasses(), "device-taint-eviction-controller")
-	return func(ctx context.Context) {
-		if err := c.Run(ctx); err != nil {
-			klog.FromContext(ctx).Error(err, "Device taint eviction controller failed")
-		}
-	}, nil
-}
