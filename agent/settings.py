@@ -108,6 +108,10 @@ class Settings:
     #: Publish full GPUs as shareable devices with a ``memory`` capacity (DRA consumable
     #: capacity); each share is enforced with MPS.
     gpu_shares: bool = False
+    #: Taint a lost GPU's devices, and those of a reboot-class fault (XID 79, or the driver's
+    #: "reboot the node"), ``NoExecute`` instead of ``NoSchedule``: Kubernetes then evicts
+    #: the pods using them (docs/health.md).
+    no_execute_taints: bool = False
 
 
 # Flags the environment and the config file may set, with their parsers.
@@ -121,6 +125,7 @@ _FLAG_TYPES: dict[str, str] = {
     "tls_client_ca": "path", "socket_group": "str", "run_dir": "path", "dev_root": "path",
     "device_node_wait_s": "float", "pod_resources_socket": "path", "mps_root": "path",
     "mps_control": "path", "nvidia_smi": "path", "mps_host_socket": "path", "gpu_shares": "bool",
+    "no_execute_taints": "bool",
 }
 
 
@@ -245,6 +250,7 @@ def resolve(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> S
         nvidia_smi=merged.get("nvidia_smi"),
         mps_host_socket=merged.get("mps_host_socket"),
         gpu_shares=bool(merged.get("gpu_shares", False)),
+        no_execute_taints=bool(merged.get("no_execute_taints", False)),
         **metrics,
         **_tls_settings(merged),
     )

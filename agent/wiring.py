@@ -139,6 +139,8 @@ class Node:
         await self.session.initialise()
         self.readiness.set("loading inventory")
         await self.inventory.load()
+        # Health first: a GPU lost before this start is known again with its fault's time.
+        self.health.track(gpu.static for gpu in self.inventory.gpus)
         await self.ledger.register(self.inventory.gpus)
         self.readiness.set("discovering topology")
         await self.topology.load()
@@ -230,6 +232,7 @@ class Node:
         await self.claims.checkpoint.idle()
         await asyncio.to_thread(self.xids.stop)  # up to one wait slice: off the event loop
         self.collector.stop()
+        await asyncio.to_thread(self.health.close)  # the health state's last write
         if self.pods is not None:
             await self.pods.close()
         self.session.close()
@@ -252,10 +255,22 @@ def build_node(settings: Settings, backend: Backend, *,
     session = NvmlSession(backend.nvml, on_error=metrics.count_nvml_error)
     inventory = GpuInventory(session)
     events = EventLog(history=settings.state_dir / "events.json")
-    health = GpuHealth(events=events, metrics=metrics, lost_reason=session.lost_reason)
     state = settings.state_dir
+    xids: XidWatcher | None = None
+
+    def monitored() -> tuple[str, ...] | None:
+        """The GPUs whose XIDs are watched; None until registration ended."""
+        if xids is None or not xids.registration_done.is_set():
+            return None
+        return xids.registered
+
+    health = GpuHealth(events=events, metrics=metrics, lost_reason=session.lost_reason,
+                       state_path=state / "health" / "faults.json",
+                       boot_id=boot_id(settings.proc_root), monitored=monitored)
     ledger = NodeLedger(quarantine_path=state / "mig" / "quarantine.json", events=events,
-                        xid_reasons=health.xid_reasons, lost_reason=session.lost_reason)
+                        faults=health.faults, lost_reason=session.lost_reason,
+                        drain_path=state / "health" / "drain.json",
+                        driver=settings.driver_name, no_execute=settings.no_execute_taints)
     devices = MigDevices(session=session, ledger=ledger,
                          journal=TransitionJournal(state / "mig" / "journal"), events=events,
                          metrics=metrics, reset_command=settings.gpu_reset_command,
@@ -280,7 +295,7 @@ def build_node(settings: Settings, backend: Backend, *,
     resource_slices = ResourceSliceService(inventory=inventory, topology=topology, ledger=ledger,
                           state_dir=state, node_name=settings.node_name,
                           driver=settings.driver_name, dynamic_mig=settings.dynamic_mig,
-                          gpu_shares=settings.gpu_shares)
+                          gpu_shares=settings.gpu_shares, identity=health.identity)
     pods = _pod_resources(settings, inventory, metrics)
     collector = Collector(session=session, inventory=inventory, metrics=metrics, health=health,
                           interval_s=settings.collect_interval_s, hostname=settings.node_name,

@@ -41,14 +41,15 @@ LAYER_OF = {
     "agent.mpshost": "hardware",
     # ledger: the one owner of each GPU's instances and their holders
     "agent.ledger": "ledger",
+    # device health as Kubernetes sees it: faults and their taints (pure values the ledger's
+    # one availability model is made of)
+    "agent.health": "ledger",
     # services: what the agent does with the GPUs
     "agent.mig": "services",
     "agent.claims": "services",
     "agent.topology": "services",
     "agent.metrics": "services",
     "agent.dra": "services",
-    # device health as Kubernetes sees it: faults and their taints (pure)
-    "agent.health": "services",
     # kubelet's PodResources client (pod labels on metrics; grpcio only with the flag)
     "agent.podresources": "services",
     # the kubelet plugin: a process of its own that reaches the agent only over REST

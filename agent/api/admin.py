@@ -86,7 +86,8 @@ async def clear_health(request: web.Request) -> web.Response:
     require_ready(ctx)
     gpu = ctx.node.inventory.find(request.match_info["gpu"])
     lost = ctx.node.session.lost_reason(gpu.uuid)
-    if not ctx.node.health.xid_reasons(gpu.uuid) and lost is None:
+    if lost is None and not any(f.kind in ("xid", "quarantined")
+                                for f in ctx.node.health.faults(gpu.uuid)):
         raise Conflict(f"GPU {gpu.index} has no XID or lost mark to clear", gpu=gpu.uuid)
     ctx.node.session.clear_lost(gpu.uuid)
     cleared = ctx.node.health.clear(gpu.uuid, why=f"cleared by {_who(request)}")

@@ -281,6 +281,10 @@ class SimXidRequest(Strict):
     gpu: str = Field(min_length=1, max_length=96,
                      description="GPU or MIG device: UUID, GPU index or <gpu>:<mig>")
     xid: int = Field(ge=1, le=1_000_000)
+    recovery_action: Literal["none", "reset", "reboot", "drain-p2p", "drain-and-reset"] | None \
+        = Field(default=None, description="the GPU's NVML recovery action after the XID "
+                "(default: what the simulated driver sets for this XID; a preset whose "
+                "driver reports none refuses it)")
 
 
 class SimState(BaseModel):

@@ -97,7 +97,7 @@ async def set_latency(request: web.Request) -> web.Response:
 async def inject_xid(request: web.Request) -> web.Response:
     body = await parse_body(request, SimXidRequest)
     await asyncio.to_thread(_sim(request).inject_xid, _uuid(request, body.gpu, "gpu"),
-                            body.xid)
+                            body.xid, body.recovery_action)
     return web.Response(status=202)
 
 

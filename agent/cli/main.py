@@ -45,6 +45,7 @@ def _serve(args: argparse.Namespace) -> int:
             "mps_root": args.mps_root, "mps_control": args.mps_control,
             "nvidia_smi": args.nvidia_smi, "mps_host_socket": args.mps_host_socket,
             "gpu_shares": True if args.gpu_shares else None,
+            "no_execute_taints": True if args.no_execute_taints else None,
         })
         systemd.check_environment()  # Type=notify without systemd-python: refuse to start
         logs.configure(settings.log_format, settings.log_level)
@@ -109,8 +110,11 @@ def _sim(args: argparse.Namespace, client: AgentClient) -> int:
                 raise ClientError(f"latency {item!r}: {seconds!r} is not a number") from err
         response = client.request("PUT", "/v1/sim/latency", table).body["latencies"]
     elif verb == "xid":
-        client.request("POST", "/v1/sim/xid", {"gpu": args.gpu, "xid": args.xid})
-        response = {"gpu": args.gpu, "xid": args.xid}
+        xid_body = {"gpu": args.gpu, "xid": args.xid,
+                    **({"recovery_action": args.recovery_action} if args.recovery_action
+                       else {})}
+        client.request("POST", "/v1/sim/xid", xid_body)
+        response = xid_body
     elif verb == "reset":
         client.request("POST", "/v1/sim/reset", {"gpu": args.gpu})
         response = {"reset": args.gpu}
@@ -128,7 +132,8 @@ def _add_serve(sub: Any) -> None:
     # The README's flag table is generated from these (serve_flag_table): say each default.
     serve.add_argument("--simulate", metavar="PRESET",
                        help="run on a simulated node: dgx-h100, dgx-a100, hgx-h200, "
-                            "a100-pcie-bridged, l40s (default: the real NVML)")
+                            "a100-pcie-bridged, l40s, dgx-a100-r535 (an older driver) "
+                            "(default: the real NVML)")
     serve.add_argument("--state-dir", metavar="DIR",
                        help="state directory, one agent each (a lock) (default "
                             "/var/lib/gpu-agent; ./.gpu-agent-sim with --simulate)")
@@ -196,6 +201,10 @@ def _add_serve(sub: Any) -> None:
                        help="publish full GPUs as shareable devices with a memory capacity "
                             "(DRA consumable capacity), each share enforced with MPS; not with "
                             "--dynamic-mig (default: off)")
+    serve.add_argument("--no-execute-taints", action="store_true",
+                       help="taint a lost GPU (and a reboot-class fault) NoExecute, so "
+                            "Kubernetes evicts the pods using it (default: NoSchedule, running "
+                            "pods stay)")
     serve.add_argument("--mps-root", metavar="DIR",
                        help="where MPS daemons' pipe, log and shm directories go; keep it "
                             "short (default <run-dir>/mps)")
@@ -273,6 +282,10 @@ def _add_sim(sub: Any) -> None:
     xid = verbs.add_parser("xid", help="raise an XID event")
     xid.add_argument("gpu", help="GPU or MIG device: UUID, GPU index or <gpu>:<mig>")
     xid.add_argument("xid", type=int)
+    xid.add_argument("--recovery-action",
+                     choices=("none", "reset", "reboot", "drain-p2p", "drain-and-reset"),
+                     help="the GPU's NVML recovery action after it (default: what the "
+                          "simulated driver sets for this XID)")
     reset = verbs.add_parser("reset", help="reset a GPU as nvidia-smi -r does")
     reset.add_argument("gpu", help="GPU index or UUID")
     verbs.add_parser("reload-driver", help="reload the simulated driver")

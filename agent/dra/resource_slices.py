@@ -43,19 +43,32 @@ request policy: a request that names no memory takes all of it (the whole GPU), 
 its capacity, the agent enforces each with MPS. MIG devices stay exclusive. A GPU under
 2 GiB has no valid step (the server wants ``min + step <= value``) and stays exclusive.
 
-Left out everywhere: devices of unhealthy or quarantined GPUs; MIG devices being drained.
+Health as device taints (KEP-5055, ``agent/health/taints.py``): devices of a GPU with faults
+(XIDs, lost, unmonitored, quarantined, drained by an operator) stay published and carry
+``taints`` (``key``, ``value`` when there is one, ``effect``, ``timeAdded`` in RFC 3339 UTC
+seconds): a MIG device its GPU's and its own instance's, a placement without an instance, a
+share and a full GPU the GPU's. Kubernetes 1.34 has no ``None`` effect: informational taints
+are left out there. At most the version's taints a device (the heaviest kept), and a slice
+with a tainted device holds at most 64 devices from 1.35. Whether the API server keeps taints
+is the publisher's business (it withdraws blocking-tainted devices where it does not).
+
+Left out everywhere: MIG devices a MIG transition drains or creates; a GPU lost before the
+agent started whose device name is not known (NVML gives it no minor).
 """
 
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from agent.device_names import gpu_device_name, mig_device_name, shareable_mib
+from agent.dra.rules import rules_for
 from agent.gpu.topology import sysfs_bus_id
 from agent.gpu.types import DriverInfo, GiProfile, Gpu, Placement
+from agent.health.taints import Fault, Taint, device_taints
 from agent.mig.mode import switches_mig_on
 
 API_VERSION = "resource.k8s.io/v1"
@@ -99,8 +112,8 @@ class GpuFacts:
     """(profile, placement) of the claims' holds on MIG devices of this GPU."""
     held_whole: bool = False
     """A claim holds the whole GPU."""
-    unavailable: str | None = None
-    """Why the GPU's devices are left out (unhealthy, quarantined); None to publish."""
+    faults: tuple[Fault, ...] = ()
+    """What is wrong with the GPU (the ledger's faults): its devices' taints."""
     nvlink_island: str | None = None
     nvlink_gb_s: int = 0
     clique: str | None = None
@@ -116,6 +129,8 @@ class RenderOptions:
     gpu_shares: bool = False
     """Full GPUs with MIG off are shareable with a memory request policy (module docstring)."""
     generation: int = 1
+    no_execute: bool = False
+    """Lost GPUs and reboot-class faults taint ``NoExecute`` (``--no-execute-taints``)."""
 
 
 def semver(text: str) -> str | None:
@@ -145,6 +160,41 @@ def _qty(value: int) -> Json:
 
 def _mib(value: int) -> str:
     return f"{value}Mi"
+
+
+_WEIGHT = {"NoExecute": 2, "NoSchedule": 1, "None": 0}
+
+
+def rfc3339(epoch_s: float) -> str:
+    """A time as Kubernetes writes ``metav1.Time``: UTC, whole seconds."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch_s))
+
+
+def taint_json(taint: Taint) -> Json:
+    """A taint as a ResourceSlice device carries it (``value`` only when there is one)."""
+    doc: Json = {"key": taint.key, "effect": taint.effect, "timeAdded": rfc3339(taint.time_added)}
+    if taint.value is not None:
+        doc["value"] = taint.value
+    return doc
+
+
+def published_taints(taints: Sequence[Taint], kubernetes: tuple[int, int]) -> list[Json]:
+    """The taints a device is published with for ``kubernetes``: without the ``None``
+    effect before 1.35, at most the version's limit (the heaviest kept), in key order."""
+    rules = rules_for(kubernetes)
+    kept = [t for t in taints if t.effect in rules.taint_effects]
+    if len(kept) > rules.max_taints:
+        kept = sorted(kept, key=lambda t: -_WEIGHT[t.effect])[:rules.max_taints]
+    return [taint_json(t) for t in sorted(kept, key=lambda t: t.key)]
+
+
+def _tainted(device: Json, facts: GpuFacts, options: RenderOptions,
+             instance: tuple[int, int | None] | None = None) -> Json:
+    """``device`` with the taints of the GPU's faults that reach it (none: unchanged)."""
+    taints = published_taints(device_taints(facts.faults, driver=options.driver,
+                                            no_execute=options.no_execute, instance=instance),
+                              options.kubernetes)
+    return {**device, "taints": taints} if taints else device
 
 
 def _gpu_attributes(facts: GpuFacts, driver: DriverInfo) -> Json:
@@ -248,27 +298,29 @@ def _shareable(device: Json, total_mib: int) -> Json:
                                   "validRange": {"min": step, "max": whole, "step": step}}}}}
 
 
-def _static_devices(facts: GpuFacts, driver: DriverInfo, *, shares: bool = False) -> list[Json]:
+def _static_devices(facts: GpuFacts, driver: DriverInfo, options: RenderOptions, *,
+                    shares: bool = False) -> list[Json]:
     gpu = facts.gpu
     s = gpu.static
     shared = _gpu_attributes(facts, driver)
     if gpu.mig_mode is None or not gpu.mig_mode.current:
         whole = _full_gpu(facts, shared, None)
-        return [_shareable(whole, s.memory_total_mib) if shares else whole]
+        return [_tainted(_shareable(whole, s.memory_total_mib) if shares else whole, facts,
+                         options)]
     by_name = {p.name: p for p in gpu.profiles}
     devices = []
     for device in sorted(gpu.mig_devices, key=lambda d: (d.placement.start, d.gi_id, d.ci_id)):
         profile = by_name.get(device.profile)
         if profile is None or device.placement in facts.draining:
             continue
-        devices.append({
+        devices.append(_tainted({
             "name": mig_device_name(s.minor, profile.name, profile.id, device.placement.start),
             "attributes": {"type": _attr("mig"), "uuid": _attr(device.uuid),
                            "profile": _attr(profile.name), "parentUUID": _attr(s.uuid),
                            **shared},
             "capacity": _profile_capacity(profile, device.placement,
                                           multiprocessors=device.multiprocessors),
-        })
+        }, facts, options, (device.gi_id, device.ci_id)))
     return devices
 
 
@@ -283,7 +335,8 @@ def _full_gpu(facts: GpuFacts, shared: Json, counters: dict[str, int] | None) ->
     return device
 
 
-def _dynamic_devices(facts: GpuFacts, driver: DriverInfo) -> tuple[Json | None, list[Json]]:
+def _dynamic_devices(facts: GpuFacts, driver: DriverInfo,
+                     options: RenderOptions) -> tuple[Json | None, list[Json]]:
     """(the GPU's counter set or None, its devices), as the module docstring says."""
     gpu = facts.gpu
     s = gpu.static
@@ -291,13 +344,14 @@ def _dynamic_devices(facts: GpuFacts, driver: DriverInfo) -> tuple[Json | None, 
     mig_on = mode is not None and mode.current
     if not gpu.profiles or (mode is not None and mode.pending != mode.current) or (
             not mig_on and not switches_mig_on(gpu)):
-        return None, _static_devices(facts, driver)
+        return None, _static_devices(facts, driver, options)
     counter_set = counter_set_name(s.minor)
     counters = counters_of(gpu.profiles)
     shared = _gpu_attributes(facts, driver)
     if facts.held_whole:
         return ({"name": counter_set, "counters": _counters_json(counters)},
-                [] if mig_on else [_full_gpu(facts, shared, counters)])
+                [] if mig_on else [_tainted(_full_gpu(facts, shared, counters), facts,
+                                            options)])
     by_name = {p.name: p for p in gpu.profiles}
     instances = {(d.profile, d.placement): d for d in gpu.mig_devices if d.profile in by_name}
     # What occupies memory slices: each instance and each hold (a device at exactly its
@@ -306,7 +360,7 @@ def _dynamic_devices(facts: GpuFacts, driver: DriverInfo) -> tuple[Json | None, 
     marked = [(None, placement) for placement in facts.draining]
     devices: list[Json] = []
     if not mig_on and not occupied and not marked:
-        devices.append(_full_gpu(facts, shared, counters))
+        devices.append(_tainted(_full_gpu(facts, shared, counters), facts, options))
     for profile in gpu.profiles:
         for placement in profile.placements:
             here = (profile.name, placement)
@@ -317,18 +371,26 @@ def _dynamic_devices(facts: GpuFacts, driver: DriverInfo) -> tuple[Json | None, 
             instance = instances.get(here)
             if instance is not None:
                 attrs["uuid"] = _attr(instance.uuid)
-            devices.append({
+            devices.append(_tainted({
                 "name": mig_device_name(s.minor, profile.name, profile.id, placement.start),
                 "attributes": {**attrs, **shared},
                 "capacity": _profile_capacity(profile, placement),
                 "consumesCounters": [{"counterSet": counter_set, "counters": _counters_json(
                     consumption_of(profile, placement))}],
-            })
+            }, facts, options, None if instance is None else (instance.gi_id, instance.ci_id)))
     return {"name": counter_set, "counters": _counters_json(counters)}, devices
 
 
 def _chunks(items: list[Json], size: int) -> list[list[Json]]:
     return [items[i:i + size] for i in range(0, len(items), size)] or [[]]
+
+
+def _device_chunks(devices: list[Json], kubernetes: tuple[int, int]) -> list[list[Json]]:
+    """Devices without counters in slices of the most the server takes: fewer once any of
+    them carries taints (1.35 on)."""
+    limited = rules_for(kubernetes).advanced_device_limit and any(
+        d.get("taints") for d in devices)
+    return _chunks(devices, MAX_DEVICES_WITH_COUNTERS if limited else MAX_DEVICES)
 
 
 def resource_slice_name(node: str, driver: str, index: int) -> str:
@@ -342,14 +404,17 @@ def render(gpus: Sequence[GpuFacts], driver_info: DriverInfo,
            options: RenderOptions) -> list[Json]:
     """The pool's ResourceSlices, in a stable order."""
     specs: list[Json] = []  # slice specs without the pool, filled in at the end
-    published = [f for f in gpus if f.unavailable is None]
+    # A GPU without a minor (lost before the agent started, and not known from before) has
+    # no device name.
+    published = [f for f in gpus if f.gpu.static.minor >= 0]
     published.sort(key=lambda f: f.gpu.static.minor)
+    kubernetes = options.kubernetes
     if not options.dynamic_mig:
         devices = [d for f in published
-                   for d in _static_devices(f, driver_info, shares=options.gpu_shares)]
-        specs = [{"devices": chunk} for chunk in _chunks(devices, MAX_DEVICES)]
+                   for d in _static_devices(f, driver_info, options, shares=options.gpu_shares)]
+        specs = [{"devices": chunk} for chunk in _device_chunks(devices, kubernetes)]
     else:
-        per_gpu = [_dynamic_devices(f, driver_info) for f in published]
+        per_gpu = [_dynamic_devices(f, driver_info, options) for f in published]
         sets = [cs for cs, _ in per_gpu if cs is not None]
         if options.kubernetes >= (1, 35):
             specs.extend({"sharedCounters": sets[i:i + MAX_COUNTER_SETS]}
@@ -362,7 +427,7 @@ def render(gpus: Sequence[GpuFacts], driver_info: DriverInfo,
                 plain.extend(devices)
                 continue
             if plain:
-                specs.extend({"devices": chunk} for chunk in _chunks(plain, MAX_DEVICES))
+                specs.extend({"devices": chunk} for chunk in _device_chunks(plain, kubernetes))
                 plain = []
             if options.kubernetes < (1, 35):
                 # 1.34: a device may only consume counters of its own slice.
@@ -371,7 +436,7 @@ def render(gpus: Sequence[GpuFacts], driver_info: DriverInfo,
                 specs.extend({"devices": chunk}
                              for chunk in _chunks(devices, MAX_DEVICES_WITH_COUNTERS))
         if plain:
-            specs.extend({"devices": chunk} for chunk in _chunks(plain, MAX_DEVICES))
+            specs.extend({"devices": chunk} for chunk in _device_chunks(plain, kubernetes))
         if not specs:
             specs = [{"devices": []}]
     pool = {"name": options.node_name, "generation": options.generation,

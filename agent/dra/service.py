@@ -5,18 +5,19 @@ availability, holds and marks, and the topology, with the pool generation kept i
 Change notification for the publisher: every answer carries an ETag (a digest of the items),
 and :meth:`ResourceSliceService.wait_for_change` holds a caller until the content differs. While
 anyone waits, one watcher task serves them all: the ledger's watchers wake it at once after
-a geometry change (it then re-reads the inventory); holds, drain marks, quarantine, XID and
-lost marks are in-memory state it compares every ``poll_s`` (no NVML call, a few GpuFacts
-compared); and it re-reads the inventory every ``refresh_s`` for changes made behind the
-agent's back. Nothing runs while nobody waits."""
+a geometry change (it then re-reads the inventory); holds, drain marks and every GPU's
+faults (XIDs, lost, unmonitored, quarantine, an operator's drain: the devices' taints) are
+in-memory state it compares every ``poll_s`` (no NVML call, a few GpuFacts compared), so a
+taint appears and goes within the 2 s republish goal; and it re-reads the inventory every
+``refresh_s`` for changes made behind the agent's back. Nothing runs while nobody waits."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from agent.dra.generation import PoolGeneration, fingerprint
 from agent.dra.resource_slices import DEFAULT_DRIVER, GpuFacts, RenderOptions, render
 from agent.errors import AgentError, SlicesInvalid
 from agent.gpu.inventory import GpuInventory
+from agent.health.taints import Fault
 from agent.ledger.ledger import NodeLedger
 from agent.topology.service import TopologyService
 
@@ -46,7 +48,8 @@ class ResourceSliceService:
     def __init__(self, *, inventory: GpuInventory, topology: TopologyService,
                  ledger: NodeLedger, state_dir: Path, node_name: str,
                  driver: str = DEFAULT_DRIVER, dynamic_mig: bool = False,
-                 gpu_shares: bool = False, poll_s: float = 0.5, refresh_s: float = 10.0) -> None:
+                 gpu_shares: bool = False, poll_s: float = 0.5, refresh_s: float = 10.0,
+                 identity: Callable[[str], tuple[str, int] | None] = lambda _: None) -> None:
         self._inventory = inventory
         self._topology = topology
         self._ledger = ledger
@@ -62,32 +65,42 @@ class ResourceSliceService:
         self._changes = asyncio.Condition()
         self._ticks = 0  # counts the watcher's observed changes
         self._latest: tuple[GpuFacts, ...] | None = None
-        self._marks: tuple[tuple[str | None, tuple[str, ...]], ...] = ()
+        self._marks: tuple[tuple[str | None, tuple[Fault, ...]], ...] = ()
+        #: (UUID, minor) of a GPU lost before this start, as the health state remembers it.
+        self._identity = identity
         self._waiters = 0
         self._watcher: asyncio.Task[None] | None = None
         self._released = False
         ledger.watchers.append(self._geometry_changed)
 
     def facts(self) -> list[GpuFacts]:
-        """Every GPU of the last inventory snapshot, with the agent's marks, the claims'
-        holds and the topology."""
+        """Every GPU of the last inventory snapshot, with its faults, the agent's marks, the
+        claims' holds and the topology. A GPU lost before this start is named as it was
+        (UUID, minor) where the health state remembers it, so its device stays published
+        with its taint."""
         graph = self._topology.graph
         islands = graph.islands()
         found = []
         for gpu in self._inventory.gpus:
             node = graph.gpus[gpu.index] if gpu.index < graph.size else None
             island = next((members for members in islands if gpu.index in members), None)
-            condition = self._ledger.condition(gpu)
+            faults = self._ledger.faults(gpu)
             # A monitoring tool's admin-access hold takes nothing from anyone: it hides
             # nothing.
             holds = [h for h in self._ledger.holds(gpu.uuid) if not h.admin]
+            shown = gpu
+            if gpu.static.minor < 0:
+                known = self._identity(gpu.uuid)
+                if known is not None:
+                    shown = replace(gpu, static=replace(gpu.static, uuid=known[0],
+                                                        minor=known[1]))
             found.append(GpuFacts(
-                gpu=gpu,
+                gpu=shown,
                 draining=self._ledger.draining(gpu.uuid),
                 held=frozenset((h.profile, h.key.placement) for h in holds
                                if h.key.placement is not None),
                 held_whole=any(h.key.placement is None for h in holds),
-                unavailable="; ".join(condition) if condition else None,
+                faults=faults,
                 nvlink_island=graph.gpus[island[0]].uuid if island else None,
                 nvlink_gb_s=round(node.nvlink_gb_s) if node else 0,
                 clique=node.clique if node else None,
@@ -187,8 +200,8 @@ class ResourceSliceService:
             marks = tuple(self._ledger.health_marks(g.uuid) for g in self._inventory.gpus)
             if not fresh and marks != self._marks:
                 # A GPU was lost, reset or its XID cleared: read the GPUs afresh, or a
-                # snapshot taken while a GPU was lost keeps it out of the slices until the
-                # next refresh (its own health says lost, in the very words of the mark).
+                # snapshot taken while a GPU was lost keeps its lost taint until the next
+                # refresh (its own health says lost, in the very words of the mark).
                 refreshed = loop.time()
                 await self._refresh_inventory()
             self._marks = marks
@@ -210,4 +223,5 @@ class ResourceSliceService:
     def _options(self, kubernetes: tuple[int, int], *, generation: int) -> RenderOptions:
         return RenderOptions(driver=self.driver, node_name=self.node_name,
                              kubernetes=kubernetes, dynamic_mig=self.dynamic_mig,
-                             gpu_shares=self.gpu_shares, generation=generation)
+                             gpu_shares=self.gpu_shares, generation=generation,
+                             no_execute=self._ledger.no_execute)

@@ -325,14 +325,14 @@ class GpuTelemetry:
                 # MEMORY_TEMP is read as uiVal whatever valueType says (r545 reports a double
                 # type for an integer value).
                 values[name] = (int(fv.value.uiVal) if name == "DCGM_FI_DEV_MEMORY_TEMP"
-                                else _field_value(nvml, fv))
+                                else field_value(nvml, fv))
             if status not in (nvml.NVML_ERROR_NOT_SUPPORTED, nvml.NVML_ERROR_NO_PERMISSION):
                 keep.append((name, fid))
         self._field_ids = keep
         if nvlink:
             rx, tx = found[len(found) - 2], found[len(found) - 1]
             if int(rx.nvmlReturn) == int(tx.nvmlReturn) == nvml.NVML_SUCCESS:
-                values.update(self._nvlink_rate(_field_value(nvml, rx) + _field_value(nvml, tx)))
+                values.update(self._nvlink_rate(field_value(nvml, rx) + field_value(nvml, tx)))
             elif int(rx.nvmlReturn) == nvml.NVML_ERROR_NOT_SUPPORTED:
                 self._nvlink_supported = False
         return values
@@ -489,7 +489,7 @@ _VALUE_MEMBERS = {"NVML_VALUE_TYPE_UNSIGNED_INT": "uiVal",
                   "NVML_VALUE_TYPE_UNSIGNED_SHORT": "usVal"}
 
 
-def _field_value(nvml: Any, fv: Any) -> Value:
+def field_value(nvml: Any, fv: Any) -> Value:
     """The member of an nvmlFieldValue_t union that its ``valueType`` names."""
     kind = int(fv.valueType)
     if kind == int(nvml.NVML_VALUE_TYPE_DOUBLE):

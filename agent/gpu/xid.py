@@ -5,7 +5,9 @@ its stop flag between them: shutdown takes at most one slice. The slice is short
 idle wait sleeps in the driver, so ten wake-ups a second cost nothing measurable, while every
 stop of the agent waits for the slice in progress. The event names the GPU by
 handle, not UUID (a lost GPU no longer answers ``nvmlDeviceGetUUID``), so handles are mapped
-to UUIDs when they are registered.
+to UUIDs when they are registered. Right after each XID the watcher reads the GPU's recovery
+action (:mod:`agent.gpu.recovery`) on the same thread, so the event carries what the driver
+says the GPU now needs.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.errors import NvmlError
+from agent.gpu.recovery import RecoveryActionReader
 from agent.gpu.session import NvmlSession, nvml_error_name
 from agent.gpu.types import GpuStatic
 
@@ -31,12 +34,17 @@ _ERROR_PAUSE_S = 1.0
 
 @dataclass(frozen=True)
 class XidEvent:
-    """One XID on a GPU; ``gi_id``/``ci_id`` name the MIG instance it came from, if any."""
+    """One XID on a GPU; ``gi_id``/``ci_id`` name the MIG instance it came from, if any;
+    ``recovery_action`` is NVML's field 230 read right after it (the GPU's, whatever
+    instance the XID came from), None where the driver does not report it or the read
+    failed. It is the GPU's state, not the event's: an application XID after a fatal one
+    reads the fatal one's action until the GPU is reset."""
 
     gpu_uuid: str
     xid: int
     gi_id: int | None = None
     ci_id: int | None = None
+    recovery_action: int | None = None
 
 
 def _address(handle: Any) -> int:
@@ -57,7 +65,10 @@ class XidWatcher:
         self._wait_ms = wait_ms
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._recovery = RecoveryActionReader(session)
         self.registered: tuple[str, ...] = ()
+        #: Set once registration ended (``registered`` is then final, empty or not).
+        self.registration_done = threading.Event()
 
     def start(self, gpus: Iterable[GpuStatic]) -> None:
         """Start watching these GPUs (registration happens on the watcher thread)."""
@@ -82,10 +93,12 @@ class XidWatcher:
             event_set = self._session.call("nvmlEventSetCreate")
         except NvmlError as err:
             log.error("xid watcher cannot create an event set", extra={"error": err.detail})
+            self.registration_done.set()
             return
         try:
             by_handle = self._register(event_set, gpus)
             self.registered = tuple(by_handle.values())
+            self.registration_done.set()
             if not by_handle:
                 log.warning("no GPU accepts XID event registration; XIDs are not watched")
                 return
@@ -141,7 +154,8 @@ class XidWatcher:
         gi, ci = int(data.gpuInstanceId), int(data.computeInstanceId)
         event = XidEvent(gpu_uuid=uuid, xid=int(data.eventData),
                          gi_id=None if gi == _NO_INSTANCE else gi,
-                         ci_id=None if ci == _NO_INSTANCE else ci)
+                         ci_id=None if ci == _NO_INSTANCE else ci,
+                         recovery_action=self._recovery.read(uuid, data.device))
         try:
             self._on_xid(event)
         except Exception:

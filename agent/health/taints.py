@@ -12,8 +12,8 @@ One schema under the driver's domain, shaped like NVIDIA's DRA driver's
 | an operator drained the GPU | ``<driver>/drain`` | the reason as a label value | ``NoSchedule`` |
 
 An XID's class: the driver's recovery action when it reports one (NVML field
-``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION``: none is informational, a node reboot is reboot
-class, every other action keeps new claims off); otherwise the XID table: application XIDs
+``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION``: none is informational, a node or system reboot is
+reboot class, every other action keeps new claims off); otherwise the XID table: application XIDs
 are informational as NVIDIA's are, 79 (fallen off the bus) is reboot class, the rest keep new
 claims off. ``NoExecute`` is opt-in (``no_execute``) and only for a lost GPU or a reboot-class
 fault: it makes Kubernetes evict the pods using the device.
@@ -50,6 +50,9 @@ class RecoveryAction(IntEnum):
     NODE_REBOOT = 2
     DRAIN_P2P = 3
     DRAIN_AND_RESET = 4
+    RECOVER_IMEX_DOMAIN = 5
+    BUS_RESET = 6
+    SYSTEM_REBOOT = 7
 
 
 class FaultClass(Enum):
@@ -106,7 +109,7 @@ def fault_class(fault: Fault) -> FaultClass:
     if fault.recovery_action is not None:
         if fault.recovery_action is RecoveryAction.NONE:
             return FaultClass.INFORMATIONAL
-        if fault.recovery_action is RecoveryAction.NODE_REBOOT:
+        if fault.recovery_action in (RecoveryAction.NODE_REBOOT, RecoveryAction.SYSTEM_REBOOT):
             return FaultClass.REBOOT
         return FaultClass.BLOCKING
     xid = int(fault.value or 0)

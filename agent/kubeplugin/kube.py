@@ -148,7 +148,7 @@ class ResourceSliceApi(Protocol):
     def watch_resource_slices(self, *, driver: str, node: str, resource_version: str,
                               timeout_s: int = WATCH_TIMEOUT_S) -> AsyncIterator[WatchEvent]: ...
 
-    async def create_resource_slice(self, body: Json) -> Json: ...
+    async def create_resource_slice(self, body: Json, *, dry_run: bool = False) -> Json: ...
 
     async def update_resource_slice(self, body: Json) -> Json: ...
 
@@ -379,8 +379,12 @@ class KubeClient:
                     transport.abort()
             response.release()
 
-    async def create_resource_slice(self, body: Json) -> Json:
-        return await self._call("POST", SLICES_PATH, body=body)
+    async def create_resource_slice(self, body: Json, *, dry_run: bool = False) -> Json:
+        """Create the slice; with ``dry_run`` the server validates and answers the object as
+        it would store it (feature-gated fields dropped) but stores nothing (``dryRun=All``:
+        admission and RBAC as for a real create)."""
+        return await self._call("POST", SLICES_PATH, body=body,
+                                query=[("dryRun", "All")] if dry_run else ())
 
     async def update_resource_slice(self, body: Json) -> Json:
         """Replace the slice named in ``body``; its ``metadata.resourceVersion`` makes the

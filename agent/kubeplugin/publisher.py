@@ -12,10 +12,21 @@ Three loops share one "check the server" flag:
 - the reconciler lists the node's slices, plans with :func:`resource_slice_plan.plan`, applies the
   plan and compares what each write sent with what the server answered: a server whose
   feature gate is off silently drops the fields it guards (counters, taints, capacity), which
-  :meth:`ResourceSlicePublisher.health` and a metric and a log event report. Two features fail
-  closed from then on: without counters the devices that consume them are withdrawn, and
+  :meth:`ResourceSlicePublisher.health` and a metric and a log event report. Three features
+  fail closed from then on: without counters the devices that consume them are withdrawn;
   without consumable capacity (``allowMultipleAllocations``, request policies) every GPU is
-  published whole (``slice_features_withdrawn{feature}``).
+  published whole; without taints every device with a blocking taint (``NoSchedule``,
+  ``NoExecute``) is withdrawn and informational ones (``None``) are left out
+  (``slice_features_withdrawn{feature}``).
+
+Taints are known before the first write, not after: a server that drops them would show a
+faulty GPU as healthy until the next write. The reconciler first creates a slice with one
+taint as a dry run (``dryRun=All``: validated, admitted, answered, not stored) and reads the
+answer; the written-versus-answered comparison stays as the safety net (a write that loses
+its taints withdraws them at once), and a write refused (422) for its taints is written again
+without them: a 1.34 server with ``DRADeviceTaints`` refuses effect ``None``, so informational
+taints go first, then, refused again, every taint as above. What is learnt holds for the
+process's life.
 
 API server failures are retried with capped exponential backoff and jitter (tenacity); a
 conflict re-lists and re-plans at once.
@@ -51,11 +62,18 @@ from agent.kubeplugin.resource_slice_plan import (
     COUNTER_FIELDS,
     InvalidDesired,
     ResourceSlicePlan,
+    TaintedPool,
+    TaintSupport,
     Written,
     digest,
     dropped_fields,
+    dropped_taints,
+    for_taint_support,
     plan,
+    probe_answer,
     share_fields,
+    taint_probe,
+    taint_refusal,
     without_counters,
     without_shares,
 )
@@ -74,6 +92,12 @@ AGENT_RETRY_MAX_S = 2.0
 CONFLICT_WAIT_S = 0.05
 ERROR_KINDS = ("agent", "unavailable", "conflict", "forbidden", "invalid", "not_found",
                "other")
+#: The values of ``slice_features_withdrawn{feature}``.
+FEATURES = ("counters", "shares", "taints", "informational_taints")
+#: Taint support from least to most; it is only ever lowered (UNKNOWN is below all: any
+#: answer replaces it).
+TAINT_SUPPORT_RANK = {TaintSupport.UNKNOWN: -1, TaintSupport.NONE: 0,
+                      TaintSupport.BLOCKING_ONLY: 1, TaintSupport.KEPT: 2}
 
 
 class ResourceSlicesAnswerLike(Protocol):
@@ -142,8 +166,14 @@ class PublisherMetrics:
                              namespace=NAMESPACE, registry=registry)
         self.withdrawn = Gauge(
             "slice_features_withdrawn", "1 when a feature's devices or fields are no longer "
-            "published because the API server dropped its fields (counters: partitionable "
-            "devices withdrawn; shares: GPUs published whole, not shareable)", ["feature"],
+            "published because the API server drops or refuses its fields (counters: "
+            "partitionable devices withdrawn; shares: GPUs published whole, not shareable; "
+            "taints: devices with a blocking taint withdrawn, informational taints left out; "
+            "informational_taints: taints of effect None left out)", ["feature"],
+            namespace=NAMESPACE, registry=registry)
+        self.tainted_withdrawn = Gauge(
+            "slice_tainted_devices_withdrawn", "Devices with a blocking taint left out of "
+            "the slices because the API server keeps no taints (the fallback)",
             namespace=NAMESPACE, registry=registry)
         self.last_sync = Gauge("slice_last_sync_timestamp_seconds", "Unix time the server "
                                "last held the agent's slices", namespace=NAMESPACE,
@@ -152,7 +182,7 @@ class PublisherMetrics:
             self.republishes.labels(cause)
         for kind in ERROR_KINDS:
             self.errors.labels(kind)
-        for feature in ("counters", "shares"):
+        for feature in FEATURES:
             self.withdrawn.labels(feature).set(0)
 
 
@@ -202,6 +232,12 @@ class ResourceSlicePublisher:
         self._counters_dropped = False
         #: The server dropped consumable capacity once: GPUs are published whole, as above.
         self._shares_dropped: tuple[str, ...] = ()
+        #: What the server does with device taints: probed (dry run) before the first write,
+        #: lowered when a write shows less; never raised while the plugin runs.
+        self._taints = TaintSupport.UNKNOWN
+        self._taints_found = ""
+        #: What the last sync left out of the agent's pool for the server's taint support.
+        self._tainted = TaintedPool(())
         #: Each device's health as the agent last rendered it (claim status, health stream).
         self.device_health = DeviceHealthView()
 
@@ -225,8 +261,30 @@ class ResourceSlicePublisher:
                               if self._counters_dropped else "")
                            + ("; GPUs are published whole, not shareable (shares need "
                               "DRAConsumableCapacity)" if self._shares_dropped else ""))
+        reasons.extend(self._taint_reasons())
         return PublisherHealth(in_sync=not reasons, reason="; ".join(reasons) or None,
                                dropped_fields=self._dropped)
+
+    def _taint_reasons(self) -> list[str]:
+        """Why the server's slices differ from the agent's for taints: only while the
+        fallback leaves something out (a server without taints and nothing tainted is in
+        sync; the metric says it anyway)."""
+        hidden = self._tainted
+        if not hidden.withdrawn and not hidden.stripped:
+            return []
+        server = {
+            TaintSupport.UNKNOWN: "not known yet whether the API server keeps device taints",
+            TaintSupport.BLOCKING_ONLY: "the API server refuses informational device taints "
+                                        f"(effect None; {self._taints_found})",
+        }.get(self._taints, "the API server keeps no device taints (DRADeviceTaints off?; "
+                            f"{self._taints_found})")
+        left_out = []
+        if hidden.withdrawn:
+            left_out.append("devices with a blocking taint withdrawn: " + ", ".join(
+                f"{device} ({taints})" for device, taints in hidden.withdrawn))
+        if hidden.stripped:
+            left_out.append(f"informational taints left out: {hidden.stripped}")
+        return [f"{server}: {'; '.join(left_out)}"]
 
     async def run(self) -> None:
         """Publish until cancelled."""
@@ -320,6 +378,9 @@ class ResourceSlicePublisher:
     # --- reconciling ---
 
     async def _reconcile_forever(self) -> None:
+        # Before the first write: a server that drops taints would otherwise show a faulty
+        # GPU as healthy until the next write noticed.
+        await self._retrying("probe device taints", self._probe_taints)
         while True:
             await self._dirty.wait()
             await self._retrying("publish resourceslices", self._sync)
@@ -359,6 +420,41 @@ class ResourceSlicePublisher:
                 "attempt": state.attempt_number})
         return note
 
+    async def _probe_taints(self) -> None:
+        """Ask the server, with a dry-run create of a tainted slice, whether it keeps taints;
+        a refusal of its content means it does not."""
+        probe = taint_probe(node_name=self.node_name, driver=self.driver)
+        try:
+            answer = await self._kube.create_resource_slice(probe, dry_run=True)
+        except KubeInvalid as err:
+            self.metrics.errors.labels("invalid").inc()
+            self._lower_taints(TaintSupport.NONE, f"a tainted slice refused: {err}")
+            return
+        self._lower_taints(probe_answer(probe, answer), "found by a dry-run create")
+
+    def _lower_taints(self, support: TaintSupport, found: str) -> None:
+        """Record what the server does with taints (only ever less than known), say so once,
+        and have the pool written for it."""
+        if self._taints is not TaintSupport.UNKNOWN and \
+                TAINT_SUPPORT_RANK[support] >= TAINT_SUPPORT_RANK[self._taints]:
+            return
+        self._taints, self._taints_found = support, found
+        self._dirty.set()
+        self.metrics.withdrawn.labels("taints").set(1 if support is TaintSupport.NONE else 0)
+        self.metrics.withdrawn.labels("informational_taints").set(
+            0 if support is TaintSupport.KEPT else 1)
+        extra = {"taints": support.value, "found": found, "kubernetes": self.kubernetes}
+        if support is TaintSupport.KEPT:
+            log.info("api server keeps device taints", extra=extra)
+        elif support is TaintSupport.BLOCKING_ONLY:
+            log.warning("api server refuses informational device taints: they are left out",
+                        extra=extra)
+        else:
+            # Fail closed: a device that must keep claims off is not published at all.
+            log.error("api server keeps no device taints: devices with a blocking taint "
+                      "withdrawn, informational taints left out (enable DRADeviceTaints on "
+                      "the API server and the scheduler)", extra=extra)
+
     async def _sync(self) -> None:
         """One reconcile: list, plan, apply; raises on the first failed call."""
         self._dirty.clear()
@@ -369,6 +465,9 @@ class ResourceSlicePublisher:
             desired = without_counters(desired)
         if self._shares_dropped:
             desired = without_shares(desired)
+        self._tainted = for_taint_support(desired, self._taints)
+        self.metrics.tainted_withdrawn.set(len(self._tainted.withdrawn))
+        desired = self._tainted.items
         listing = await self._kube.list_resource_slices(driver=self.driver,
                                                         node=self.node_name)
         if desired and self._node_uid is None:
@@ -387,13 +486,23 @@ class ResourceSlicePublisher:
             log.error("agent slices unusable", extra={"error": str(err)})
             return
         cause = self._cause(actions)
-        await self._apply(actions)
+        try:
+            await self._apply(actions)
+        except KubeInvalid as err:
+            lower = taint_refusal(self._taints, [*actions.updates, *actions.creates], str(err))
+            if lower is None or TAINT_SUPPORT_RANK[lower] >= TAINT_SUPPORT_RANK[self._taints]:
+                raise  # not about taints (or nothing left to drop): retried, and reported
+            # Refused for its taints: written again at once without what was refused.
+            self.metrics.errors.labels("invalid").inc()
+            self._lower_taints(lower, f"a write refused: {err}")
+            return
         if actions.writes:
             self.metrics.publishes.inc()
             log.info("resourceslices published", extra={
                 "generation": actions.generation, "slices_created": len(actions.creates),
                 "slices_updated": len(actions.updates), "slices_deleted": len(actions.deletes),
-                "cause": cause or "agent"})
+                "cause": cause or "agent",
+                "tainted_devices_withdrawn": len(self._tainted.withdrawn)})
             if cause is not None:
                 self.metrics.republishes.labels(cause).inc()
         if self._agent_lost and actions.deletes:
@@ -454,6 +563,12 @@ class ResourceSlicePublisher:
                                       generation=generation)
 
     def _report_dropped(self, dropped: tuple[str, ...]) -> None:
+        taints = dropped_taints(dropped)
+        if taints:
+            # The probe said otherwise (another API server behind the same address?): this
+            # write showed a tainted device untainted, so withdraw it now.
+            self._lower_taints(TaintSupport.NONE, "a write dropped them")
+            dropped = tuple(f for f in dropped if f not in taints)
         if not self._counters_dropped and any(f in dropped for f in COUNTER_FIELDS):
             # Fail closed: placements without counters would let the scheduler book two
             # overlapping MIG devices, so withdraw them now (the next sync writes the pool

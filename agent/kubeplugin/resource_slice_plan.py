@@ -1,5 +1,6 @@
 """What to write to the API server so that it holds the agent's slices (pure: values in, a plan
-out), and which written fields the server dropped.
+out), which written fields the server dropped, and the agent's pool cut to what a server
+keeps (counters, consumable capacity, device taints).
 
 The rules (those of kubelet's Go helper, ``reference/kubelet-dra.md`` 3, where they apply):
 
@@ -32,6 +33,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
+from enum import Enum
 from typing import Any
 
 Json = dict[str, Any]
@@ -320,3 +322,135 @@ def _in_sync(body: Json, current: Mapping[str, Any] | None,
     if mine is not None and mine.resource_version == version:
         return mine.digest == digest(body)
     return holds(content(body), content(current))
+
+
+# --- device taints ---
+
+
+class TaintSupport(Enum):
+    """What the API server does with device taints (``DRADeviceTaints``), found by a dry-run
+    probe at start and by the server's answers to real writes; it only ever goes down."""
+
+    UNKNOWN = "unknown"
+    """Not asked yet: published as :attr:`NONE` would be (fail closed)."""
+    KEPT = "kept"
+    BLOCKING_ONLY = "blocking-only"
+    """Keeps ``NoSchedule`` and ``NoExecute`` taints but refuses effect ``None``."""
+    NONE = "none"
+    """Keeps no taints (the gate is off: the server drops them silently)."""
+
+
+#: The field a server drops when ``DRADeviceTaints`` is off.
+TAINT_FIELD = "spec.devices[].taints"
+#: The key of the probe's one taint (under the driver's domain).
+TAINT_PROBE_KEY = "taint-probe"
+
+
+def is_blocking(taint: Mapping[str, Any]) -> bool:
+    """Whether a taint keeps claims off (``NoSchedule``, ``NoExecute``, or an effect this code
+    does not know, fail closed); ``None`` is informational."""
+    return taint.get("effect") != "None"
+
+
+@dataclass(frozen=True)
+class TaintedPool:
+    """The pool as a server of some :class:`TaintSupport` can hold it: ``items``, and what of
+    the agent's pool it leaves out (``withdrawn``: (device, its taints as one line) for each
+    device with a blocking taint; ``stripped``: how many informational taints)."""
+
+    items: tuple[Json, ...]
+    withdrawn: tuple[tuple[str, str], ...] = ()
+    stripped: int = 0
+
+
+def _taint_text(taint: Mapping[str, Any]) -> str:
+    value = taint.get("value")
+    return f"{taint.get('key')}{'=' + str(value) if value else ''}:{taint.get('effect')}"
+
+
+def for_taint_support(agent_items: Sequence[Mapping[str, Any]],
+                      support: TaintSupport) -> TaintedPool:
+    """The agent's pool for a server of ``support``: as it is where taints are kept;
+    without informational taints where only those are refused; and where no taint is kept
+    (or that is not known yet) without every device that has a blocking taint and without the
+    other devices' taints, so a device that must keep claims off never reads as healthy.
+    Every slice stays, emptied or not (a taint that comes and goes changes no slice count)."""
+    if support is TaintSupport.KEPT:
+        return TaintedPool(tuple(dict(item) for item in agent_items))
+    withdrawn: list[tuple[str, str]] = []
+    stripped = 0
+    out: list[Json] = []
+    for item in agent_items:
+        spec = dict(item.get("spec", {}))
+        if "devices" in spec:
+            devices: list[Json] = []
+            for device in spec.get("devices") or []:
+                taints = [t for t in device.get("taints") or [] if isinstance(t, Mapping)]
+                if not taints:
+                    devices.append(device)
+                    continue
+                if support is TaintSupport.BLOCKING_ONLY:
+                    kept = [t for t in taints if is_blocking(t)]
+                    stripped += len(taints) - len(kept)
+                    devices.append({**device, "taints": kept} if kept else
+                                   {k: v for k, v in device.items() if k != "taints"})
+                elif any(is_blocking(t) for t in taints):
+                    withdrawn.append((str(device.get("name", "")),
+                                      ", ".join(_taint_text(t) for t in taints)))
+                else:
+                    stripped += len(taints)
+                    devices.append({k: v for k, v in device.items() if k != "taints"})
+            spec["devices"] = devices
+        out.append({**item, "spec": spec})
+    return TaintedPool(tuple(out), tuple(withdrawn), stripped)
+
+
+def has_taints(bodies: Iterable[Mapping[str, Any]], *, informational: bool = False) -> bool:
+    """Whether any device of ``bodies`` carries a taint (an informational one, if asked)."""
+    return any(isinstance(t, Mapping) and (not informational or not is_blocking(t))
+               for body in bodies for device in body.get("spec", {}).get("devices") or []
+               for t in device.get("taints") or [])
+
+
+#: A taint field in a refusal's message (``spec.devices[1].taints[0].effect``); the slice's
+#: name, quoted in the message too, may hold any word.
+_TAINT_PATH = re.compile(r"devices\[\d+\]\.taints\b")
+
+
+def taint_refusal(support: TaintSupport, bodies: Sequence[Mapping[str, Any]],
+                  message: str) -> TaintSupport | None:
+    """The support to fall back to after the server refused (400/422, ``message``) a write of
+    ``bodies``; None when the refusal is not about taints (no body carries one, or the
+    message names no taint field). One step at a time: a refusal of bodies with
+    informational taints first drops those (a 1.34 server with the gate refuses effect
+    ``None``), then every taint."""
+    if not _TAINT_PATH.search(message) or not has_taints(bodies):
+        return None
+    if support is TaintSupport.KEPT and has_taints(bodies, informational=True):
+        return TaintSupport.BLOCKING_ONLY
+    return TaintSupport.NONE
+
+
+def dropped_taints(dropped: Iterable[str]) -> tuple[str, ...]:
+    """The taint fields among ``dropped`` field paths: the taints, some of them (a shorter
+    list), or a field of theirs."""
+    return tuple(f for f in dropped
+                 if f.startswith(TAINT_FIELD) and f[len(TAINT_FIELD):][:1] in ("", "[", "."))
+
+
+def taint_probe(*, node_name: str, driver: str) -> Json:
+    """A slice of this node's pool with one device and one ``NoSchedule`` taint, to be created
+    with ``dryRun=All`` (nothing is stored): the answer shows whether the server keeps
+    taints. A generated name, so no slice of that name can be in the way."""
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+            "metadata": {"generateName": f"{node_name}-{TAINT_PROBE_KEY}-"},
+            "spec": {"driver": driver, "nodeName": node_name,
+                     "pool": {"name": node_name, "generation": 0, "resourceSliceCount": 1},
+                     "devices": [{"name": TAINT_PROBE_KEY, "taints": [
+                         {"key": f"{driver}/{TAINT_PROBE_KEY}", "effect": "NoSchedule"}]}]}}
+
+
+def probe_answer(probe: Mapping[str, Any], answer: Mapping[str, Any]) -> TaintSupport:
+    """What the server's answer to :func:`taint_probe` says: taints kept, or dropped."""
+    return TaintSupport.NONE if dropped_taints(dropped_fields(probe, answer)) \
+        else TaintSupport.KEPT

@@ -8,20 +8,25 @@ Everything that may create, destroy or hand out a device asks here first:
 - **the mutation lock**: one per GPU. A MIG transition holds it from planning to its terminal
   state; an on-demand slice holds it while NVML makes or destroys the instance. So a slice is
   never made on a GPU whose geometry is changing, and a plan always sees every slice;
-- **marks**: the instances a transition drains or has just created (not claimable), and
+- **marks**: the instances a transition drains or has just created (not claimable),
   quarantine (durable, ``<state>/mig/quarantine.json``; unreadable quarantine state
-  quarantines every MIG-capable GPU, since which ones were meant can no longer be known);
-- **availability**: one read model (lost, unhealthy with its XID, quarantined, draining,
-  being created, held) that claims, topology selection, ResourceSlices, metrics and the API
-  all consult.
+  quarantines every MIG-capable GPU, since which ones were meant can no longer be known) and
+  an operator's drain (durable, ``<state>/health/drain.json``; it keeps new claims off and
+  leaves held ones alone);
+- **availability**: one read model. A GPU's faults (its health's: XIDs, lost, unmonitored;
+  the ledger's own: quarantine, drain) become device taints (``agent/health/taints.py``),
+  and only the *blocking* taints make a device unavailable (an informational one never
+  does); then a transition's marks, then holders. Claims, topology selection,
+  ResourceSlices, metrics and the API all consult it.
 
-It holds no NVML handle and does no I/O but the quarantine file; it lives on the event loop
-(its checks and takes never await, so check-then-take is atomic).
+It holds no NVML handle and does no I/O but the quarantine and drain files; it lives on the
+event loop (its checks and takes never await, so check-then-take is atomic).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
@@ -33,6 +38,7 @@ from agent.durable import DurableMap
 from agent.errors import Conflict, DeviceBusy, DeviceUnavailable
 from agent.events import EventLog, Severity
 from agent.gpu.types import Gpu, MigDevice, Placement
+from agent.health.taints import Fault, Taint, blocking_reasons, device_taints, label_value
 from agent.ledger.keys import DeviceKey, key_of
 
 #: ``releasing``: its claim is being unprepared; it still keeps others off the device, but no
@@ -111,18 +117,34 @@ class GpuLedger:
     draining: dict[Placement, str] = field(default_factory=dict)
     creating: dict[Placement, str] = field(default_factory=dict)
     quarantine: str | None = None
+    quarantined_since: float = 0.0
+    #: An operator's drain: (reason, since).
+    drain: tuple[str, float] | None = None
+
+
+#: The driver name of the taint keys when none is given (the agent's default).
+DEFAULT_TAINT_DRIVER = "gpu.nodeagent.dev"
 
 
 class NodeLedger:
-    """The ledgers of every GPU on the node."""
+    """The ledgers of every GPU on the node. ``faults`` gives a GPU's health faults (XIDs,
+    lost, unmonitored); ``driver`` and ``no_execute`` shape the taints they become."""
 
     def __init__(self, *, quarantine_path: Path, events: EventLog,
-                 xid_reasons: Callable[[str], tuple[str, ...]] = lambda _: (),
-                 lost_reason: Callable[[str], str | None] = lambda _: None) -> None:
+                 faults: Callable[[str], tuple[Fault, ...]] = lambda _: (),
+                 lost_reason: Callable[[str], str | None] = lambda _: None,
+                 drain_path: Path | None = None, driver: str = DEFAULT_TAINT_DRIVER,
+                 no_execute: bool = False) -> None:
         self._events = events
-        self._xid_reasons = xid_reasons
+        self._faults = faults
         self._lost_reason = lost_reason
+        self.driver = driver
+        self.no_execute = no_execute
         self._quarantine = DurableMap(quarantine_path, format="gpu-agent-mig-quarantine")
+        self._drain = DurableMap(drain_path or quarantine_path.with_name("drain.json"),
+                                 format="gpu-agent-drain")
+        #: When an inventory read error was first seen on a GPU NVML does not call lost.
+        self._unreadable_since: dict[str, float] = {}
         self._gpus: dict[str, GpuLedger] = {}
         self._frozen: str | None = None
         #: Called with a GPU's UUID after its instances changed (derived state is stale).
@@ -155,15 +177,35 @@ class NodeLedger:
         for gpu in gpus:
             entry = self.gpu(gpu.uuid)
             entry.index, entry.mig_capable = gpu.index, gpu.static.mig_capable
+            drained = self._drain.get(gpu.uuid)
+            if isinstance(drained, dict):
+                entry.drain = (str(drained.get("reason", "drained")),
+                               _since(drained.get("since")))
             record = self._quarantine.get(gpu.uuid)
             if record is not None:
                 entry.quarantine = str(record.get("reason", "quarantined"))
+                entry.quarantined_since = _since(record.get("since"))
             elif unreadable and gpu.static.mig_capable:
                 await self.quarantine(gpu.uuid, f"the quarantine state was unreadable "
                                       f"({unreadable}); which GPUs were quarantined can no "
                                       "longer be known")
         if unreadable:
             self._events.append("mig.state_unreadable", unreadable, severity=Severity.ERROR)
+        drain_problem = self._drain.problem
+        if drain_problem:
+            # Which GPUs an operator drained can no longer be known: all of them stay drained
+            # (new claims off, held ones untouched) until an operator undrains each.
+            reason = f"the drain state was unreadable ({drain_problem})"
+            for gpu in gpus:
+                entry = self.gpu(gpu.uuid)
+                if entry.drain is None:
+                    # In memory even where the disk refuses it (then until the next start).
+                    entry.drain = (reason, time.time())
+                    with contextlib.suppress(OSError):
+                        await self._drain.set(gpu.uuid, {"reason": reason,
+                                                         "since": entry.drain[1]})
+            self._events.append("gpu.drain_state_unreadable", drain_problem,
+                                severity=Severity.ERROR)
 
     def gpu(self, uuid: str) -> GpuLedger:
         entry = self._gpus.get(uuid)
@@ -249,30 +291,48 @@ class NodeLedger:
 
     # -- availability ------------------------------------------------------------------------
 
-    def health_marks(self, gpu_uuid: str) -> tuple[str | None, tuple[str, ...]]:
-        """The GPU's live marks, besides what the inventory last read: why it is lost, if
-        it is, and its XID reasons. They change the moment a GPU is lost, reset or
+    def health_marks(self, gpu_uuid: str) -> tuple[str | None, tuple[Fault, ...]]:
+        """The GPU's live health, besides what the inventory last read: why it is lost, if
+        it is, and its health faults. They change the moment a GPU is lost, reset or
         cleared, before any inventory read shows it."""
-        return self._lost_reason(gpu_uuid), tuple(self._xid_reasons(gpu_uuid))
+        return self._lost_reason(gpu_uuid), self._faults(gpu_uuid)
 
-    def condition(self, gpu: Gpu) -> tuple[str, ...]:
-        """Why nothing on this GPU may be handed out: lost, unhealthy (the XID), quarantined."""
-        reasons: list[str] = []
-        lost = self._lost_reason(gpu.uuid)
-        if lost is not None:
-            reasons.append(f"GPU is lost: {lost}")
-        else:  # the inventory's own reasons say the same of a lost GPU
-            reasons += gpu.health.reasons
-        reasons += self._xid_reasons(gpu.uuid)
-        quarantine = self.gpu(gpu.uuid).quarantine
-        if quarantine is not None:
-            reasons.append(f"quarantined: {quarantine}")
-        return tuple(dict.fromkeys(reasons))
+    def faults(self, gpu: Gpu) -> tuple[Fault, ...]:
+        """Everything wrong with the GPU: its health faults, an inventory read error on a
+        GPU NVML does not call lost (as lost: it does not answer), quarantine, drain."""
+        found = list(self._faults(gpu.uuid))
+        if gpu.health.reasons and not any(f.kind == "gpu-lost" for f in found):
+            since = self._unreadable_since.setdefault(gpu.uuid, time.time())
+            found.append(Fault(kind="gpu-lost", reason=gpu.health.reasons[0], since=since))
+        else:
+            self._unreadable_since.pop(gpu.uuid, None)
+        entry = self.gpu(gpu.uuid)
+        if entry.quarantine is not None:
+            found.append(Fault(kind="quarantined", reason=f"quarantined: {entry.quarantine}",
+                               since=entry.quarantined_since))
+        if entry.drain is not None:
+            reason, since = entry.drain
+            found.append(Fault(kind="drain", reason=f"drained: {reason}", since=since,
+                               value=label_value(reason) or None))
+        return tuple(found)
+
+    def taints(self, gpu: Gpu, device: MigDevice | None = None) -> tuple[Taint, ...]:
+        """The taints of the GPU (or of one MIG device on it: the GPU's, and its own
+        instance's)."""
+        instance = None if device is None else (device.gi_id, device.ci_id)
+        return device_taints(self.faults(gpu), driver=self.driver, no_execute=self.no_execute,
+                             instance=instance)
+
+    def condition(self, gpu: Gpu, device: MigDevice | None = None) -> tuple[str, ...]:
+        """Why nothing on this GPU (or this MIG device) may be handed out: the reasons of
+        its blocking taints (lost, an XID, quarantined, drained; never an informational
+        one)."""
+        return tuple(dict.fromkeys(blocking_reasons(self.taints(gpu, device))))
 
     def availability(self, gpu: Gpu, device: MigDevice | None = None) -> Availability:
         """The one answer to "can this GPU (or MIG device) be handed out now, and if not,
-        why": its GPU's condition, a transition's marks on the device, and its holders."""
-        reasons = list(self.condition(gpu))
+        why": its blocking taints, a transition's marks on the device, and its holders."""
+        reasons = list(self.condition(gpu, device))
         entry = self.gpu(gpu.uuid)
         if device is not None:
             tid = entry.draining.get(device.placement)
@@ -285,9 +345,9 @@ class NodeLedger:
 
     def check_usable(self, gpu: Gpu, device: MigDevice | None = None) -> None:
         """Raise when the device (or, without one, the GPU) cannot be handed out for a reason
-        other than its holders: :class:`DeviceUnavailable` naming the GPU's condition, or
+        other than its holders: :class:`DeviceUnavailable` naming its blocking taints, or
         :class:`DeviceBusy` for a transition's drain or creation mark."""
-        condition = self.condition(gpu)
+        condition = self.condition(gpu, device)
         if condition:
             raise DeviceUnavailable(f"GPU {gpu.index} is unavailable: {'; '.join(condition)}",
                                     gpu=gpu.uuid,
@@ -370,6 +430,7 @@ class NodeLedger:
         it will not survive a restart."""
         entry = self.gpu(gpu)
         entry.quarantine = reason
+        entry.quarantined_since = time.time()
         durable = ""
         try:
             await self._quarantine.set(gpu, {"reason": reason, "since": time.time()})
@@ -390,3 +451,37 @@ class NodeLedger:
         reason, entry.quarantine = entry.quarantine, None
         return reason
 
+
+    # -- an operator's drain -----------------------------------------------------------------
+
+    def drained(self, gpu: str) -> str | None:
+        """Why an operator drained ``gpu``, or None."""
+        drain = self.gpu(gpu).drain
+        return None if drain is None else drain[0]
+
+    async def drain(self, gpu: str, reason: str) -> bool:
+        """Keep new claims off ``gpu`` (a ``NoSchedule`` drain taint), durably; held claims
+        stay. False when it was drained already (its reason and time are kept). Raises
+        :class:`StorageUnavailable` with nothing changed when the disk refuses it."""
+        entry = self.gpu(gpu)
+        if entry.drain is not None:
+            return False
+        since = time.time()
+        await self._drain.set(gpu, {"reason": reason, "since": since})
+        entry.drain = (reason, since)
+        return True
+
+    async def undrain(self, gpu: str) -> str:
+        """Lift the drain; returns its reason. :class:`Conflict` if there is none."""
+        entry = self.gpu(gpu)
+        if entry.drain is None:
+            raise Conflict(f"GPU {entry.index} is not drained", gpu=gpu)
+        await self._drain.delete(gpu)
+        reason, entry.drain = entry.drain[0], None
+        return reason
+
+
+def _since(value: object) -> float:
+    """A stored time (seconds since the epoch); 0 where an older file has none."""
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) \
+        else 0.0

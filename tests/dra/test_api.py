@@ -107,8 +107,9 @@ async def test_a_change_wakes_a_waiting_request(
         served: Callable[..., Awaitable[Started]], change: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A quarantine, a claim's hold on a whole GPU or a transition's marks answer a waiting
-    request with the new content (the GPU's placements gone) and a new ETag, long before its
-    20 s wait ends (how soon is bench/dra.py's republish figure, not a timed test)."""
+    request with the new content (the GPU's placements tainted, or gone) and a new ETag,
+    long before its 20 s wait ends (how soon is bench/dra.py's republish figure, not a timed
+    test)."""
     client, node = await served(dynamic_mig=True)
     held = _holding(node, monkeypatch)
     first = await client.get(URL)
@@ -134,7 +135,14 @@ async def test_a_change_wakes_a_waiting_request(
     assert any(n.startswith("gpu-3-mig-") for n in
                {d["name"] for s in (await first.json())["items"]
                 for d in s["spec"].get("devices") or []})
-    assert not any(n.startswith("gpu-3-mig-") for n in names)
+    if change == "quarantine":  # published still, every device of the GPU tainted
+        gpu3 = [d for s in body["items"] for d in s["spec"].get("devices") or []
+                if d["name"].startswith("gpu-3")]
+        assert gpu3 and all(t["key"] == "gpu.nodeagent.dev/quarantined"
+                            and t["effect"] == "NoSchedule"
+                            for d in gpu3 for t in d["taints"])
+    else:
+        assert not any(n.startswith("gpu-3-mig-") for n in names)
 
 
 @pytest.mark.parametrize("value", ["-1", "61", "lots", "nan", "inf", ""])

@@ -14,6 +14,7 @@ from agent.device_names import mig_device_name
 from agent.dra.resource_slices import GpuFacts, RenderOptions, render
 from agent.dra.rules import quantity
 from agent.gpu.types import DriverInfo, Gpu, MigDevice, MigMode, Placement
+from agent.health.taints import Fault
 
 from .conftest import MakeEnv
 
@@ -97,8 +98,9 @@ CASES = [
                           draining=frozenset({Placement(4, 4)})),
      lambda g: {n for n in placements(g) if int(n.rsplit("-", 1)[1]) < 4
                 and "-7g" not in n}),
-    ("unhealthy: nothing", "dgx-h100",
-     lambda f: with_facts(f, unavailable="XID 79"), lambda g: set()),
+    ("faulty (XID 79): everything still, tainted", "dgx-h100",
+     lambda f: with_facts(f, faults=(Fault("xid", "XID 79", 1.0, value="79"),)),
+     lambda g: {"gpu-0"} | placements(g)),
     ("no MIG (L40S): the full GPU, no counters", "l40s", lambda f: f, lambda g: {"gpu-0"}),
 ]
 

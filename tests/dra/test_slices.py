@@ -129,7 +129,7 @@ async def test_dynamic_layouts(make_env: MakeEnv) -> None:
 async def test_dynamic_hides_overlaps_and_drains(make_env: MakeEnv) -> None:
     """With instances on GPU 0: the full GPU and every device overlapping an instance of
     another shape are gone, the instances' own devices stay (with their UUID); a draining
-    instance's device goes too. An unhealthy or quarantined GPU publishes nothing."""
+    instance's device goes too. A faulty or quarantined GPU publishes its devices tainted."""
     env = await make_env("dgx-h100", dynamic_mig=True,
                          setup=lambda e: e.make_mig(0, [(9, 0), (19, 6)]))
     found = devices(await env.resource_slices.of_version((1, 35)))
@@ -148,7 +148,11 @@ async def test_dynamic_hides_overlaps_and_drains(make_env: MakeEnv) -> None:
     validate(slices, (1, 35))
     found = devices(slices)
     assert "gpu-0-mig-3g40gb-9-0" not in found
-    assert not any(n.startswith(("gpu-5", "gpu-6")) for n in found)
+    for minor, key in ((5, "quarantined"), (6, "gpu-lost")):
+        own = [d for n, d in found.items() if n == f"gpu-{minor}"
+               or n.startswith(f"gpu-{minor}-")]
+        assert own and all(f"gpu.nodeagent.dev/{key}" in {t["key"] for t in d["taints"]}
+                           for d in own)
 
 
 async def test_static_drain_leaves_the_device_out(make_env: MakeEnv) -> None:

@@ -51,6 +51,21 @@ def test_sim_verbs_use_the_token_file(h100: AgentProcess) -> None:
     assert "401" in no_token.stderr
 
 
+def test_sim_xid_takes_a_recovery_action(h100: AgentProcess) -> None:
+    """``sim xid --recovery-action`` sets the GPU's NVML recovery action; a name it does not
+    know is a usage error; ``sim reset`` sets it back to none (the GPU is left as found)."""
+    sim = ("sim", "--url", h100.url, "--token-file", str(h100.state_dir / "tokens"))
+    out = cli(*sim, "xid", "6", "31", "--recovery-action", "drain-and-reset")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"gpu": "6", "xid": 31, "recovery_action": "drain-and-reset"}
+    assert json.loads(cli(*sim, "show").stdout)["gpus"][6]["recovery_action"] == \
+        "drain-and-reset"
+    bad = cli(*sim, "xid", "6", "31", "--recovery-action", "explode")
+    assert bad.returncode == 2 and "--recovery-action" in bad.stderr
+    assert cli(*sim, "reset", "6").returncode == 0
+    assert json.loads(cli(*sim, "show").stdout)["gpus"][6]["recovery_action"] == "none"
+
+
 def test_unreachable_agent_is_one_clear_line(tmp_path: Path) -> None:
     out = cli("gpus", "--url", f"unix:{tmp_path / 'nothing.sock'}")
     assert out.returncode == 1

@@ -1,6 +1,7 @@
 """Issue 12, measured defect 4 (health computed three ways), against a real agent process:
 after any XID the health rules call critical, claims, topology selection and ResourceSlices
-all treat the GPU (and its MIG devices) as unavailable, naming the XID."""
+all treat the GPU (and its MIG devices) as unavailable, naming the XID (in ResourceSlices: a
+NoSchedule taint whose value is the XID, issue 23)."""
 
 from __future__ import annotations
 
@@ -41,9 +42,10 @@ def _raise_xid(agent: AgentProcess, gpu: int, xid: int) -> str:
 
 @pytest.mark.parametrize("batch", list(BATCHES))
 def test_critical_xid_makes_the_gpu_unavailable_everywhere(tmp_path: Path, batch: str) -> None:
-    """Defect 4 (after XID 48 the GPU reads unhealthy yet stays in ResourceSlices, topology
-    picks it and a claim on it succeeds): a critical XID removes the GPU from ResourceSlices
-    and selection, and claims on it are 409 device-unavailable naming the XID."""
+    """Defect 4 (after XID 48 the GPU reads unhealthy yet stays in ResourceSlices untainted,
+    topology picks it and a claim on it succeeds): a critical XID taints every device of the
+    GPU NoSchedule with the XID, removes it from selection, and claims on it are 409
+    device-unavailable naming the XID."""
     agent = start_agent(tmp_path / "state")
     try:
         table = BATCHES[batch]
@@ -52,13 +54,19 @@ def test_critical_xid_makes_the_gpu_unavailable_everywhere(tmp_path: Path, batch
             set_geometry(agent, str(mig_gpu), {"profiles": ["3g.40gb"]})
         mig_uuid = mig_devices(agent, "0")[0]["uuid"] if mig_gpu is not None else None
         uuids = {gpu: _raise_xid(agent, gpu, xid) for xid, gpu in table}
-        # The UUIDs of the published devices and of their parents (an NVLink island is named
-        # after a GPU's UUID too, so the slices' text alone would not say what is published).
+        # The blocking taints of the published devices by their UUID and their parents' (an
+        # NVLink island is named after a GPU's UUID too, so the slices' text alone would not
+        # say what is published).
         published = agent.request("GET", "/v1/resourceslices", token=None).body
-        slices = {attrs[key]["string"] for item in published["items"]
-                  for device in item["spec"].get("devices", ())
-                  for attrs in [device["attributes"]]
-                  for key in ("uuid", "parentUUID") if key in attrs}
+        slices: dict[str, list[set[str]]] = {}
+        for item in published["items"]:
+            for device in item["spec"].get("devices", ()):
+                attrs = device["attributes"]
+                blocking = {f"{t['key'].rsplit('/', 1)[1]}={t.get('value', '')}"
+                            for t in device.get("taints", ()) if t["effect"] == "NoSchedule"}
+                for key in ("uuid", "parentUUID"):
+                    if key in attrs:
+                        slices.setdefault(attrs[key]["string"], []).append(blocking)
         failures = []
         for xid, gpu in table:
             # A GPU off the bus (79) may be named as lost rather than by its XID.
@@ -68,12 +76,14 @@ def test_critical_xid_makes_the_gpu_unavailable_everywhere(tmp_path: Path, batch
             if availability.get("state") != "unavailable" or not any(
                     w in json.dumps(availability.get("reasons")) for w in words):
                 failures.append(f"GPU {gpu} availability {availability}")
-            if uuids[gpu] in slices:
-                failures.append(f"GPU {gpu} (XID {xid}) is still in /v1/resourceslices")
+            taint = f"xid={xid}"
+            if not slices.get(uuids[gpu]) or not all(taint in t for t in slices[uuids[gpu]]):
+                failures.append(f"GPU {gpu} (XID {xid}): its devices are not all published "
+                                f"with the taint {taint}: {slices.get(uuids[gpu])}")
             if gpu == mig_gpu:
                 assert mig_uuid is not None
-                if mig_uuid in slices:
-                    failures.append(f"GPU {gpu}'s MIG device is still in /v1/resourceslices")
+                if not slices.get(mig_uuid) or not all(taint in t for t in slices[mig_uuid]):
+                    failures.append(f"GPU {gpu}'s MIG device is not published with {taint}")
                 claims = {"mig device": gpu_request(mig_uuid),
                           "pinned slice": slice_request(gpu=str(gpu))}
             else:

@@ -109,14 +109,16 @@ async def test_list_selects_the_node_and_keeps_unknown_fields(server: Any) -> No
 
 async def test_writes_send_the_body_as_given(server: Any) -> None:
     """Create and update send the dict as it is (PUT to the slice's name) and return the
-    server's answer whole."""
+    server's answer whole; a dry-run create asks ``dryRun=All``, a real one nothing."""
     fake, client = server
     fake.replies[("POST", SLICES)] = (201, FUTURE, {})
     fake.replies[("PUT", f"{SLICES}/s-0")] = (200, FUTURE, {})
     assert await client.create_resource_slice(FUTURE) == FUTURE
     assert await client.update_resource_slice(FUTURE) == FUTURE
-    assert [(r["method"], r["path"], r["body"]) for r in fake.requests] == [
-        ("POST", SLICES, FUTURE), ("PUT", f"{SLICES}/s-0", FUTURE)]
+    assert await client.create_resource_slice(FUTURE, dry_run=True) == FUTURE
+    assert [(r["method"], r["path"], r["body"], r["query"]) for r in fake.requests] == [
+        ("POST", SLICES, FUTURE, {}), ("PUT", f"{SLICES}/s-0", FUTURE, {}),
+        ("POST", SLICES, FUTURE, {"dryRun": "All"})]
 
 
 async def test_delete_has_uid_and_version_preconditions(server: Any) -> None:

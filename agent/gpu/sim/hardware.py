@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 
 import pynvml
 
-from agent.gpu.sim import links, telemetry
+from agent.gpu.sim import links, recovery_action, telemetry
 from agent.gpu.sim.faults import FaultTable
 from agent.gpu.sim.naming import mig_uuid
 from agent.gpu.sim.presets import CiProfile, GiProfile, GpuModel, Preset
@@ -486,6 +486,7 @@ class SimulatedHardware:
         gpu.pcie_replays = 0
         gpu.compute_mode = gpu.timeslice = 0
         gpu.mig_compute_modes = {}
+        gpu.recovery_action = recovery_action.NONE
         for key in [k for k in self._activity if k[0] == gpu.index]:
             del self._activity[key]
 
@@ -506,7 +507,19 @@ class SimulatedHardware:
                   | pynvml.nvmlEventTypeDoubleBitEccError | pynvml.nvmlEventTypePState)
         if self.model.mig_capable:
             events |= pynvml.nvmlEventMigConfigChange
+        if self.preset.driver.recovery_action:
+            events |= pynvml.nvmlEventTypeGpuRecoveryAction
         return int(events)
+
+    def set_recovery_action(self, gpu: GpuState, action: int) -> None:
+        """The driver's new recovery action for a GPU; a change is saved and posted as an
+        ``nvmlEventTypeGpuRecoveryAction`` event (its data the new action), which is when a
+        real driver logs XID 154 ("GPU recovery action changed")."""
+        if action == gpu.recovery_action or not self.preset.driver.recovery_action:
+            return
+        gpu.recovery_action = action
+        self.commit()
+        self.post_event(gpu, pynvml.nvmlEventTypeGpuRecoveryAction, action)
 
     def post_event(self, gpu: GpuState, event_type: int, data: int, *,
                    gi_id: int = NO_INSTANCE, ci_id: int = NO_INSTANCE) -> None:
@@ -538,6 +551,8 @@ class SimulatedHardware:
             "mig_mode": {"current": g.mig_current, "pending": g.mig_pending}
             if self.model.mig_capable else None,
             "lost": g.lost,
+            "recovery_action": recovery_action.action_name(g.recovery_action)
+            if self.preset.driver.recovery_action else None,
             "compute_mode": COMPUTE_MODE_NAMES.get(g.compute_mode, str(g.compute_mode)),
             "timeslice": g.timeslice,
             "mig_devices": [{"uuid": ci.uuid, "gi_id": gi.id, "ci_id": ci.id,

@@ -1,6 +1,6 @@
 """A simulated GPU node: the NVML stand-in, its durable hardware state, the /proc files the
-driver would provide, and the controls (processes, faults, latency, XIDs, resets) that the
-``/v1/sim/*`` routes expose.
+driver would provide, and the controls (processes, faults, latency, XIDs and the recovery
+actions they leave, resets) that the ``/v1/sim/*`` routes expose.
 
 Longer than the house's ~500 lines on purpose: it is the simulator's whole control surface,
 one method per control (each a few lines of validation and one change of the hardware under
@@ -36,6 +36,7 @@ from agent.gpu.sim.hardware import (
 )
 from agent.gpu.sim.nvml import SimulatedNvml
 from agent.gpu.sim.presets import Preset, get_preset, preset_names
+from agent.gpu.sim.recovery_action import ACTION_BY_NAME, action_after, action_name
 from agent.gpu.sim.state import (
     CiState,
     GpuState,
@@ -341,11 +342,16 @@ class SimulatedNode:
     def add_fault(self, function: str, error: str, gpu: str | None = None, skip: int = 0,
                   times: int = 1) -> dict[str, Any]:
         """Make the (skip+1)-th matching call of ``function`` (on ``gpu``, if given) fail with
-        ``error`` (an NVML_ERROR_* name), ``times`` times; ``CRASH`` kills the process there."""
+        ``error`` (an NVML_ERROR_* name), ``times`` times; ``CRASH`` kills the process there.
+        ``gpu`` is a GPU's UUID or index (an index lets ``GPU_AGENT_SIM_FAULTS`` name a GPU
+        of a node whose UUIDs are not known yet)."""
         hw = self.hardware
         with hw.lock:
+            if isinstance(gpu, str) and gpu.isascii() and gpu.isdigit() \
+                    and int(gpu) < len(hw.state.gpus):
+                gpu = hw.gpu(int(gpu)).uuid
             if gpu is not None and hw.gpu_by_uuid(gpu) is None:
-                raise _field_error("gpu", f"no GPU {gpu!r} on this node (GPU UUIDs only)")
+                raise _field_error("gpu", f"no GPU {gpu!r} on this node (a GPU UUID or index)")
             return hw.faults.add(function, error, gpu, skip, times).describe()
 
     def clear_faults(self) -> None:
@@ -369,13 +375,18 @@ class SimulatedNode:
 
     # -- XIDs, resets ----------------------------------------------------------------------
 
-    def inject_xid(self, gpu_uuid: str, xid: int) -> dict[str, Any]:
+    def inject_xid(self, gpu_uuid: str, xid: int,
+                   recovery_action: str | None = None) -> dict[str, Any]:
         """Raise an XID on a GPU (or MIG device): an event for every event set registered for
         it; XID 79 (fallen off the bus) also makes the GPU lost until it is reset, XID 63
         (a row remapping recorded) adds an uncorrectable remapped row, XID 64 (the remapper
-        failed) sets the remapping failure, as the driver reports them."""
+        failed) sets the remapping failure, as the driver reports them. The GPU's recovery
+        action follows the XID (:mod:`agent.gpu.sim.recovery_action`) or is the one named
+        (``none``, ``reset``, ``reboot``, ``drain-p2p``, ``drain-and-reset``); it is set
+        before the XID can be read, so a reader woken by the event sees it."""
         hw = self.hardware
         xid = _positive_int(xid, "xid", minimum=0)
+        named = self._recovery_action(recovery_action)
         with hw.lock:
             try:
                 gpu, gi, ci = hw.find_device(gpu_uuid)
@@ -393,10 +404,28 @@ class SimulatedNode:
                 hw.remap_rows(gpu, failed=True)
             hw.post_event(gpu, pynvml.nvmlEventTypeXidCriticalError, xid, gi_id=gi_id,
                           ci_id=ci_id)
+            # Under the same lock as the event: no reader gets between the two.
+            hw.set_recovery_action(gpu, named if named is not None else action_after(
+                xid, gpu.recovery_action, nvlink=hw.nvlink))
             return {"gpu_uuid": gpu.uuid, "device": gpu_uuid, "xid": xid,
                     "gpu_instance_id": gi.id if gi is not None else None,
                     "compute_instance_id": ci.id if ci is not None else None,
-                    "lost": gpu.lost}
+                    "lost": gpu.lost,
+                    "recovery_action": action_name(gpu.recovery_action)
+                    if self.preset.driver.recovery_action else None}
+
+    def _recovery_action(self, name: str | None) -> int | None:
+        """The action a caller named, checked: a driver without the field cannot report one."""
+        if name is None:
+            return None
+        if name not in ACTION_BY_NAME:
+            raise _field_error("recovery_action", f"{name!r} is not one of "
+                               f"{', '.join(ACTION_BY_NAME)}")
+        driver = self.preset.driver
+        if not driver.recovery_action:
+            raise _field_error("recovery_action", f"driver {driver.version} of preset "
+                               f"{self.preset.name!r} reports no recovery action")
+        return ACTION_BY_NAME[name]
 
     def add_pcie_replays(self, gpu_uuid: str, count: int) -> None:
         """Count PCIe replays on a GPU (a marginal link retrying transfers)."""
@@ -454,6 +483,7 @@ class SimulatedNode:
             return {
                 "preset": self.preset.name,
                 "presets": list(preset_names()),
+                "driver_version": self.preset.driver.version,
                 "boot_id": hw.state.boot_id,
                 "gpus": hw.describe_gpus(),
                 "processes": [self._describe_process(p) for p in hw.state.processes],

@@ -44,9 +44,6 @@ P = ParamSpec("P")
 R = TypeVar("R")
 Kind = Literal["gpu", "mig", "gi", "ci", "event_set", "gpm_sample"]
 
-DRIVER_VERSION = "570.133.20"
-NVML_VERSION = "12.570.133.20"
-CUDA_DRIVER_VERSION = 12080
 _MIB = 1024 * 1024
 # Fake addresses look like heap pointers and step by 64 bytes; they are never dereferenced.
 _FIRST_ADDRESS = 0x7F3A_5000_0000
@@ -78,6 +75,11 @@ _ZERO_COUNTERS = frozenset({
     pynvml.NVML_FI_DEV_PERF_POLICY_POWER, pynvml.NVML_FI_DEV_PERF_POLICY_THERMAL,
     pynvml.NVML_FI_DEV_PERF_POLICY_SYNC_BOOST, pynvml.NVML_FI_DEV_PERF_POLICY_BOARD_LIMIT,
     pynvml.NVML_FI_DEV_PERF_POLICY_LOW_UTILIZATION, pynvml.NVML_FI_DEV_PERF_POLICY_RELIABILITY})
+_RECOVERY_FIELDS = frozenset({pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION,
+                              pynvml.NVML_FI_DEV_RESET_STATUS,
+                              pynvml.NVML_FI_DEV_DRAIN_AND_RESET_STATUS})
+_RESET_ACTIONS = frozenset({pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET,
+                            pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET})
 #: GPM metric id -> the activity counter (agent/gpu/sim/telemetry.py) it is the rate of.
 _GPM_ACTIVITY = {
     pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL: "graphics", pynvml.NVML_GPM_METRIC_SM_UTIL: "sm",
@@ -379,19 +381,19 @@ class SimulatedNvml:
 
     @_nvml
     def nvmlSystemGetDriverVersion(self) -> str:
-        return DRIVER_VERSION
+        return self._hw.preset.driver.version
 
     @_nvml
     def nvmlSystemGetNVMLVersion(self) -> str:
-        return NVML_VERSION
+        return self._hw.preset.driver.nvml_version
 
     @_nvml
     def nvmlSystemGetCudaDriverVersion(self) -> int:
-        return CUDA_DRIVER_VERSION
+        return self._hw.preset.driver.cuda_version
 
     @_nvml
     def nvmlSystemGetCudaDriverVersion_v2(self) -> int:
-        return CUDA_DRIVER_VERSION
+        return self._hw.preset.driver.cuda_version
 
     # -- devices ---------------------------------------------------------------------------
 
@@ -858,7 +860,8 @@ class SimulatedNvml:
     def _field(self, gpu: GpuState, field_id: int, scope: int) -> tuple[int, int] | None:
         """(value type, value) of one field of a whole GPU; None where NVML says
         NOT_SUPPORTED on this model (memory temperature off HBM, NVLink without links,
-        page retirement on Ampere and later, which remap rows instead)."""
+        page retirement on Ampere and later, which remap rows instead) or driver (the
+        recovery action before it had one)."""
         hw, uint, ull = self._hw, pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, \
             pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
         if field_id == pynvml.NVML_FI_DEV_MEMORY_TEMP:
@@ -886,6 +889,17 @@ class SimulatedNvml:
             return ull, hw.energy_mj(gpu)
         if field_id == pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER:
             return uint, gpu.pcie_replays
+        if field_id in _RECOVERY_FIELDS:
+            if not hw.preset.driver.recovery_action:
+                return None
+            action = gpu.recovery_action
+            # 226/227, deprecated for 230, still answer: "reset required", "drain and reset
+            # recommended" (nvidia-smi -q's "GPU Reset Status"), 0 or 1.
+            return uint, {pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION: action,
+                          pynvml.NVML_FI_DEV_RESET_STATUS: int(action in _RESET_ACTIONS),
+                          pynvml.NVML_FI_DEV_DRAIN_AND_RESET_STATUS:
+                              int(action == pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET),
+                          }[field_id]
         return None
 
     # -- GPM (Hopper and later) ------------------------------------------------------------

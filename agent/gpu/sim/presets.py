@@ -1,8 +1,9 @@
 """The simulated nodes: GPU models with real MIG tables (``reference/mig.md`` §1.2, §1.5, §1.6)
-and whole-node presets (GPU count, PCI bus ids, NUMA layout, CPUs)."""
+and whole-node presets (GPU count, PCI bus ids, NUMA layout, CPUs, the driver they run)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Literal
@@ -211,6 +212,31 @@ class CpuLayout:
 
 
 @dataclass(frozen=True)
+class Driver:
+    """The NVIDIA driver a simulated node runs: the versions NVML reports, and whether the
+    branch reports NVML's recovery action (``reference/health.md``)."""
+
+    version: str
+    cuda_version: int
+    """``nvmlSystemGetCudaDriverVersion``: 12080 is CUDA 12.8."""
+    recovery_action: bool
+    """Field ``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION`` (230), the deprecated reset-status
+    fields 226/227 and ``nvmlEventTypeGpuRecoveryAction``: recent data-center branches
+    report them; older ones answer NOT_SUPPORTED for the fields and lack the event."""
+
+    @property
+    def nvml_version(self) -> str:
+        """``nvmlSystemGetNVMLVersion``: the CUDA major version, then the driver's."""
+        return f"{self.cuda_version // 1000}.{self.version}"
+
+
+#: What every preset runs unless it says otherwise.
+R570 = Driver(version="570.133.20", cuda_version=12080, recovery_action=True)
+#: The R535 long-term branch, from before NVML had the recovery action.
+R535 = Driver(version="535.247.01", cuda_version=12020, recovery_action=False)
+
+
+@dataclass(frozen=True)
 class Preset:
     """A whole simulated node."""
 
@@ -235,6 +261,7 @@ class Preset:
     fabric: tuple[str, int] | None = None
     """Multi-node NVLink (cluster UUID, clique id) every GPU reports; None: Hopper reports a
     completed fabric with a zero UUID (no multi-node NVLink), older GPUs NOT_SUPPORTED."""
+    driver: Driver = R570
 
     @property
     def gpu_count(self) -> int:
@@ -361,13 +388,18 @@ _A100_SWITCH_BUSES = (0xC4, 0xC5, 0xC6, 0xC7, 0xC8, 0xC9)
 _HOPPER_SWITCH_OF_LINK = (0, 0, 1, 1, 0, 0, 1, 1, 2, 2, 0, 1, 3, 3, 2, 2, 3, 3)
 _HOPPER_SWITCH_BUSES = (0x07, 0x06, 0x05, 0x08)
 
+_DGX_A100 = Preset(
+    name="dgx-a100", description="DGX A100: 8x A100-SXM4-40GB on NVSwitch (NV12)",
+    gpu=A100_SXM4_40GB, bus_numbers=(0x07, 0x0F, 0x47, 0x4E, 0x87, 0x90, 0xB7, 0xBD),
+    numa_nodes=_DGX_NUMA, cpus=CpuLayout(sockets=2, cores_per_socket=64),
+    nvswitch=True, switch_of_link=_A100_SWITCH_OF_LINK,
+    switch_bus_numbers=_A100_SWITCH_BUSES, pcie_switches=(0, 0, 1, 1, 2, 2, 3, 3))
+
 PRESETS: dict[str, Preset] = {p.name: p for p in (
-    Preset(name="dgx-a100", description="DGX A100: 8x A100-SXM4-40GB on NVSwitch (NV12)",
-           gpu=A100_SXM4_40GB,
-           bus_numbers=(0x07, 0x0F, 0x47, 0x4E, 0x87, 0x90, 0xB7, 0xBD),
-           numa_nodes=_DGX_NUMA, cpus=CpuLayout(sockets=2, cores_per_socket=64),
-           nvswitch=True, switch_of_link=_A100_SWITCH_OF_LINK,
-           switch_bus_numbers=_A100_SWITCH_BUSES, pcie_switches=(0, 0, 1, 1, 2, 2, 3, 3)),
+    _DGX_A100,
+    # The same node on the R535 branch: no recovery action, so the XID table decides.
+    dataclasses.replace(_DGX_A100, name="dgx-a100-r535", driver=R535,
+                        description="DGX A100 on the R535 driver (no NVML recovery action)"),
     Preset(name="dgx-h100", description="DGX H100: 8x H100 80GB HBM3 on NVSwitch (NV18)",
            gpu=H100_80GB_HBM3,
            bus_numbers=(0x1B, 0x43, 0x52, 0x61, 0x9D, 0xC3, 0xD1, 0xDF),

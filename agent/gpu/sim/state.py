@@ -1,9 +1,9 @@
 """The simulated node's hardware state, and its file ``<state_dir>/sim/hardware.json``.
 
 What survives a restart of the agent (and of the simulator with it) is what survives one on a
-real node: GPUs, MIG modes, GPU and compute instances, running processes, lost GPUs, compute
-modes and time slices, MPS control daemons (they outlive the agent) and their servers. Faults,
-latencies and call counters are runtime-only and live elsewhere.
+real node: GPUs, MIG modes, GPU and compute instances, running processes, lost GPUs and their
+recovery actions, compute modes and time slices, MPS control daemons (they outlive the agent)
+and their servers. Faults, latencies and call counters are runtime-only and live elsewhere.
 
 The file is a durable envelope (:mod:`agent.durable`); files from before it (one JSON
 document with an optional ``sha256``) are still read. Downgrade: a simulator from before the
@@ -96,6 +96,9 @@ class GpuState:
     """``nvidia-smi compute-policy --set-timeslice`` value (0 Default .. 3 Long)."""
     mig_compute_modes: dict[str, int] = field(default_factory=dict)
     """MIG device UUID -> compute mode: with MIG on, the mode is a MIG device's own."""
+    recovery_action: int = 0
+    """NVML's recovery action (``nvmlDeviceGpuRecoveryAction_t``), kept by the driver: it
+    outlives the agent, and a GPU reset or driver reload sets NONE."""
 
 
 @dataclass(eq=False)
@@ -176,6 +179,7 @@ class HardwareState:
                 "compute_mode": g.compute_mode,
                 "timeslice": g.timeslice,
                 "mig_compute_modes": dict(g.mig_compute_modes),
+                "recovery_action": g.recovery_action,
                 "gpu_instances": [{
                     "id": gi.id, "profile_id": gi.profile_id, "start": gi.start,
                     "size": gi.size,
@@ -220,6 +224,7 @@ class HardwareState:
             timeslice=int(g.get("timeslice", 0)),
             mig_compute_modes={str(k): int(v)
                                for k, v in dict(g.get("mig_compute_modes", {})).items()},
+            recovery_action=int(g.get("recovery_action", 0)),
             gpu_instances=[GiState(
                 id=int(gi["id"]), profile_id=int(gi["profile_id"]), start=int(gi["start"]),
                 size=int(gi["size"]),

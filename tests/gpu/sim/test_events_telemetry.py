@@ -80,7 +80,7 @@ def test_unsupported_event_types_are_refused(h100: SimulatedNode) -> None:
     supported = h100.nvml.nvmlDeviceGetSupportedEventTypes(handle)
     assert supported & pynvml.nvmlEventTypeXidCriticalError
     with pytest.raises(pynvml.NVMLError_NotSupported):
-        h100.nvml.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypeGpuRecoveryAction,
+        h100.nvml.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypePowerSourceChange,
                                            h100.nvml.nvmlEventSetCreate())
 
 

@@ -197,7 +197,7 @@ def test_unknown_preset_names_the_known_ones() -> None:
     for name in preset_names():
         assert name in excinfo.value.detail
     assert set(preset_names()) == {"dgx-a100", "dgx-h100", "hgx-h200", "a100-pcie-bridged",
-                                   "l40s"}
+                                   "l40s", "dgx-a100-r535"}
 
 
 def _ci_profiles(node: SimulatedNode, gi: Any) -> dict[int, tuple[int, int, int]]:
