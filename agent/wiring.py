@@ -16,11 +16,12 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 from tenacity.wait import wait_exponential_jitter
 
 import agent
-from agent.claims.attribution import claim_attribution
+from agent.claims.attribution import claim_attribution, share_attribution
 from agent.claims.cdi_writer import CdiWriter, agent_id
 from agent.claims.checkpoint import ClaimCheckpoint
 from agent.claims.service import ClaimService
 from agent.claims.sharing_runtime import SharingRuntime
+from agent.claims.signals import ClaimSampler
 from agent.dra.service import ResourceSliceService
 from agent.errors import AgentError, NvmlError, StorageUnavailable
 from agent.events import EventLog, Severity
@@ -31,9 +32,11 @@ from agent.gpu.nvidia_smi import NvidiaSmi
 from agent.gpu.session import NvmlSession
 from agent.gpu.sim.node import SimulatedNode
 from agent.gpu.xid import XidWatcher
+from agent.health.report import PlacedTaint, TaintId, changes, node_taints
 from agent.host import boot_id
 from agent.ledger.ledger import NodeLedger
 from agent.metrics.agent import AgentMetrics
+from agent.metrics.claims import ClaimMetrics
 from agent.metrics.collector import Collector
 from agent.metrics.health import GpuHealth
 from agent.mig.devices import MigDevices
@@ -76,12 +79,16 @@ class Node:
     topology: TopologyService
     resource_slices: ResourceSliceService
     xids: XidWatcher
+    #: Claims, shares and MPS daemons as metrics (agent/claims/signals.py).
+    signals: ClaimSampler
     #: Pod attribution from kubelet (--pod-resources-socket), else None.
     pods: PodResourcesPoller | None = None
     #: Set once start-up (recovery) has finished and the background work runs.
     started: asyncio.Event = field(default_factory=asyncio.Event)
     #: The background work :meth:`running` started after start-up.
     _tasks: list[asyncio.Task[None]] = field(default_factory=list, repr=False)
+    #: The taints last published (events and the gauge follow their changes).
+    _taints: dict[TaintId, PlacedTaint] = field(default_factory=dict, repr=False)
 
     @property
     def sim(self) -> SimulatedNode | None:
@@ -121,7 +128,8 @@ class Node:
         await (self._start_retrying() if retry else self.start())
         background = [self._publish_availability(), self._watch_drift(),
                       self.claims.node_spec.run(),
-                      self.claims.supervise_daemons(MPS_SUPERVISE_INTERVAL_S)]
+                      self.claims.supervise_daemons(MPS_SUPERVISE_INTERVAL_S),
+                      self.signals.run(self.settings.collect_interval_s)]
         if self.pods is not None:
             background.append(self.pods.run())
         for work in background:
@@ -202,10 +210,37 @@ class Node:
                 await self.start()
 
     def publish_availability(self) -> None:
-        """``gpu_agent_gpu_available`` from the ledger's one availability model."""
+        """``gpu_agent_gpu_available`` from the ledger's one availability model, and its
+        taints: the gauge of each, and an event when one is added or goes."""
         for gpu in self.inventory.gpus:
             self.metrics.gpu_available.labels(str(gpu.index), gpu.uuid).set(
                 0 if self.ledger.condition(gpu) else 1)
+        now = node_taints((((self.health.identity(g.uuid) or (g.uuid, 0))[0], g.index,
+                            self.ledger.faults(g)) for g in self.inventory.gpus),
+                          driver=self.ledger.driver, no_execute=self.ledger.no_execute)
+        added, removed = changes(self._taints, now)
+        self._taints.clear()
+        self._taints.update(now)
+        gauge = self.metrics.gpu_taint_added
+        for placed, verb in [*((p, "removed") for p in removed), *((p, "added") for p in added)]:
+            t = placed.taint
+            labels = (str(placed.index), placed.gpu,
+                      "" if placed.gpu_instance is None else str(placed.gpu_instance),
+                      t.key, t.value or "", t.effect)
+            if verb == "added":
+                gauge.labels(*labels).set(t.time_added)
+            else:
+                with contextlib.suppress(KeyError):
+                    gauge.remove(*labels)
+            where = "" if placed.gpu_instance is None else f" GPU instance {placed.gpu_instance}"
+            value = "" if t.value is None else f"={t.value}"
+            self.events.append(
+                f"gpu.taint_{verb}", f"GPU {placed.index}{where} ({placed.gpu}): taint "
+                f"{t.key}{value}:{t.effect} {verb}: {t.reason}",
+                severity=Severity.WARNING if verb == "added" and t.blocking else Severity.INFO,
+                gpu=placed.gpu, details={"key": t.key, "value": t.value, "effect": t.effect,
+                                         "time_added": t.time_added, "reason": t.reason,
+                                         "gpu_instance_id": placed.gpu_instance})
 
     async def _publish_availability(self) -> None:
         """Keep the gauge as fresh as the DCGM series (one collection interval), off the
@@ -297,16 +332,21 @@ def build_node(settings: Settings, backend: Backend, *,
                           driver=settings.driver_name, dynamic_mig=settings.dynamic_mig,
                           gpu_shares=settings.gpu_shares, identity=health.identity)
     pods = _pod_resources(settings, inventory, metrics)
+    signals = ClaimSampler(claims=claims, ledger=ledger, inventory=inventory,
+                           metrics=ClaimMetrics(metrics.registry), gpu_shares=settings.gpu_shares)
     collector = Collector(session=session, inventory=inventory, metrics=metrics, health=health,
                           interval_s=settings.collect_interval_s, hostname=settings.node_name,
                           hostname_label=settings.metrics_hostname_label,
                           attribution=lambda: claim_attribution(claims.records()),
-                          holders=pods.holders if pods is not None else None)
+                          holders=pods.holders if pods is not None else None,
+                          shares=lambda: share_attribution(claims.records(),
+                                                           signals.share_used))
     xids = XidWatcher(session, collector.on_xid, on_error=metrics.count_nvml_error)
     return Node(settings=settings, backend=backend, session=session, inventory=inventory,
                 events=events, metrics=metrics, readiness=Readiness(), ledger=ledger,
                 mig=mig, claims=claims, health=health, collector=collector,
-                topology=topology, resource_slices=resource_slices, xids=xids, pods=pods)
+                topology=topology, resource_slices=resource_slices, xids=xids,
+                signals=signals, pods=pods)
 
 
 def _sharing(settings: Settings, backend: Backend, session: NvmlSession) -> SharingRuntime:

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from agent.api.body import parse_body
 from agent.api.context import AGENT, PRINCIPAL, AgentContext
 from agent.api.mig_models import TransitionModel
+from agent.api.models import Strict, TaintModel
 from agent.api.node import require_ready
 from agent.api.routing import Route, json_response
 from agent.claims.service import ClaimService
@@ -33,6 +34,25 @@ class HealthCleared(BaseModel):
     gpu: str = Field(description="GPU UUID")
     index: int
     cleared: list[str] = Field(description="The marks lifted: XIDs, and the GPU-lost mark")
+
+
+class DrainRequest(Strict):
+    reason: str = Field(min_length=1, max_length=256,
+                        description="Why, for the cluster to see: the drain taint's value (as a "
+                                    "label value) and its reason")
+
+
+class Drained(BaseModel):
+    gpu: str = Field(description="GPU UUID")
+    index: int
+    reason: str
+    taint: TaintModel = Field(description="The NoSchedule taint its devices now carry")
+
+
+class Undrained(BaseModel):
+    gpu: str = Field(description="GPU UUID")
+    index: int
+    was: str = Field(description="Why it had been drained")
 
 
 class CheckpointRequest(_Strict):
@@ -94,7 +114,35 @@ async def clear_health(request: web.Request) -> web.Response:
     if lost is not None:
         cleared.insert(0, f"GPU is lost: {lost}")
         ctx.node.health.check()
+    ctx.node.publish_availability()
     return json_response(HealthCleared(gpu=gpu.uuid, index=gpu.index, cleared=cleared))
+
+
+def _drained(ctx: AgentContext, gpu: Gpu) -> Drained:
+    taint = next(t for t in ctx.node.ledger.taints(gpu) if t.key.endswith("/drain"))
+    return Drained(gpu=gpu.uuid, index=gpu.index, reason=ctx.node.ledger.drained(gpu.uuid) or "",
+                   taint=TaintModel.of(taint))
+
+
+async def drain_gpu(request: web.Request) -> web.Response:
+    """An operator's drain: new claims stay off the GPU (its devices are published with a
+    NoSchedule drain taint), claims it holds stay. Repeating it with the same reason is a
+    no-op; another reason while drained is a conflict (undrain first)."""
+    body = await parse_body(request, DrainRequest)
+    ctx, _, gpu = await _gpu(request)
+    ledger = ctx.node.ledger
+    if not await ledger.drain(gpu.uuid, body.reason) and ledger.drained(gpu.uuid) != body.reason:
+        raise Conflict(f"GPU {gpu.index} is drained already: {ledger.drained(gpu.uuid)} "
+                       "(undrain it first to change the reason)", gpu=gpu.uuid)
+    ctx.node.publish_availability()
+    return json_response(_drained(ctx, gpu))
+
+
+async def undrain_gpu(request: web.Request) -> web.Response:
+    ctx, _, gpu = await _gpu(request)
+    was = await ctx.node.ledger.undrain(gpu.uuid)
+    ctx.node.publish_availability()
+    return json_response(Undrained(gpu=gpu.uuid, index=gpu.index, was=was))
 
 
 async def resolve_transition(request: web.Request) -> web.Response:
@@ -147,6 +195,14 @@ ROUTES = [
     Route("POST", "/v1/admin/gpus/{gpu}/clear-health", clear_health,
           "Remediation: lift a GPU's XID and lost marks after a reset the agent did not see",
           HealthCleared, scope="admin", tag="admin", errors=(404, 409, 503)),
+    Route("POST", "/v1/admin/gpus/{gpu}/drain", drain_gpu,
+          "Remediation: drain a GPU: new claims stay off (a NoSchedule drain taint on its "
+          "devices, with the reason), claims it holds stay; durable",
+          Drained, body=DrainRequest, scope="admin", tag="admin",
+          errors=(404, 409, 422, 503)),
+    Route("DELETE", "/v1/admin/gpus/{gpu}/drain", undrain_gpu,
+          "Remediation: lift an operator's drain (409 when the GPU is not drained)",
+          Undrained, scope="admin", tag="admin", errors=(404, 409, 503)),
     Route("POST", "/v1/admin/transitions/{gpu}/resolve", resolve_transition,
           "Remediation: resolve a GPU's open journal entry by hand (roll-back or finish)",
           TransitionModel, body=ResolveRequest, scope="admin", tag="admin",

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 from agent.events import Event
 from agent.gpu.types import DriverInfo, Gpu, MigDevice
+from agent.health.taints import Taint
 from agent.ledger.ledger import Availability, Hold, NodeLedger
 from agent.logs import iso_time
 
@@ -53,14 +55,36 @@ class HealthModel(BaseModel):
     reasons: list[str]
 
 
+class TaintModel(BaseModel):
+    """A device taint, as the ResourceSlices carry it (``agent/health/taints.py``), and why."""
+
+    key: str = Field(description="<driver>/<kind>: xid, gpu-lost, unmonitored, quarantined, "
+                                 "drain")
+    value: str | None = Field(description="The XID for xid taints, the reason as a label value "
+                                          "for drain; null otherwise")
+    effect: Literal["None", "NoSchedule", "NoExecute"] = Field(
+        description="None: informational, never blocks; NoSchedule: new claims stay off; "
+                    "NoExecute (--no-execute-taints): Kubernetes also evicts the pods using it")
+    time_added: str = Field(description="When the fault was first seen: RFC 3339, UTC, seconds "
+                                        "(the slices' timeAdded)")
+    reason: str = Field(description="Why, in words")
+
+    @classmethod
+    def of(cls, taint: Taint) -> TaintModel:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(taint.time_added))
+        return cls(key=taint.key, value=taint.value, effect=taint.effect, time_added=stamp,
+                   reason=taint.reason)
+
+
 class AvailabilityModel(BaseModel):
     state: Literal["available", "held", "unavailable"] = Field(
         description="unavailable: lost, unhealthy, quarantined, drained or being created (the "
                     "reasons say which); held: claims hold it; available: a claim may take it")
     available: bool = Field(description="Whether a new claim may take it now")
-    reasons: list[str] = Field(description="Why not, besides holders: lost, unhealthy (the "
-                                           "XID), quarantined, drained or being created by a "
-                                           "MIG transition")
+    reasons: list[str] = Field(description="Why not, besides holders: the reasons of its "
+                                           "blocking taints (lost, unhealthy: the XID, "
+                                           "quarantined, drained by an operator), or being "
+                                           "drained or created by a MIG transition")
     holders: list[str] = Field(description="Claims holding it (or, for a GPU, anything on it)")
 
     @classmethod
@@ -122,16 +146,19 @@ class MigDeviceModel(BaseModel):
     multiprocessors: int
     draining: bool
     availability: AvailabilityModel
+    taints: list[TaintModel] = Field(default_factory=list, description="Its GPU's taints and "
+                                     "its own instance's")
 
     @classmethod
     def of(cls, device: MigDevice, availability: Availability, *,
-           draining: bool = False) -> MigDeviceModel:
+           draining: bool = False, taints: tuple[Taint, ...] = ()) -> MigDeviceModel:
         return cls(index=device.index, uuid=device.uuid, profile=device.profile,
                    gi_id=device.gi_id, ci_id=device.ci_id,
                    placement=PlacementModel(start=device.placement.start,
                                             size=device.placement.size),
                    memory_mib=device.memory_mib, multiprocessors=device.multiprocessors,
-                   draining=draining, availability=AvailabilityModel.of(availability))
+                   draining=draining, availability=AvailabilityModel.of(availability),
+                   taints=[TaintModel.of(t) for t in taints])
 
 
 class GpuModel(BaseModel):
@@ -150,6 +177,11 @@ class GpuModel(BaseModel):
     mig_mode: MigModeModel | None = Field(description="null where the GPU cannot do MIG")
     mig_devices: list[MigDeviceModel]
     health: HealthModel
+    taints: list[TaintModel] = Field(default_factory=list, description="The GPU's device "
+                                     "taints (its MIG devices carry them too); only blocking "
+                                     "ones make it unavailable")
+    drained: str | None = Field(default=None, description="Why an operator drained it (new "
+                                "claims stay off, held ones stay), or null")
     availability: AvailabilityModel = Field(description="The whole GPU, from the ledger")
     holds: list[HoldModel] = Field(description="Every claim's hold on the GPU or a device "
                                                "on it, reservations included")
@@ -160,7 +192,9 @@ class GpuModel(BaseModel):
     @classmethod
     def of(cls, gpu: Gpu, ledger: NodeLedger) -> GpuModel:
         s = gpu.static
-        condition = ledger.condition(gpu)
+        # Health: what is wrong with the GPU (an operator's drain is not).
+        unhealthy = list(dict.fromkeys(t.reason for t in ledger.taints(gpu)
+                                       if t.blocking and not t.key.endswith("/drain")))
         draining = ledger.draining(gpu.uuid)
         return cls(
             index=s.index, minor=s.minor, uuid=s.uuid, name=s.name, brand=s.brand,
@@ -170,9 +204,12 @@ class GpuModel(BaseModel):
             mig_mode=MigModeModel(current=gpu.mig_mode.current, pending=gpu.mig_mode.pending)
             if gpu.mig_mode else None,
             mig_devices=[MigDeviceModel.of(d, ledger.availability(gpu, d),
-                                           draining=d.placement in draining)
+                                           draining=d.placement in draining,
+                                           taints=ledger.taints(gpu, d))
                          for d in gpu.mig_devices],
-            health=HealthModel(healthy=not condition, reasons=list(condition)),
+            health=HealthModel(healthy=not unhealthy, reasons=unhealthy),
+            taints=[TaintModel.of(t) for t in ledger.taints(gpu)],
+            drained=ledger.drained(gpu.uuid),
             availability=AvailabilityModel.of(ledger.availability(gpu)),
             holds=[HoldModel.of(h) for h in ledger.holds(gpu.uuid)],
             transition=ledger.busy(gpu.uuid),

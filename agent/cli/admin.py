@@ -32,6 +32,15 @@ def add_parsers(sub: Any, client_opts: argparse.ArgumentParser) -> None:
                               help="lift a GPU's XID (and lost) marks after resetting it by "
                                    "hand")
     health.add_argument("gpu", help="GPU index or UUID")
+    drain = verbs.add_parser("drain", parents=[client_opts],
+                             help="keep new claims off a GPU (a NoSchedule drain taint with "
+                                  "the reason); claims it holds stay")
+    drain.add_argument("gpu", help="GPU index or UUID")
+    drain.add_argument("--reason", required=True, help="why, for the cluster to see (1 to 256 "
+                                                       "characters)")
+    undrain = verbs.add_parser("undrain", parents=[client_opts],
+                               help="lift an operator's drain of a GPU")
+    undrain.add_argument("gpu", help="GPU index or UUID")
     resolve = verbs.add_parser("resolve", parents=[client_opts],
                                help="resolve a GPU's open MIG journal entry by hand")
     resolve.add_argument("gpu", help="GPU index or UUID")
@@ -66,6 +75,11 @@ def _admin(args: argparse.Namespace, client: AgentClient) -> int:
         body = client.request("POST", f"/v1/admin/gpus/{args.gpu}/clear-quarantine").body
     elif verb in ("clear-xid", "clear-health"):
         body = client.request("POST", f"/v1/admin/gpus/{args.gpu}/clear-health").body
+    elif verb == "drain":
+        body = client.request("POST", f"/v1/admin/gpus/{args.gpu}/drain",
+                              {"reason": args.reason}).body
+    elif verb == "undrain":
+        body = client.request("DELETE", f"/v1/admin/gpus/{args.gpu}/drain").body
     elif verb == "resolve":
         body = client.request("POST", f"/v1/admin/transitions/{args.gpu}/resolve",
                               {"action": args.action}).body

@@ -153,10 +153,57 @@ def _pod(metadata: dict[str, str]) -> str:
     return f"{namespace}/{pod}" if namespace else pod
 
 
+def sharing_text(device: dict[str, Any]) -> str:
+    """A device's sharing as applied: ``MPS 50% 10240 MiB`` (threads, pinned limit),
+    ``TimeSlicing Short``, or ``-``."""
+    sharing = device.get("sharing")
+    if not sharing:
+        return "-"
+    parts = [sharing["strategy"]]
+    if sharing["strategy"] == "TimeSlicing":
+        parts.append(sharing.get("interval") or "Default")
+    else:
+        if sharing.get("thread_percentage") is not None:
+            parts.append(f"{sharing['thread_percentage']}%")
+        if sharing.get("pinned_limit_mib") is not None:
+            parts.append(f"{sharing['pinned_limit_mib']} MiB")
+    return " ".join(parts)
+
+
+def share_text(device: dict[str, Any]) -> str:
+    """A device's counted share of its GPU's memory: ``10240 MiB id-0``, or ``-``."""
+    share = device.get("share")
+    if not share:
+        return "-"
+    return f"{share['memory_mib']} MiB" + (f" {share['share_id']}" if share.get("share_id")
+                                           else "")
+
+
+def mps_text(claim: dict[str, Any]) -> str:
+    """The claim's MPS daemon state (starting, running, failed), or ``-``."""
+    mps = claim.get("mps")
+    return mps["state"] if mps else "-"
+
+
+def _joined(values: Sequence[str]) -> str:
+    shown = [v for v in dict.fromkeys(values) if v != "-"]
+    return ",".join(shown) or "-"
+
+
+def _notes(claim: dict[str, Any]) -> str:
+    mps = claim.get("mps")
+    notes = [claim["lost_reason"]] if claim["lost_reason"] else []
+    if mps and mps["state"] == "failed" and mps.get("reason"):
+        notes.append(f"MPS: {mps['reason']}")
+    return "; ".join(notes) or "-"
+
+
 def _devices_table(devices: Sequence[dict[str, Any]]) -> str:
-    return table(["REQUEST", "KIND", "DEVICE", "UUID", "ON DEMAND", "CDI DEVICE"], [
+    return table(["REQUEST", "KIND", "DEVICE", "UUID", "ON DEMAND", "SHARING", "SHARE",
+                  "CDI DEVICE"], [
         [d["request"], d["kind"], d["device_name"], d["uuid"] or "-",
-         "yes" if d["on_demand"] else "no", ",".join(d["cdi_devices"])] for d in devices])
+         "yes" if d["on_demand"] else "no", sharing_text(d), share_text(d),
+         ",".join(d["cdi_devices"])] for d in devices])
 
 
 def _list(args: argparse.Namespace, client: AgentClient) -> int:
@@ -168,9 +215,11 @@ def _list(args: argparse.Namespace, client: AgentClient) -> int:
         print("no claims prepared on this node")
         return 0
     now = time.time()
-    print(table(["UID", "STATE", "DEVICES", "POD", "AGE", "NOTES"], [
+    print(table(["UID", "STATE", "DEVICES", "SHARING", "SHARE", "MPS", "POD", "AGE", "NOTES"], [
         [c["uid"], c["state"], ",".join(d["device_name"] for d in c["devices"]) or "-",
-         _pod(c["metadata"]), _age(c["created_at"], now), c["lost_reason"] or "-"]
+         _joined([sharing_text(d) for d in c["devices"]]),
+         _joined([share_text(d) for d in c["devices"]]), mps_text(c),
+         _pod(c["metadata"]), _age(c["created_at"], now), _notes(c)]
         for c in claims]))
     return 0
 
@@ -183,6 +232,10 @@ def _claim_lines(claim: dict[str, Any]) -> list[str]:
     rows += [(key, value) for key, value in sorted(claim["metadata"].items())]
     if claim["lost_reason"]:
         rows.append(("lost", claim["lost_reason"]))
+    mps = claim.get("mps")
+    if mps:
+        rows.append(("mps", mps["state"] + (f": {mps['reason']}" if mps.get("reason") else "")))
+        rows.append(("mps pipe", mps["pipe_directory"]))
     width = max(len(k) for k, _ in rows)
     return [f"{k.ljust(width)}  {v}" for k, v in rows]
 

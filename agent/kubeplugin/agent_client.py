@@ -15,7 +15,7 @@ import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import quote
 
 from multidict import CIMultiDict
@@ -140,7 +140,7 @@ class AgentClient:
         return response.status, response.headers, answer
 
     @staticmethod
-    def _raise(status: int, headers: Mapping[str, str], answer: Any) -> None:
+    def _raise(status: int, headers: Mapping[str, str], answer: Any) -> NoReturn:
         problem = answer if isinstance(answer, dict) else {}
         if status == 503:
             detail = str(problem.get("detail") or problem.get("title") or "agent not ready")
@@ -164,6 +164,15 @@ class AgentClient:
             params={"issued_at_ns": str(issued_at_ns)}, timeout_s=self._claim_timeout_s)
         if status not in (200, 204, 404):
             self._raise(status, headers, answer)
+
+    async def claims(self) -> list[dict[str, Any]]:
+        """``GET /v1/claims``: every claim the agent holds, with its state and devices."""
+        status, headers, answer = await self._call("GET", "/v1/claims",
+                                                   timeout_s=READY_TIMEOUT_S)
+        claims = answer.get("claims") if isinstance(answer, dict) else None
+        if status == 200 and isinstance(claims, list):
+            return [c for c in claims if isinstance(c, dict)]
+        self._raise(status, headers, answer)
 
     async def resource_slices(self, kubernetes: str, etag: str | None,
                               wait_s: float) -> ResourceSlicesAnswer:

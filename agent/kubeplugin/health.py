@@ -15,6 +15,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from agent.kubeplugin.agent_client import AgentClient
+from agent.kubeplugin.metrics import PluginMetrics
 from agent.kubeplugin.protocols import ApiServer, Publisher
 from agent.kubeplugin.servers import RegistrationState
 
@@ -35,6 +36,8 @@ class Readiness:
     agent: AgentClient
     api: ApiServer | None = None
     publisher: Publisher | None = None
+    #: ``gpu_agent_plugin_ready``: set from every round of checks.
+    metrics: PluginMetrics | None = None
 
     async def _registered(self) -> str | None:
         return self.registration.reason
@@ -67,7 +70,10 @@ class Readiness:
                 return f"no answer within {CHECK_TIMEOUT_S:g} s"
 
         results = await asyncio.gather(*(bounded(c) for c in named.values()))
-        return dict(zip(named, results, strict=True))
+        checks = dict(zip(named, results, strict=True))
+        if self.metrics is not None:
+            self.metrics.set_readiness(checks)
+        return checks
 
 
 def health_app(readiness: Readiness, registry: CollectorRegistry) -> web.Application:
@@ -86,6 +92,10 @@ def health_app(readiness: Readiness, registry: CollectorRegistry) -> web.Applica
         return web.json_response(body, status=503 if failing else 200)
 
     async def metrics(request: web.Request) -> web.Response:
+        # The checks run first, so gpu_agent_plugin_ready is what /readyz answers now, even
+        # where nothing probes /readyz (the checks are bounded: a scrape waits at most
+        # CHECK_TIMEOUT_S for them).
+        await readiness.checks()
         return web.Response(body=generate_latest(registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 

@@ -3,6 +3,8 @@ at the health listener's ``/metrics``."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 #: Per claim, from kubelet's call arriving to the answer: a claim on an existing device takes
@@ -50,3 +52,19 @@ class PluginMetrics:
         self.registered = Gauge(
             "gpu_agent_plugin_registered",
             "1 while kubelet reports the plugin registered", registry=registry)
+        # Readiness (agent/kubeplugin/health.py): what /readyz answers, as of the last probe
+        # or scrape, so an alert sees a node whose plugin is not ready, and which check.
+        self.ready = Gauge(
+            "gpu_agent_plugin_ready",
+            "1 while /readyz answers ready (every check passes), as of the last probe or "
+            "scrape", registry=registry)
+        self.ready_checks = Gauge(
+            "gpu_agent_plugin_ready_check",
+            "1 while the /readyz check passes (registered, agent, api_server, slices), as of "
+            "the last probe or scrape", ["check"], registry=registry)
+
+    def set_readiness(self, checks: Mapping[str, str | None]) -> None:
+        """The result of one round of /readyz checks (None: the check passes)."""
+        for name, reason in checks.items():
+            self.ready_checks.labels(name).set(1 if reason is None else 0)
+        self.ready.set(0 if any(r is not None for r in checks.values()) else 1)

@@ -21,8 +21,10 @@ from prometheus_client import CollectorRegistry
 
 from agent.kubeplugin.agent_client import AgentClient, token_file_usable
 from agent.kubeplugin.claim_reads import READ_TIMEOUT_S, READS_AT_ONCE
+from agent.kubeplugin.device_health import DeviceHealthView
 from agent.kubeplugin.dra import DraService
 from agent.kubeplugin.health import HealthServer, Readiness, parse_listen
+from agent.kubeplugin.health_stream import HealthStreams
 from agent.kubeplugin.kube import KubeClient
 from agent.kubeplugin.metrics import PluginMetrics
 from agent.kubeplugin.miglabels import MigLabels, settings_problem
@@ -103,6 +105,9 @@ class Wiring:
     close: Callable[[], Awaitable[None]] | None = None
     #: mig-manager's node labels (None: the mode is off).
     mig_labels: MigLabels | None = None
+    #: Each device's health as the publisher last saw the agent render it (None: no
+    #: publisher here, so every device is Unknown to kubelet's health stream).
+    device_health: DeviceHealthView | None = None
 
 
 Wire = Callable[[PluginSettings, AgentClient, CollectorRegistry], Awaitable[Wiring]]
@@ -124,7 +129,8 @@ async def wire_kubernetes(settings: PluginSettings, agent: AgentClient,
             await claims.close()
             await kube.close()
 
-        return Wiring(claims=claims, api=kube, publisher=publisher, close=close_clients)
+        return Wiring(claims=claims, api=kube, publisher=publisher, close=close_clients,
+                      device_health=publisher.device_health)
     labels = await MigLabels.open(
         kubeconfig=settings.kubeconfig, agent_socket=settings.agent_socket,
         token_file=settings.mig_token_file, node_name=settings.node_name,
@@ -135,7 +141,8 @@ async def wire_kubernetes(settings: PluginSettings, agent: AgentClient,
         await claims.close()
         await kube.close()
 
-    return Wiring(claims=claims, api=kube, publisher=publisher, close=close, mig_labels=labels)
+    return Wiring(claims=claims, api=kube, publisher=publisher, close=close, mig_labels=labels,
+                  device_health=publisher.device_health)
 
 
 @dataclass
@@ -163,10 +170,13 @@ class Plugin:
         self.servers = PluginServers(self.service, driver=self.settings.driver,
                                      registry_dir=self.settings.registry_dir,
                                      plugins_dir=self.settings.plugins_dir,
-                                     registration=self.registration, metrics=metrics)
+                                     registration=self.registration, metrics=metrics,
+                                     health=HealthStreams(
+                                         self.wiring.device_health or DeviceHealthView(),
+                                         self.agent))
         self.health = HealthServer(self.settings.health_listen, Readiness(
-            self.registration, self.agent, self.wiring.api, self.wiring.publisher),
-            self.registry)
+            self.registration, self.agent, self.wiring.api, self.wiring.publisher,
+            metrics=metrics), self.registry)
 
     async def start(self) -> None:
         try:

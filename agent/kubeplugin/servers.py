@@ -1,10 +1,12 @@
 """The two gRPC servers kubelet talks to (grpc.aio): registration on
-``<registry-dir>/<driver>-reg.sock`` and the DRA service, v1 and v1beta1, on
+``<registry-dir>/<driver>-reg.sock``; the DRA service, v1 and v1beta1, and the DRA health
+stream, v1 and v1alpha1 (:mod:`agent.kubeplugin.health_stream`), on
 ``<plugins-dir>/<driver>/dra.sock``.
 
 The DRA socket is listening before the registration socket appears, because kubelet's plugin
 watcher dials the endpoint as soon as it has called ``GetInfo``; at shutdown the registration
-socket goes first, so kubelet deregisters the plugin before its endpoint closes.
+socket goes first, so kubelet deregisters the plugin before its endpoint closes, then the
+health streams end cleanly, then the DRA service.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 import socket
 import stat
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -24,8 +26,13 @@ import grpc
 
 from agent.kubeplugin.claims import KubeletClaim
 from agent.kubeplugin.dra import DraService, arrival_ns
+from agent.kubeplugin.health_stream import HealthStreams, as_messages
 from agent.kubeplugin.metrics import PluginMetrics
 from agent.kubeplugin.proto import (
+    dra_health_v1_pb2,
+    dra_health_v1_pb2_grpc,
+    dra_health_v1alpha1_pb2,
+    dra_health_v1alpha1_pb2_grpc,
     dra_v1_pb2,
     dra_v1_pb2_grpc,
     dra_v1beta1_pb2,
@@ -36,8 +43,12 @@ from agent.kubeplugin.proto import (
 
 log = logging.getLogger("agent.kubeplugin.grpc")
 
-#: Kubelet picks the first entry it supports: v1 (1.34+), then v1beta1 (1.32-1.33 kubelets).
-SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
+#: The services on the DRA socket. Kubelet picks the first DRAPlugin entry it supports: v1
+#: (1.34+), then v1beta1 (1.32-1.33 kubelets), and skips names it does not know. The health
+#: service is optional: 1.37 streams the first of these two it supports (1.34 calls v1alpha1
+#: whenever its gate is on, listed or not); a kubelet without it ignores both.
+SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin",
+                      "v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth")
 PLUGIN_TYPE = "DRAPlugin"
 #: sun_path holds 108 bytes, the terminating NUL included.
 MAX_SOCKET_PATH = 107
@@ -168,15 +179,20 @@ class DraServicer:
     """``DRAPlugin`` for one version's messages (``pb2``: ``dra_v1_pb2`` or
     ``dra_v1beta1_pb2``; the wire is the same)."""
 
-    def __init__(self, service: DraService, pb2: ModuleType) -> None:
+    def __init__(self, service: DraService, pb2: ModuleType,
+                 streams: HealthStreams | None = None) -> None:
         self._service = service
+        self._streams = streams
         self._prepare_response: type[PrepareResponse] = pb2.NodePrepareResourcesResponse
         self._unprepare_response: type[UnprepareResponse] = pb2.NodeUnprepareResourcesResponse
 
     async def NodePrepareResources(self, request: ClaimsRequest,
                                    context: grpc.aio.ServicerContext) -> PrepareResponse:
         issued_at_ns = arrival_ns()  # first, before any await: the call's ordering stamp
-        results = await self._service.prepare(_claims(request.claims), issued_at_ns)
+        try:
+            results = await self._service.prepare(_claims(request.claims), issued_at_ns)
+        finally:
+            self._claims_changed()
         answer = self._prepare_response()
         for uid, result in results.items():
             entry = answer.claims[uid]
@@ -195,11 +211,39 @@ class DraServicer:
     async def NodeUnprepareResources(self, request: ClaimsRequest,
                                      context: grpc.aio.ServicerContext) -> UnprepareResponse:
         issued_at_ns = arrival_ns()  # first, before any await
-        results = await self._service.unprepare(_claims(request.claims), issued_at_ns)
+        try:
+            results = await self._service.unprepare(_claims(request.claims), issued_at_ns)
+        finally:
+            self._claims_changed()
         answer = self._unprepare_response()
         for uid, error in results.items():
             answer.claims[uid].error = error or ""
         return answer
+
+    def _claims_changed(self) -> None:
+        # Also when kubelet stopped waiting (the claims' work goes on): the next report
+        # reads the agent's claims again either way.
+        if self._streams is not None:
+            self._streams.claims_changed()
+
+
+HealthResponse: TypeAlias = (dra_health_v1_pb2.NodeWatchResourcesResponse
+                             | dra_health_v1alpha1_pb2.NodeWatchResourcesResponse)
+
+
+class HealthServicer:
+    """``DRAResourceHealth`` for one version's messages (``pb2``: ``dra_health_v1_pb2`` or
+    ``dra_health_v1alpha1_pb2``; the wire is the same)."""
+
+    def __init__(self, streams: HealthStreams, pb2: ModuleType) -> None:
+        self._streams = streams
+        self._pb2 = pb2
+
+    async def NodeWatchResources(self, request: object, context: grpc.aio.ServicerContext,
+                                 ) -> AsyncIterator[HealthResponse]:
+        async for reports in self._streams.reports():
+            message: HealthResponse = as_messages(reports, self._pb2)
+            yield message
 
 
 class PluginServers:
@@ -207,14 +251,19 @@ class PluginServers:
 
     def __init__(self, service: DraService, *, driver: str, registry_dir: Path,
                  plugins_dir: Path, registration: RegistrationState,
-                 metrics: PluginMetrics) -> None:
+                 metrics: PluginMetrics, health: HealthStreams) -> None:
         self.registration_socket = registry_dir / f"{driver}-reg.sock"
         self.dra_socket = plugins_dir / driver / "dra.sock"
+        self.health = health
         self._dra = grpc.aio.server()
-        dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(DraServicer(service, dra_v1_pb2),
-                                                        self._dra)
+        dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(
+            DraServicer(service, dra_v1_pb2, health), self._dra)
         dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server(
-            DraServicer(service, dra_v1beta1_pb2), self._dra)
+            DraServicer(service, dra_v1beta1_pb2, health), self._dra)
+        dra_health_v1_pb2_grpc.add_DRAResourceHealthServicer_to_server(
+            HealthServicer(health, dra_health_v1_pb2), self._dra)
+        dra_health_v1alpha1_pb2_grpc.add_DRAResourceHealthServicer_to_server(
+            HealthServicer(health, dra_health_v1alpha1_pb2), self._dra)
         self._registration = grpc.aio.server()
         registration_pb2_grpc.add_RegistrationServicer_to_server(
             RegistrationServicer(driver, self.dra_socket, registration, metrics),
@@ -224,6 +273,7 @@ class PluginServers:
     async def start(self) -> None:
         for path in (self.dra_socket, self.registration_socket):
             prepare_socket(path)
+        self.health.start()
         await self._listen(self._dra, self.dra_socket)
         await self._listen(self._registration, self.registration_socket)
         log.info("serving kubelet", extra={"registration": str(self.registration_socket),
@@ -238,11 +288,13 @@ class PluginServers:
         await server.start()
 
     async def stop(self, grace_s: float) -> None:
-        """Stop registration first (kubelet deregisters), then the DRA service after letting
-        calls in progress finish for up to ``grace_s``; both socket files are removed."""
+        """Stop registration first (kubelet deregisters), end the health streams, then stop
+        the DRA service after letting calls in progress finish for up to ``grace_s``; both
+        socket files are removed."""
         await self._registration.stop(None)
         if self.registration_socket in self._bound:
             remove_socket(self.registration_socket)
+        await self.health.close()
         await self._dra.stop(grace_s)
         if self.dra_socket in self._bound:
             remove_socket(self.dra_socket)

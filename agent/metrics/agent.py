@@ -71,6 +71,13 @@ class AgentMetrics:
             "gpu_available", "1 while new claims may use the GPU; 0 while it is lost, "
             "unhealthy or quarantined (the ledger's availability)", ["gpu", "UUID"],
             namespace=NAMESPACE, registry=self.registry)
+        # Device taints (agent/health/, published by agent/wiring.py with the availability).
+        self.gpu_taint_added = Gauge(
+            "gpu_taint_added_timestamp_seconds", "Unix time a device taint was added (its "
+            "timeAdded), one series per taint present: GPU_I_ID is the MIG GPU instance of a "
+            "taint scoped to one, empty for the whole GPU; absent when untainted",
+            ["gpu", "UUID", "GPU_I_ID", "key", "value", "effect"], namespace=NAMESPACE,
+            registry=self.registry)
         self.xid_errors = Counter("xid_errors", "XID errors reported by NVML events",
                                   ["xid"], namespace=NAMESPACE, registry=self.registry)
         self.claims_checkpoint_writes = Counter(

@@ -28,6 +28,7 @@ from agent.metrics.exposition import (
     EMPTY,
     CachedBlock,
     DeviceSeries,
+    Value,
     XidSeries,
     labels_text,
     render,
@@ -53,6 +54,27 @@ Holders = Mapping[tuple[str, int | None], Sequence[Mapping[str, str]]]
 
 
 @dataclass(frozen=True)
+class ShareSeries:
+    """A claim's counted share of a GPU's memory, served as a series of the GPU of its own:
+    the claim's attribution labels, the share, and the memory its MPS clients use (None: not
+    readable). ``holder_match``: the PodResources labels that pick the claim's containers
+    (``dra_claim_namespace``, ``dra_claim_name``); empty, none are merged in."""
+
+    labels: Mapping[str, str]
+    share_mib: int
+    used_mib: int | None
+    holder_match: Mapping[str, str] = field(default_factory=dict)
+
+
+#: GPU UUID -> the counted shares of its memory (``agent.claims.attribution.share_attribution``).
+Shares = Mapping[str, Sequence[ShareSeries]]
+#: The framebuffer fields a share's series carries as its own (used, free of the share), and
+#: the one it leaves out (the driver's reservation is no share's).
+_FB_USED, _FB_FREE, _FB_RESERVED = ("DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_FB_FREE",
+                                    "DCGM_FI_DEV_FB_RESERVED")
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """One collection round. ``block`` is the rendered DCGM families (and their gzip)."""
 
@@ -74,7 +96,8 @@ class Collector:
                  health: GpuHealth, interval_s: float, hostname: str,
                  hostname_label: str = "Hostname",
                  attribution: Callable[[], Attribution] | None = None,
-                 holders: Callable[[], Holders] | None = None) -> None:
+                 holders: Callable[[], Holders] | None = None,
+                 shares: Callable[[], Shares] | None = None) -> None:
         if hostname_label not in HOSTNAME_LABELS:
             raise ValueError(f"hostname label must be one of {HOSTNAME_LABELS}")
         self._session = session
@@ -85,6 +108,7 @@ class Collector:
         self._hostname = (hostname_label, hostname)
         self._attribution = attribution
         self._holders = holders
+        self._shares = shares
         self._readers: dict[str, GpuTelemetry] = {}
         self._inflight: dict[str, Future[GpuReading]] = {}
         self._pool: ThreadPoolExecutor | None = None
@@ -187,7 +211,8 @@ class Collector:
         self._health.check()
         attribution = self._current_attribution()
         holders = self._holders() if self._holders is not None else {}
-        devices, xids = self._series(gpus, readings, attribution, holders)
+        shares = self._current_shares()
+        devices, xids = self._series(gpus, readings, attribution, holders, shares)
         block = CachedBlock(render(devices, xids))
         duration = time.perf_counter() - started
         snapshot = Snapshot(taken_at=time.time(), duration_s=duration, block=block,
@@ -251,11 +276,20 @@ class Collector:
             log.debug("attribution unavailable this round", exc_info=True)
             return {}
 
+    def _current_shares(self) -> Shares:
+        if self._shares is None:
+            return {}
+        try:
+            return self._shares()
+        except Exception:
+            log.debug("share attribution unavailable this round", exc_info=True)
+            return {}
+
     # -- rendering -------------------------------------------------------------------------
 
     def _series(self, gpus: Sequence[Gpu], readings: Mapping[str, GpuReading],
                 attribution: Attribution, holders: Holders | None = None,
-                ) -> tuple[list[DeviceSeries], list[XidSeries]]:
+                shares: Shares | None = None) -> tuple[list[DeviceSeries], list[XidSeries]]:
         driver = self._inventory.driver.driver_version if self._inventory.loaded else ""
         tail = [self._hostname, (DRIVER_VERSION_LABEL, driver)]
         devices: list[DeviceSeries] = []
@@ -266,6 +300,18 @@ class Collector:
             xid = (last.xid, last.message) if last else (0, "No Error")
             reading = readings.get(gpu.uuid)
             migs = reading.mig if reading is not None and reading.error is None else ()
+            memory_shares = (shares or {}).get(gpu.uuid, ())
+            if not migs and memory_shares:
+                # A GPU shared by memory: a series per share, each with its claim's own
+                # framebuffer use (its MPS clients'), so memory is attributed per claim.
+                for share in memory_shares:
+                    for attrs in _share_attributions(share, holders, (gpu.uuid, None)):
+                        gpu_labels = labels_text([*head, *tail, *attrs])
+                        xids.append(XidSeries(gpu_labels, *xid))
+                        if reading is not None and reading.error is None:
+                            devices.append(DeviceSeries(gpu_labels,
+                                                        _share_values(reading.values, share)))
+                continue
             if not migs:
                 for attrs in _attributions(attribution, holders, (gpu.uuid, None)):
                     gpu_labels = labels_text([*head, *tail, *attrs])
@@ -298,6 +344,27 @@ def _attributions(attribution: Attribution, holders: Holders | None,
     if not held:
         return [sorted(own.items())]
     return [sorted({**own, **labels}.items()) for labels in held]
+
+
+def _share_attributions(share: ShareSeries, holders: Holders | None,
+                        key: tuple[str, int | None]) -> list[list[tuple[str, str]]]:
+    """The sorted labels of each series of one share: one per container of its claim that
+    kubelet says holds the GPU (picked by ``holder_match``), else the claim's own."""
+    held = [h for h in (holders.get(key, ()) if holders and share.holder_match else ())
+            if all(h.get(k) == v for k, v in share.holder_match.items())]
+    if not held:
+        return [sorted(share.labels.items())]
+    return [sorted({**share.labels, **labels}.items()) for labels in held]
+
+
+def _share_values(values: Mapping[str, Value], share: ShareSeries) -> dict[str, Value]:
+    """The GPU's readings as one share's: framebuffer used is its clients', free what is left
+    of its share; both left out when its use is unknown, and the reservation always."""
+    own = {k: v for k, v in values.items() if k not in (_FB_USED, _FB_FREE, _FB_RESERVED)}
+    if share.used_mib is not None:
+        own[_FB_USED] = share.used_mib
+        own[_FB_FREE] = max(0, share.share_mib - share.used_mib)
+    return own
 
 
 def _device_labels(static: GpuStatic) -> list[tuple[str, str]]:

@@ -147,10 +147,12 @@ def test_daemonset_shape() -> None:
         ROOT / "daemonset/monitoring/gpu-node-agent-dashboard.json").read_text()
 
 
-def test_prometheus_rule_is_the_rule_file() -> None:
+def test_prometheus_rule_is_the_rule_files() -> None:
+    """The PrometheusRule ships the alerts and the recording rules the dashboard reads."""
     rule = by_kind(render("daemonset/base"), "PrometheusRule")
-    rules = yaml.safe_load((ROOT / "daemonset/monitoring/gpu-node-agent-alerts.yaml").read_text())
-    assert rule["spec"]["groups"] == rules["groups"]
+    groups = [group for name in ("alerts", "rules") for group in yaml.safe_load(
+        (ROOT / f"daemonset/monitoring/gpu-node-agent-{name}.yaml").read_text())["groups"]]
+    assert rule["spec"]["groups"] == groups
     monitor = by_kind(render("daemonset/base"), "ServiceMonitor")
     assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
 

@@ -67,9 +67,10 @@ def test_prepare_show_list_unprepare_a_full_gpu(h100: AgentProcess) -> None:
     assert json.loads(again.stdout)["created_at"] == claim["created_at"]
 
     listed = cli("claims", *opts).stdout.splitlines()
-    assert listed[0].split() == ["UID", "STATE", "DEVICES", "POD", "AGE", "NOTES"]
+    assert listed[0].split() == ["UID", "STATE", "DEVICES", "SHARING", "SHARE", "MPS", "POD",
+                                 "AGE", "NOTES"]
     row = next(line.split() for line in listed[1:] if line.startswith("cli-a "))
-    assert row[:4] == ["cli-a", "prepare_completed", "gpu-6", "ml/train"]
+    assert row[:7] == ["cli-a", "prepare_completed", "gpu-6", "-", "-", "-", "ml/train"]
 
     shown = cli("claims", "cli-a", *opts)  # `claims UID` is `claims show UID`
     assert shown.returncode == 0, shown.stderr

@@ -22,11 +22,13 @@ from tests.integration.owner_steps import (
 )
 from tests.waiting import wait_for
 
-# (XID, GPU index); GPU 0 of the first batch runs MIG, the rest are whole GPUs. Every XID in
-# the health rules' critical set is covered (79 is the one today's main already handles).
+# (XID, GPU index); GPU 0 of the first batch runs MIG, the rest are whole GPUs. Every XID
+# after which the simulated driver's recovery action asks for more than nothing (issue 23:
+# the driver's word classifies first; 92, 94 and 154 read "none" there and are informational,
+# tests/dra/test_taints_agent.py).
 BATCHES = {
-    "48-95": [(48, 0), (48, 1), (63, 2), (64, 3), (74, 4), (92, 5), (94, 6), (95, 7)],
-    "119-79": [(119, 0), (120, 1), (154, 2), (79, 3)],
+    "48-95": [(48, 0), (48, 1), (63, 2), (64, 3), (74, 4), (95, 5)],
+    "119-79": [(119, 0), (120, 1), (79, 3)],
 }
 
 

@@ -108,13 +108,15 @@ async def l40s(short_dir: Path) -> AsyncIterator[tuple[Kubelet, Agent]]:
 async def test_registration_names_the_driver_its_endpoint_and_both_versions(
         kubelet: Kubelet, short_dir: Path) -> None:
     """GetInfo on <registry-dir>/<driver>-reg.sock answers type DRAPlugin, the driver, the DRA
-    socket under <plugins-dir>/<driver>/, and v1 then v1beta1."""
+    socket under <plugins-dir>/<driver>/, and v1 then v1beta1, then the optional health
+    service, v1 then v1alpha1."""
     info = await kubelet.registration.GetInfo(registration_pb2.InfoRequest(), timeout=1)
     assert kubelet.plugin.servers.registration_socket == short_dir / "registry" / \
         f"{DRIVER}-reg.sock"
     assert (info.type, info.name, info.endpoint, list(info.supported_versions)) == (
         "DRAPlugin", DRIVER, str(short_dir / "plugins" / DRIVER / "dra.sock"),
-        ["v1.DRAPlugin", "v1beta1.DRAPlugin"])
+        ["v1.DRAPlugin", "v1beta1.DRAPlugin", "v1.DRAResourceHealth",
+         "v1alpha1.DRAResourceHealth"])
     assert is_socket(Path(info.endpoint))
 
 

@@ -14,8 +14,8 @@ from aiohttp.test_utils import TestClient
 from agent.api.app import build_app
 from agent.api.auth import TokenStore
 from agent.api.context import AgentContext
-from agent.claims.attribution import claim_attribution
-from agent.claims.checkpoint import ClaimRecord, PreparedDevice
+from agent.claims.attribution import claim_attribution, share_attribution
+from agent.claims.checkpoint import ClaimRecord, PreparedDevice, ShareRecord
 from agent.gpu import mig
 from agent.gpu.backend import Backend
 from agent.gpu.sim.hardware import XID_FALLEN_OFF_THE_BUS
@@ -199,6 +199,44 @@ async def test_claims_add_attribution_labels(sim: Sim) -> None:
            if s.labels.get("GPU_I_ID")}
     assert mig[str(gi)]["pod"] == "infer-1" and "container" not in mig[str(gi)]
     assert "pod" not in mig[str(gpu1.mig_devices[0].gi_id)]
+
+
+async def test_each_share_of_a_gpu_has_its_own_series_and_framebuffer(sim: Sim) -> None:
+    """Two counted shares of GPU 0: a series of the GPU per share, labelled with its claim
+    (and the PodResources container of that claim only), framebuffer used its clients' and
+    free the rest of its share; the share whose use is unknown has no framebuffer series,
+    neither has the driver's reservation; no claim stands for the whole GPU."""
+    gpu0 = sim.inventory.gpus[0]
+
+    def share(uid: str, name: str) -> ClaimRecord:
+        return _claim(uid, {"namespace": "ml", "name": name, "pod": f"pod-{uid}"},
+                      PreparedDevice(request="r", kind="gpu", gpu=gpu0.uuid, uuid=gpu0.uuid,
+                                     device_name="gpu-0", cdi_device="x",
+                                     share=ShareRecord(memory_mib=10240)))
+
+    records = [share("a", "claim-a"), share("b", "claim-b")]
+    holders = {(gpu0.uuid, None): [
+        {"pod": "kubelet-a", "container": "main", "namespace": "ml",
+         "dra_claim_name": "claim-a", "dra_claim_namespace": "ml"},
+        {"pod": "someone-else", "container": "main", "namespace": "ml",
+         "dra_claim_name": "claim-x", "dra_claim_namespace": "ml"}]}
+    assert claim_attribution(records) == {}
+    collector = sim.collector(attribution=lambda: claim_attribution(records),
+                              holders=lambda: holders,
+                              shares=lambda: share_attribution(records, {("a", gpu0.uuid): 3000}))
+    collector.collect()
+    out = exposition(collector)
+
+    def of_gpu0(name: str) -> dict[tuple[str, str], float]:
+        return {(s.labels["claim_uid"], s.labels["pod"]): s.value for s in out.named(name)
+                if s.labels["gpu"] == "0"}
+
+    assert of_gpu0("DCGM_FI_DEV_FB_USED") == {("a", "kubelet-a"): 3000}
+    assert of_gpu0("DCGM_FI_DEV_FB_FREE") == {("a", "kubelet-a"): 10240 - 3000}
+    assert of_gpu0("DCGM_FI_DEV_FB_RESERVED") == {}
+    assert set(of_gpu0("DCGM_FI_DEV_GPU_TEMP")) == {("a", "kubelet-a"), ("b", "pod-b")}
+    assert set(of_gpu0("DCGM_FI_DEV_XID_ERRORS")) == {("a", "kubelet-a"), ("b", "pod-b")}
+    collector.stop()
 
 
 def _claim(uid: str, metadata: dict[str, str], device: PreparedDevice,

@@ -12,7 +12,10 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, ProcessCollector
 
+from agent.kubeplugin.metrics import PluginMetrics
+from agent.kubeplugin.publisher import PublisherMetrics
 from agent.metrics.agent import AgentMetrics
+from agent.metrics.claims import ClaimMetrics
 from agent.metrics.fields import BY_NAME
 from tests.tools import require_tool
 
@@ -33,7 +36,15 @@ def exported_names() -> set[str]:
     metrics.gpu_healthy.labels("0", "GPU-x")
     metrics.xid_errors.labels("79")
     metrics.set_build(version="0", backend="test")
+    ClaimMetrics(metrics.registry)
     names = {s.name for family in metrics.registry.collect() for s in family.samples}
+    # The kubelet plugin's own series (its health listener), a sample in each family.
+    plugin = CollectorRegistry()
+    PluginMetrics(plugin).set_readiness({"registered": None})
+    PublisherMetrics(plugin).dropped.set(0)
+    names |= {s.name for family in plugin.collect() for s in family.samples}
+    # Gauges whose labels only the code knows (one series per taint, per shared GPU).
+    names |= {f.name for f in metrics.registry.collect() if f.type == "gauge"}
     process = CollectorRegistry()
     ProcessCollector(registry=process)
     names |= {s.name for family in process.collect() for s in family.samples}
@@ -63,7 +74,9 @@ def test_every_referenced_metric_is_exported(source: str) -> None:
 def test_the_alerts_the_issue_asks_for_are_there() -> None:
     doc = yaml.safe_load(ALERTS.read_text())
     names = {rule["alert"] for group in doc["groups"] for rule in group["rules"]}
-    assert {"GpuUnhealthy", "GpuXidError", "GpuMetricsStale", "MigTransitionFailed"} <= names
+    assert {"GpuUnhealthy", "GpuXidError", "GpuMetricsStale", "MigTransitionFailed",
+            "GpuMpsDaemonFailed", "GpuTaintedTooLong", "GpuKubeletPluginNotReady",
+            "GpuClaimStuckInPrepare"} <= names
 
 
 def test_promtool_accepts_the_rules_and_each_alert_fires() -> None:

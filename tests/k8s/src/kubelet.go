@@ -13,10 +13,12 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	utilfeature "k8s.io/apiserver/pkg/util/feature"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/record"
 	"k8s.io/klog/v2"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
+	"k8s.io/kubernetes/pkg/features"
 	"k8s.io/kubernetes/pkg/kubelet/cm/dra"
 	draplugin "k8s.io/kubernetes/pkg/kubelet/cm/dra/plugin"
 	"k8s.io/kubernetes/pkg/kubelet/pluginmanager"
@@ -44,6 +46,10 @@ type kubeletHarness struct {
 
 	mu       sync.Mutex
 	prepared map[string]*v1.Pod // ns/name -> pod as prepared; unprepare works after the pod is gone
+	// Pod UID -> how many times the DRA manager asked for the pod's status to be synced
+	// because a device's health changed (its Updates channel, which kubelet's pod workers
+	// read).
+	healthUpdates map[string]int
 }
 
 func runKubelet(args []string) error {
@@ -82,7 +88,9 @@ func runKubelet(args []string) error {
 	if err != nil {
 		return err
 	}
-	h := &kubeletHarness{client: client, manager: manager, prepared: map[string]*v1.Pod{}}
+	h := &kubeletHarness{client: client, manager: manager, prepared: map[string]*v1.Pod{},
+		healthUpdates: map[string]int{}}
+	go h.countHealthUpdates(manager)
 	getNode := func(ctx context.Context) (*v1.Node, error) {
 		return client.CoreV1().Nodes().Get(ctx, *nodeName, metav1.GetOptions{})
 	}
@@ -154,6 +162,8 @@ func (h *kubeletHarness) do(ctx context.Context, cmd command) (map[string]any, e
 		return h.prepare(ctx, cmd.Pod)
 	case "unprepare":
 		return nil, h.unprepare(ctx, cmd.Pod)
+	case "resource-health":
+		return h.resourceHealth(ctx, cmd.Pod)
 	case "cdi-inject":
 		return injectCDI(cmd.Devices, cmd.SpecDirs)
 	default:
@@ -220,6 +230,55 @@ func (h *kubeletHarness) unprepare(ctx context.Context, ref string) error {
 	delete(h.prepared, ref)
 	h.mu.Unlock()
 	return nil
+}
+
+// resourceHealth is what kubelet puts in a pod's status from its DRA health cache (the
+// cache the plugin's health stream fills): as kubelet's status sync does, a container status
+// per container, filled by the DRA manager's UpdateAllocatedResourcesStatus when the
+// ResourceHealthStatus gate is on. Answers each container's allocatedResourcesStatus, whether
+// the gate is on, and how many health-driven pod updates the manager sent for the pod.
+func (h *kubeletHarness) resourceHealth(ctx context.Context, ref string) (map[string]any, error) {
+	h.mu.Lock()
+	pod := h.prepared[ref]
+	h.mu.Unlock()
+	if pod == nil {
+		var err error
+		if pod, err = h.getPod(ctx, ref); err != nil {
+			return nil, err
+		}
+	}
+	status := &v1.PodStatus{}
+	for i := range pod.Spec.Containers {
+		status.ContainerStatuses = append(status.ContainerStatuses,
+			v1.ContainerStatus{Name: pod.Spec.Containers[i].Name})
+	}
+	gate := utilfeature.DefaultFeatureGate.Enabled(features.ResourceHealthStatus)
+	if gate {
+		updateAllocatedResourcesStatus(h.manager, pod, status)
+	}
+	containers := map[string][]v1.ResourceStatus{}
+	for _, c := range status.ContainerStatuses {
+		containers[c.Name] = c.AllocatedResourcesStatus
+		if containers[c.Name] == nil {
+			containers[c.Name] = []v1.ResourceStatus{}
+		}
+	}
+	h.mu.Lock()
+	updates := h.healthUpdates[string(pod.UID)]
+	h.mu.Unlock()
+	return map[string]any{"gate": gate, "containers": containers, "updates": updates}, nil
+}
+
+// countHealthUpdates reads the DRA manager's pod updates (kubelet's pod workers do) so the
+// channel never fills, counting them per pod.
+func (h *kubeletHarness) countHealthUpdates(manager *dra.Manager) {
+	for update := range manager.Updates() {
+		h.mu.Lock()
+		for _, uid := range update.PodUIDs {
+			h.healthUpdates[uid]++
+		}
+		h.mu.Unlock()
+	}
 }
 
 func (h *kubeletHarness) getPod(ctx context.Context, ref string) (*v1.Pod, error) {

@@ -98,3 +98,8 @@ func podResourcesProviders(h *kubeletHarness) podresources.PodResourcesProviders
 
 // 1.34's DRA state and PodResources API have no share IDs.
 func setShareID(*podresourcesv1.ClaimResource, state.Device) {}
+
+// The DRA manager's part of kubelet's pod status sync (1.34's takes no logger).
+func updateAllocatedResourcesStatus(m *dra.Manager, pod *v1.Pod, status *v1.PodStatus) {
+	m.UpdateAllocatedResourcesStatus(pod, status)
+}

@@ -109,3 +109,8 @@ func podResourcesProviders(h *kubeletHarness) podresources.PodResourcesProviders
 func setShareID(claimed *podresourcesv1.ClaimResource, device state.Device) {
 	claimed.ShareId = (*string)(device.ShareID)
 }
+
+// The DRA manager's part of kubelet's pod status sync (1.37's takes a logger).
+func updateAllocatedResourcesStatus(m *dra.Manager, pod *v1.Pod, status *v1.PodStatus) {
+	m.UpdateAllocatedResourcesStatus(klog.Background(), pod, status)
+}
