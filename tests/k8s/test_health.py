@@ -41,12 +41,12 @@ from tests.k8s.harness import (
     allocate_in_cluster,
 )
 from tests.k8s.objects import DRIVER
+from tests.k8s.objects import pod as pod_object
 from tests.k8s.published import gpu_uuid, slices_of
-from tests.k8s.stack import Stack, StartStack, wait_for
+from tests.k8s.stack import DEVICE_CLASSES, Stack, StartStack, apply_shipped, wait_for
 from tests.k8s.workload import (
     allocate,
     claim_with_selector,
-    create_pod,
     example_claim,
     prepare_and_inject,
     unprepare,
@@ -145,9 +145,18 @@ def pinned_claim(running: Stack, name: str, gpu: int, *,
 
 def place(running: Stack, bed: Bed, name: str, gpu: int, *,
           tolerations: tuple[Json, ...] = ()) -> AllocationAnswer:
-    """A pod ``name`` whose claim wants GPU ``gpu``, allocated as the scheduler does."""
-    create_pod(running, name, pinned_claim(running, name, gpu, tolerations=tolerations))
+    """A pod ``name`` whose claim (also ``name``) wants GPU ``gpu``, allocated as the
+    scheduler does."""
+    create(running, name, pinned_claim(running, name, gpu, tolerations=tolerations))
     return allocate(running, name, feature_gates=bed.allocator_gates)
+
+
+def create(running: Stack, name: str, claim: Json) -> None:
+    """The shipped DeviceClasses, ``claim`` and a Pod ``name`` on the node using it, the
+    pod's claim entry named as the claim: 1.34's kubelet looks a container's claims up by
+    the entry's name as if it were the claim's, and shows no health for other names."""
+    apply_shipped(running.server, DEVICE_CLASSES)
+    running.server.apply([claim, pod_object(name, {name: name}, node_name=running.node)])
 
 
 def device_status(server: ApiServer, claim: str, device: str) -> Json | None:
@@ -320,7 +329,7 @@ def test_an_application_xid_adds_only_an_informational_taint(
     assert taints is not None, "an informational taint withdrew the device"
     assert all(t["effect"] == "None" for t in taints), taints
     name = f"{running.node}-app"
-    create_pod(running, name, pinned_claim(running, name, 2))
+    create(running, name, pinned_claim(running, name, 2))
     answer = allocate_in_cluster(server, node=running.node, claims=[f"default/{name}"],
                                  pod=f"default/{name}", feature_gates=bed.allocator_gates)
     assert answer.allocated and answer.devices() == ["gpu-2"], answer.reason
