@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from aiohttp import web
@@ -19,14 +20,14 @@ from pydantic import (
 
 from agent.api.body import parse_body
 from agent.api.context import AGENT
-from agent.api.models import Strict
+from agent.api.models import PlacementModel, Strict
 from agent.api.node import require_ready
 from agent.api.routing import json_response
 from agent.claims.checkpoint import ClaimRecord, PreparedDevice
 from agent.claims.requests import DeviceRequest
 from agent.claims.service import ClaimService
 from agent.claims.sharing import MpsConfig, SharingConfig
-from agent.device_names import ascii_integer, quantity_mib
+from agent.device_names import ascii_integer, parse_device_name, quantity_mib
 from agent.errors import InvalidRequest
 
 _UID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
@@ -233,6 +234,38 @@ class MpsDaemonModel(BaseModel):
     reason: str | None
 
 
+class MigInstanceModel(BaseModel):
+    profile: str | None = Field(description="The MIG profile (1g.10gb); null only when the "
+                                "GPU's profile table is not read yet")
+    gi_id: int | None = Field(description="GPU instance ID (null until an on-demand slice "
+                              "is made)")
+    ci_id: int | None = Field(description="Compute instance ID")
+    placement: PlacementModel
+
+
+#: (GPU UUID, GI profile ID) -> profile name, from the inventory's last snapshot.
+ProfileNames = Mapping[tuple[str, int], str]
+
+
+def _mig_instance(device: PreparedDevice, profiles: ProfileNames) -> MigInstanceModel | None:
+    """The MIG profile, instance IDs and placement of a prepared MIG device: an on-demand
+    slice has them in its record, an existing device its placement there and its profile by
+    the profile ID its name carries (``gpu-<minor>-mig-<profile>-<id>-<start>``)."""
+    if device.kind != "mig":
+        return None
+    if device.slice is not None:
+        made = device.slice
+        return MigInstanceModel(profile=made.profile, gi_id=made.gi_id, ci_id=made.ci_id,
+                                placement=PlacementModel(start=made.start, size=made.size))
+    parsed = parse_device_name(device.device_name)
+    if device.placement is None or parsed is None or parsed.profile_id is None:
+        return None
+    return MigInstanceModel(profile=profiles.get((device.gpu, parsed.profile_id)),
+                            gi_id=device.gi_id, ci_id=device.ci_id,
+                            placement=PlacementModel(start=device.placement[0],
+                                                     size=device.placement[1]))
+
+
 class PreparedDeviceModel(BaseModel):
     request: str
     kind: Literal["gpu", "mig"]
@@ -246,9 +279,12 @@ class PreparedDeviceModel(BaseModel):
     cdi_devices: list[str]
     sharing: EffectiveSharingModel | None = None
     share: ShareModel | None = None
+    mig: MigInstanceModel | None = Field(default=None, description="A MIG device's profile, "
+                                         "GPU/compute instance IDs and placement")
 
     @classmethod
-    def of(cls, device: PreparedDevice, pool: str) -> PreparedDeviceModel:
+    def of(cls, device: PreparedDevice, pool: str,
+           profiles: ProfileNames | None = None) -> PreparedDeviceModel:
         sharing = device.sharing_state
         return cls(
             request=device.request, kind=device.kind, uuid=device.uuid,
@@ -261,7 +297,8 @@ class PreparedDeviceModel(BaseModel):
                 pinned_limit_mib=sharing.pinned_mib) if sharing is not None else None,
             share=ShareModel(memory_mib=device.share.memory_mib,
                              share_id=device.share.share_id)
-            if device.share is not None else None)
+            if device.share is not None else None,
+            mig=_mig_instance(device, profiles or {}))
 
 
 class ClaimModel(BaseModel):
@@ -279,13 +316,14 @@ class ClaimModel(BaseModel):
                                        "daemon, when any device of it runs under MPS")
 
     @classmethod
-    def of(cls, record: ClaimRecord, pool: str) -> ClaimModel:
+    def of(cls, record: ClaimRecord, pool: str,
+           profiles: ProfileNames | None = None) -> ClaimModel:
         return cls(
             uid=record.uid, state=record.state, cdi_spec=record.cdi_spec,
             metadata=record.metadata, created_at=record.created_at,
             updated_at=record.updated_at, lost_reason=record.lost_reason,
             issued_at_ns=record.issued_at_ns,
-            devices=[PreparedDeviceModel.of(d, pool) for d in record.devices],
+            devices=[PreparedDeviceModel.of(d, pool, profiles) for d in record.devices],
             mps=MpsDaemonModel(root=record.mps.root, pipe_directory=record.mps.root + "/pipe",
                                devices=list(record.mps.devices), state=record.mps.state,
                                reason=record.mps.reason) if record.mps is not None else None)
@@ -305,6 +343,13 @@ class CdiSpecModel(BaseModel):
 class CdiList(BaseModel):
     spec_dir: str
     specs: list[CdiSpecModel]
+
+
+def _profiles(request: web.Request) -> ProfileNames:
+    """Each GPU's MIG profile names by GI profile ID, from the last inventory snapshot (no
+    NVML call)."""
+    return {(gpu.uuid, p.id): p.name for gpu in request.app[AGENT].node.inventory.gpus
+            for p in gpu.profiles}
 
 
 def _service(request: web.Request) -> ClaimService:
@@ -343,7 +388,8 @@ async def prepare_claim(request: web.Request) -> web.Response:
                 if v is not None}
     record = await service.prepare(uid, [d.value() for d in body.devices], metadata,
                                    issued_at_ns=stamp, device_names=body.device_names)
-    return json_response(ClaimModel.of(record, request.app[AGENT].node.settings.node_name))
+    return json_response(ClaimModel.of(record, request.app[AGENT].node.settings.node_name,
+                                       _profiles(request)))
 
 
 async def unprepare_claim(request: web.Request) -> web.Response:
@@ -362,13 +408,15 @@ async def unprepare_claim(request: web.Request) -> web.Response:
 
 async def list_claims(request: web.Request) -> web.Response:
     pool = request.app[AGENT].node.settings.node_name
-    return json_response(ClaimList(claims=[ClaimModel.of(r, pool)
+    profiles = _profiles(request)
+    return json_response(ClaimList(claims=[ClaimModel.of(r, pool, profiles)
                                            for r in _service(request).claims()]))
 
 
 async def get_claim(request: web.Request) -> web.Response:
     record = _service(request).claim(_uid(request))
-    return json_response(ClaimModel.of(record, request.app[AGENT].node.settings.node_name))
+    return json_response(ClaimModel.of(record, request.app[AGENT].node.settings.node_name,
+                                       _profiles(request)))
 
 
 async def list_cdi(request: web.Request) -> web.Response:

@@ -16,6 +16,10 @@ answer says so and the undo is retried in the background for up to :data:`UNDO_W
 The stamp makes the undo safe at any moment: a later prepare of the claim that succeeded is
 newer, so the agent ignores the undo, and a prepare still queued in the agent is refused as a
 late retry. Refusals (4xx) need no undo: the agent holds nothing for a prepare it refused.
+
+A prepare that succeeded, and an unprepare, are handed to the claim status writer
+(:mod:`agent.kubeplugin.claim_status`), which writes the claim's ``status.devices`` in the
+background: its writes never delay or fail a claim call.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from typing import Any, TypeVar
 
 from agent.kubeplugin.agent_client import AgentClient
 from agent.kubeplugin.claim_reads import READ_TIMEOUT_S, ClaimReads, ClaimReadTimeout
+from agent.kubeplugin.claim_status import ClaimStatusWriter, prepared_claim
 from agent.kubeplugin.claims import (
+    Allocated,
     ClaimError,
     KubeletClaim,
     KubeletDevice,
@@ -139,8 +145,10 @@ class DraService:
 
     def __init__(self, agent: AgentClient, claims: ClaimReader, *, driver: str,
                  node_name: str, metrics: PluginMetrics,
-                 read_timeout_s: float = READ_TIMEOUT_S) -> None:
+                 read_timeout_s: float = READ_TIMEOUT_S,
+                 status: ClaimStatusWriter | None = None) -> None:
         self._agent = agent
+        self._status = status
         self._claims = ClaimReads(claims, timeout_s=read_timeout_s)
         self.driver = driver
         self.pool = node_name  # the publisher names this node's pool after the node
@@ -255,7 +263,7 @@ class DraService:
                 failure = await self._undo(claim, issued_at_ns, failure)
             raise failure from err
         try:
-            return kubelet_devices(claim, devices, answer)
+            answered = kubelet_devices(claim, devices, answer)
         except Exception as err:  # the agent holds it: undone before kubelet hears of it
             failure = err if isinstance(err, ClaimError) else ClaimError(
                 "internal", f"claim {claim}: internal error in the kubelet plugin reading the "
@@ -263,6 +271,19 @@ class DraService:
             if failure is not err:
                 log.exception("reading the agent's answer failed", extra={"claim": claim.uid})
             raise await self._undo(claim, issued_at_ns, failure) from err
+        self._status_prepared(claim, devices, answer)
+        return answered
+
+    def _status_prepared(self, claim: KubeletClaim, devices: Sequence[Allocated],
+                         answer: dict[str, Any]) -> None:
+        """Hand a prepared claim to the device status writer, which writes in the background:
+        nothing there can fail or delay the prepare."""
+        if self._status is None:
+            return
+        try:
+            self._status.prepared(prepared_claim(claim, devices, answer))
+        except Exception:  # a bug in the mapping costs the status, never the prepare
+            log.exception("claim device status not recorded", extra={"claim": claim.uid})
 
     async def _undo(self, claim: KubeletClaim, issued_at_ns: int,
                     failure: ClaimError) -> ClaimError:
@@ -342,6 +363,8 @@ class DraService:
                 f"{type(err).__name__}: {err}"
         finally:
             self._metrics.unprepare_seconds.observe(max(arrival_ns() - issued_at_ns, 0) / 1e9)
+        if self._status is not None:
+            self._status.unprepared(claim)
         log.info("unprepared", extra={"claim": claim.uid, "namespace": claim.namespace,
                                       "claim_name": claim.name})
         return None

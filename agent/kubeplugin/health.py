@@ -1,7 +1,9 @@
 """The plugin's health listener (``--health-listen``): ``/healthz`` (the process answers),
 ``/readyz`` (registered with kubelet, agent reachable and ready, API server reachable, slices
-in sync; 503 naming every failing check) and ``/metrics`` (the plugin's and the publisher's
-series, one registry). No tokens: nothing here changes anything or shows a secret."""
+in sync; 503 naming every failing check; under ``warnings``, what it reports without failing:
+``claim_status``, since prepares work without device status and a server that does not keep
+it is a cluster's setting, not a node to take out) and ``/metrics`` (the plugin's and the
+publisher's series, one registry). No tokens: nothing here changes anything or shows a secret."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from agent.kubeplugin.agent_client import AgentClient
+from agent.kubeplugin.claim_status import ClaimStatusWriter
 from agent.kubeplugin.metrics import PluginMetrics
 from agent.kubeplugin.protocols import ApiServer, Publisher
 from agent.kubeplugin.servers import RegistrationState
@@ -38,6 +41,21 @@ class Readiness:
     publisher: Publisher | None = None
     #: ``gpu_agent_plugin_ready``: set from every round of checks.
     metrics: PluginMetrics | None = None
+    #: Reported under ``warnings``, never failing readiness (nor the ready metric).
+    claim_status: ClaimStatusWriter | None = None
+
+    def warnings(self) -> dict[str, str]:
+        """What ``/readyz`` reports without failing: why claim device status is not written,
+        and which faulty devices a server without taints has withdrawn (the node works, and a
+        node taken out for a bad GPU would stall every rolling update)."""
+        found = {}
+        problem = None if self.claim_status is None else self.claim_status.problem
+        if problem is not None:
+            found["claim_status"] = problem
+        withheld = None if self.publisher is None else self.publisher.health().withheld
+        if withheld is not None:
+            found["taints"] = withheld
+        return found
 
     async def _registered(self) -> str | None:
         return self.registration.reason
@@ -85,10 +103,12 @@ def health_app(readiness: Readiness, registry: CollectorRegistry) -> web.Applica
     async def readyz(request: web.Request) -> web.Response:
         checks = await readiness.checks()
         failing = {name: reason for name, reason in checks.items() if reason is not None}
-        body = {"status": "not ready" if failing else "ready",
+        body: dict[str, object] = {"status": "not ready" if failing else "ready",
                 "checks": {name: reason or "ok" for name, reason in checks.items()}}
         if failing:
             body["reason"] = "; ".join(f"{name}: {why}" for name, why in failing.items())
+        if warnings := readiness.warnings():
+            body["warnings"] = warnings
         return web.json_response(body, status=503 if failing else 200)
 
     async def metrics(request: web.Request) -> web.Response:

@@ -262,13 +262,13 @@ class KubeClient:
 
     async def _open(self, method: str, path: str, *,
                     query: Sequence[tuple[str, str]] = (), body: Json | None = None,
-                    limits: aiohttp.ClientTimeout | None = None) -> aiohttp.ClientResponse:
+                    limits: aiohttp.ClientTimeout | None = None,
+                    content_type: str = "application/json") -> aiohttp.ClientResponse:
         """The response of one call, unread and with a 2xx status (else its exception)."""
         try:
             response: aiohttp.ClientResponse = await self._api.call_api(
                 path, method, query_params=list(query),
-                header_params={"Accept": "application/json",
-                               "Content-Type": "application/json"},
+                header_params={"Accept": "application/json", "Content-Type": content_type},
                 body=body, auth_settings=["BearerToken"], _preload_content=False,
                 _request_timeout=limits or aiohttp.ClientTimeout(total=CALL_TIMEOUT_S))
         except (aiohttp.ClientError, OSError, TimeoutError) as err:
@@ -290,8 +290,10 @@ class KubeClient:
 
     async def _call(self, method: str, path: str, *,
                     query: Sequence[tuple[str, str]] = (), body: Json | None = None,
-                    max_bytes: int = MAX_OBJECT_BYTES) -> Json:
-        response = await self._open(method, path, query=query, body=body)
+                    max_bytes: int = MAX_OBJECT_BYTES,
+                    content_type: str = "application/json") -> Json:
+        response = await self._open(method, path, query=query, body=body,
+                                    content_type=content_type)
         try:
             data = await _read_limited(response, f"{method} {path}", max_bytes)
         finally:
@@ -399,6 +401,20 @@ class KubeClient:
         await self._call("DELETE", f"{SLICES_PATH}/{segment(name)}", body={
             "apiVersion": "v1", "kind": "DeleteOptions",
             "preconditions": {"uid": uid, "resourceVersion": resource_version}})
+
+    # --- ResourceClaim device status (claim_status.py) ---------------------------------------
+
+    async def apply_claim_status(self, namespace: str, name: str, body: Json, *,
+                                 field_manager: str) -> Json:
+        """Server-side apply of ``body`` (a ResourceClaim with ``metadata`` and ``status``) to
+        the claim's ``status`` subresource as ``field_manager``, forcing ownership of what it
+        sets; the claim as the server stored it. Fields the manager set before and ``body``
+        leaves out are removed (an empty ``status.devices`` drops all of the manager's)."""
+        path = (f"/apis/resource.k8s.io/v1/namespaces/{segment(namespace)}/resourceclaims/"
+                f"{segment(name)}/status")
+        return await self._call("PATCH", path, body=body,
+                                query=[("fieldManager", field_manager), ("force", "true")],
+                                content_type="application/apply-patch+yaml")
 
 
 async def _read_limited(response: aiohttp.ClientResponse, what: str, limit: int) -> bytes:

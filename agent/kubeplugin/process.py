@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from agent.kubeplugin.agent_client import AgentClient, token_file_usable
 from agent.kubeplugin.claim_reads import READ_TIMEOUT_S, READS_AT_ONCE
+from agent.kubeplugin.claim_status import WRITES_AT_ONCE, ClaimStatusWriter
 from agent.kubeplugin.device_health import DeviceHealthView
 from agent.kubeplugin.dra import DraService
 from agent.kubeplugin.health import HealthServer, Readiness, parse_listen
@@ -42,6 +43,8 @@ DEFAULT_HEALTH_LISTEN = "127.0.0.1:9478"
 STOP_GRACE_S = 10.0
 #: A publisher that fails is started again after this long.
 PUBLISHER_RESTART_S = 5.0
+#: How long the stop waits for claim status writes still wanted (an unprepare's removal).
+STATUS_FLUSH_S = 2.0
 
 
 class PluginStartError(Exception):
@@ -108,6 +111,8 @@ class Wiring:
     #: Each device's health as the publisher last saw the agent render it (None: no
     #: publisher here, so every device is Unknown to kubelet's health stream).
     device_health: DeviceHealthView | None = None
+    #: Writes the claims' device status (None: not written by this process).
+    claim_status: ClaimStatusWriter | None = None
 
 
 Wire = Callable[[PluginSettings, AgentClient, CollectorRegistry], Awaitable[Wiring]]
@@ -123,14 +128,19 @@ async def wire_kubernetes(settings: PluginSettings, agent: AgentClient,
                                driver=settings.driver,
                                agent_lost_after_s=settings.agent_lost_after_s,
                                registry=registry)
+    # Its own connections: status writes never wait behind claim reads or slice writes.
+    statuses = kube.sibling(connections=WRITES_AT_ONCE)
+    writer = ClaimStatusWriter(statuses, publisher.device_health, driver=settings.driver,
+                               pool=settings.node_name, registry=registry, agent=agent)
     if settings.mig_config_map is None or settings.mig_token_file is None:
 
         async def close_clients() -> None:
+            await statuses.close()
             await claims.close()
             await kube.close()
 
         return Wiring(claims=claims, api=kube, publisher=publisher, close=close_clients,
-                      device_health=publisher.device_health)
+                      device_health=publisher.device_health, claim_status=writer)
     labels = await MigLabels.open(
         kubeconfig=settings.kubeconfig, agent_socket=settings.agent_socket,
         token_file=settings.mig_token_file, node_name=settings.node_name,
@@ -138,11 +148,12 @@ async def wire_kubernetes(settings: PluginSettings, agent: AgentClient,
 
     async def close() -> None:
         await labels.close()
+        await statuses.close()
         await claims.close()
         await kube.close()
 
     return Wiring(claims=claims, api=kube, publisher=publisher, close=close, mig_labels=labels,
-                  device_health=publisher.device_health)
+                  device_health=publisher.device_health, claim_status=writer)
 
 
 @dataclass
@@ -161,12 +172,14 @@ class Plugin:
     # Running while started:
     _publishing: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
     _labelling: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
+    _status_writing: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         metrics = PluginMetrics(self.registry)
         self.service = DraService(self.agent, self.wiring.claims, driver=self.settings.driver,
                                   node_name=self.settings.node_name, metrics=metrics,
-                                  read_timeout_s=self.settings.claim_read_timeout_s)
+                                  read_timeout_s=self.settings.claim_read_timeout_s,
+                                  status=self.wiring.claim_status)
         self.servers = PluginServers(self.service, driver=self.settings.driver,
                                      registry_dir=self.settings.registry_dir,
                                      plugins_dir=self.settings.plugins_dir,
@@ -176,7 +189,7 @@ class Plugin:
                                          self.agent))
         self.health = HealthServer(self.settings.health_listen, Readiness(
             self.registration, self.agent, self.wiring.api, self.wiring.publisher,
-            metrics=metrics), self.registry)
+            metrics=metrics, claim_status=self.wiring.claim_status), self.registry)
 
     async def start(self) -> None:
         try:
@@ -189,6 +202,9 @@ class Plugin:
             self._publishing = asyncio.create_task(self._publish(self.wiring.publisher))
         if self.wiring.mig_labels is not None:
             self._labelling = asyncio.create_task(self.wiring.mig_labels.run())
+        if self.wiring.claim_status is not None:
+            self._status_writing = asyncio.create_task(
+                self._write_status(self.wiring.claim_status))
 
     async def _publish(self, publisher: Publisher) -> None:
         while True:
@@ -202,12 +218,30 @@ class Plugin:
                               extra={"restart_in_s": PUBLISHER_RESTART_S})
                 await asyncio.sleep(PUBLISHER_RESTART_S)
 
+    async def _write_status(self, writer: ClaimStatusWriter) -> None:
+        while True:
+            try:
+                await writer.run()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug: the writer's state is kept, its loops start again
+                log.exception("the claim status writer failed; restarting it",
+                              extra={"restart_in_s": PUBLISHER_RESTART_S})
+                await asyncio.sleep(PUBLISHER_RESTART_S)
+
     async def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """Deregister from kubelet, let claim calls in progress finish (up to ``grace_s``),
         stop publishing, close everything; the socket files are removed."""
         await self.servers.stop(grace_s)
         await self.service.drain(grace_s)
         await self.service.close()
+        if self._status_writing is not None and self.wiring.claim_status is not None:
+            await self.wiring.claim_status.flush(STATUS_FLUSH_S)
+            self._status_writing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._status_writing
+            self._status_writing = None
         if self._publishing is not None:
             self._publishing.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -35,6 +35,9 @@ class SyncState(Protocol):
     @property
     def reason(self) -> str | None: ...
 
+    @property
+    def withheld(self) -> str | None: ...
+
 
 class Publisher(Protocol):
     """Keeps the API server's ResourceSlices of this node equal to the agent's."""

@@ -120,11 +120,14 @@ class ResourceSliceSource(Protocol):
 
 @dataclass(frozen=True)
 class PublisherHealth:
-    """``in_sync``: the server holds the agent's pool as written; else ``reason`` says why."""
+    """``in_sync``: the server holds the agent's pool as written; else ``reason`` says why.
+    ``withheld``: what the taint fallback leaves out of it on a server without taints
+    (reported, not a failure: the node works, minus its faulty devices)."""
 
     in_sync: bool
     reason: str | None
     dropped_fields: tuple[str, ...] = ()
+    withheld: str | None = None
 
 
 @dataclass(frozen=True)
@@ -261,9 +264,10 @@ class ResourceSlicePublisher:
                               if self._counters_dropped else "")
                            + ("; GPUs are published whole, not shareable (shares need "
                               "DRAConsumableCapacity)" if self._shares_dropped else ""))
-        reasons.extend(self._taint_reasons())
+        withheld = self._taint_reasons()
         return PublisherHealth(in_sync=not reasons, reason="; ".join(reasons) or None,
-                               dropped_fields=self._dropped)
+                               dropped_fields=self._dropped,
+                               withheld="; ".join(withheld) or None)
 
     def _taint_reasons(self) -> list[str]:
         """Why the server's slices differ from the agent's for taints: only while the

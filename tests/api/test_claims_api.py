@@ -374,3 +374,32 @@ async def test_a_whole_gpu_admin_claim_blocks_no_mode_change(api: Api) -> None:
     _, claim, _ = await api.call("GET", "/v1/claims/watch")
     assert claim["state"] == "prepare_completed"
     assert [h["kind"] for h in await api.holds("5")] == ["admin"]
+
+
+async def test_a_mig_claim_answers_its_profile_instance_ids_and_placement(api: Api) -> None:
+    """A prepared MIG device, existing or made on demand, answers its profile, GPU and compute
+    instance IDs and placement (the plugin writes them into the claim's device status); a
+    full GPU answers none."""
+    node = api.node
+    await node.mig_to(4, ["3g.40gb", "1g.10gb"])
+    existing = next(m for m in (await node.gpu(4)).mig_devices if m.profile == "1g.10gb")
+    status, body, _ = await api.prepare("static", existing.uuid)
+    assert status == 200, body
+    [prepared] = body["devices"]
+    assert prepared["mig"] == {"profile": "1g.10gb", "gi_id": existing.gi_id,
+                               "ci_id": existing.ci_id,
+                               "placement": {"start": existing.placement.start,
+                                             "size": existing.placement.size}}
+    status, body, _ = await api.call("PUT", "/v1/claims/made", {"devices": [
+        {"kind": "slice", "profile": "1g.10gb", "gpu": "4"}]})
+    assert status == 200, body
+    [made] = body["devices"]
+    instance = next(m for m in (await node.gpu(4)).mig_devices if m.uuid == made["uuid"])
+    assert made["mig"] == {"profile": "1g.10gb", "gi_id": instance.gi_id,
+                           "ci_id": instance.ci_id,
+                           "placement": {"start": instance.placement.start, "size": 1}}
+    status, body, _ = await api.prepare("whole", "0")
+    assert status == 200 and body["devices"][0]["mig"] is None, body
+    _, listed, _ = await api.call("GET", "/v1/claims")
+    assert {c["uid"]: c["devices"][0]["mig"] is not None for c in listed["claims"]} == {
+        "static": True, "made": True, "whole": False}

@@ -17,7 +17,7 @@ import yaml
 from tests import gobuild
 from tests.dra.conftest import Env, MakeEnv, make_env
 
-from .manifests import by_kind, render
+from .manifests import by_name, render
 from .tools import ROOT
 
 __all__ = ["make_env"]  # the renderer's fixture: a simulated node and its ResourceSliceService
@@ -196,7 +196,8 @@ def test_the_policy_lets_a_plugin_write_only_its_own_nodes_slices(celcheck: Any)
     """The admission policy, compiled as the API server compiles it, admits the plugin's
     writes of its own node's slices of its driver and denies every other write by it;
     other users' writes are not its business."""
-    policy = copy.deepcopy(by_kind(render("daemonset"), "ValidatingAdmissionPolicy"))
+    policy = copy.deepcopy(by_name(render("daemonset"), "ValidatingAdmissionPolicy",
+                                   "gpu-node-agent-resourceslices"))
     requests = [{"name": name, "operation": op, "user": user, "extra": extra, "object": new,
                  "oldObject": old} for name, (op, user, extra, new, old, _) in POLICY_CASES.items()]
     out = celcheck({"policy": policy, "requests": requests})["requests"]

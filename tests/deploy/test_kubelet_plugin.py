@@ -22,8 +22,13 @@ PLUGIN_SYSTEMD_UNIT = ROOT / "systemd" / "gpu-agent-kubelet-plugin.service"
 PLUGIN_RBAC = {
     ("resource.k8s.io", "resourceslices"): {"list", "watch", "create", "update", "delete"},
     ("resource.k8s.io", "resourceclaims"): {"get"},
+    ("resource.k8s.io", "resourceclaims/status"): {"patch"},
+    # The API server's per-driver check of status.devices writes (1.36+), own node only.
+    ("resource.k8s.io", "resourceclaims/driver"): {"associated-node:patch"},
     ("", "nodes"): {"get"},
 }
+#: The rules narrowed to names: (API group, resource) -> the names.
+PLUGIN_RESOURCE_NAMES = {("resource.k8s.io", "resourceclaims/driver"): [DRIVER]}
 
 #: The `gpu-agent kubelet-plugin` flags (the CLI line the plugin and the manifests share);
 #: True for the ones without a default.
@@ -76,13 +81,17 @@ def test_plugin_role_is_exactly_what_it_uses() -> None:
     docs = render("daemonset")
     role = by_name(docs, "ClusterRole", "gpu-node-agent-kubelet-plugin")
     granted: dict[tuple[str, str], set[str]] = {}
+    named: dict[tuple[str, str], list[str]] = {}
     for rule in role["rules"]:
-        assert "resourceNames" not in rule and "nonResourceURLs" not in rule
+        assert "nonResourceURLs" not in rule
         assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]
         for group in rule["apiGroups"]:
             for resource in rule["resources"]:
                 granted.setdefault((group, resource), set()).update(rule["verbs"])
+                if "resourceNames" in rule:
+                    named[(group, resource)] = rule["resourceNames"]
     assert granted == PLUGIN_RBAC
+    assert named == PLUGIN_RESOURCE_NAMES
     binding = by_name(docs, "ClusterRoleBinding", "gpu-node-agent-kubelet-plugin")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io",
                                   "kind": "ClusterRole", "name": role["metadata"]["name"]}
@@ -206,18 +215,20 @@ def test_policy_and_classes_name_this_driver_and_service_account() -> None:
     write verb, with Deny; every DeviceClass selects this driver's devices by `type`."""
     docs = render("daemonset")
     account = by_kind(docs, "ServiceAccount")["metadata"]
-    policy = by_kind(docs, "ValidatingAdmissionPolicy")
-    (condition,) = policy["spec"]["matchConditions"]
     user = f"system:serviceaccount:{account['namespace']}:{account['name']}"
-    assert condition["expression"] == f'request.userInfo.username == "{user}"'
-    (rule,) = policy["spec"]["matchConstraints"]["resourceRules"]
-    assert rule["resources"] == ["resourceslices"] and rule["apiVersions"] == ["*"]
-    assert set(rule["operations"]) == {"CREATE", "UPDATE", "DELETE"}
-    assert policy["spec"]["failurePolicy"] == "Fail"
-    assert any(f'"{DRIVER}"' in v["expression"] for v in policy["spec"]["validations"])
-    binding = by_kind(docs, "ValidatingAdmissionPolicyBinding")
-    assert binding["spec"] == {"policyName": policy["metadata"]["name"],
-                               "validationActions": ["Deny"]}
+    for name, resource, operations in (
+            ("gpu-node-agent-resourceslices", "resourceslices", {"CREATE", "UPDATE", "DELETE"}),
+            ("gpu-node-agent-resourceclaim-status", "resourceclaims/status", {"UPDATE"})):
+        policy = by_name(docs, "ValidatingAdmissionPolicy", name)
+        (condition,) = policy["spec"]["matchConditions"]
+        assert condition["expression"] == f'request.userInfo.username == "{user}"'
+        (rule,) = policy["spec"]["matchConstraints"]["resourceRules"]
+        assert rule["resources"] == [resource] and rule["apiVersions"] == ["*"]
+        assert set(rule["operations"]) == operations
+        assert policy["spec"]["failurePolicy"] == "Fail"
+        assert any(f'"{DRIVER}"' in v["expression"] for v in policy["spec"]["validations"])
+        binding = by_name(docs, "ValidatingAdmissionPolicyBinding", name)
+        assert binding["spec"] == {"policyName": name, "validationActions": ["Deny"]}
     classes = [d for d in docs if d["kind"] == "DeviceClass"]
     assert {c["metadata"]["name"] for c in classes} == {
         f"gpu.{DRIVER.split('.', 1)[1]}", f"mig.{DRIVER.split('.', 1)[1]}",

@@ -21,7 +21,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from agent.kubeplugin.agent_client import AgentClient
-from agent.kubeplugin.kube import KubeClient
+from agent.kubeplugin.kube import KubeClient, KubeError
 from agent.kubeplugin.publisher import Backoff, ResourceSlicePublisher
 from tests import waiting
 from tests.k8s.conftest import StartAgent
@@ -291,3 +291,110 @@ def test_anything_beyond_the_role_is_forbidden(version: str,
                for method, path, body in BEYOND}
     assert answers == dict.fromkeys(answers, 403)
 
+
+
+def allocated_claim(server: ApiServer, name: str, node: str,
+                    results: list[Json]) -> Json:
+    """A ResourceClaim ``name`` allocated (as the scheduler writes it) to ``results`` on
+    ``node``; the claim as stored."""
+    status, claim = server.request("POST", CLAIMS, {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": name},
+        "spec": {"devices": {"requests": [{"name": r["request"], "exactly": {
+            "deviceClassName": "gpu.nodeagent.dev"}} for r in results]}}})
+    assert status == 201, claim
+    claim["status"] = {"allocation": {
+        "devices": {"results": results},
+        "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
+            {"key": "metadata.name", "operator": "In", "values": [node]}]}]}}}
+    status, claim = server.request("PUT", f"{CLAIMS}/{name}/status", claim)
+    assert status == 200, claim
+    return dict(claim)
+
+
+def device_status(claim: Json, *entries: Json) -> Json:
+    """A server-side apply body of ``claim``'s status with ``entries``."""
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": claim["metadata"]["name"], "namespace": "default",
+                         "uid": claim["metadata"]["uid"]},
+            "status": {"devices": list(entries)}}
+
+
+def status_entry(pool: str, device: str = "gpu-0", driver: str = DRIVER) -> Json:
+    return {"driver": driver, "pool": pool, "device": device, "conditions": [
+        {"type": "Ready", "status": "True", "reason": "Prepared", "message": "",
+         "lastTransitionTime": "2026-12-02T16:40:01Z"}], "data": {"uuid": "GPU-x"}}
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_plugin_writes_device_status_of_its_own_nodes_claims_only(
+        version: str, guarded: Callable[[str], ApiServer], tmp_path: Path) -> None:
+    """With the plugin's bound token for node A and the shipped role and policies, a
+    server-side apply of device status entries of its driver and pool into a claim allocated
+    on A is stored and an apply without them removes them; an entry in a claim allocated on
+    node B, another driver's entry, and a change of the claim's consumers are refused (1.34:
+    the admission policy, 403 naming why; 1.37: first the server's own per-driver and
+    binding checks, 422 naming the synthetic resourceclaims/driver or /binding permission)."""
+    server = guarded(version)
+    mine, theirs = (f"{n}-v{version}".replace(".", "-") for n in ("status-a", "status-b"))
+    credential = plugin_credential(server, mine, tmp_path)
+    server.ensure_node(theirs)
+    own = allocated_claim(server, f"claim-{mine}", mine, [
+        {"request": "gpu", "driver": DRIVER, "pool": mine, "device": "gpu-0"},
+        {"request": "nic", "driver": "other.example.com", "pool": mine, "device": "nic-0"}])
+    other = allocated_claim(server, f"claim-{theirs}", theirs, [
+        {"request": "gpu", "driver": DRIVER, "pool": theirs, "device": "gpu-0"}])
+    policy = "ValidatingAdmissionPolicy 'gpu-node-agent-resourceclaim-status'"
+
+    async def scenario() -> dict[str, Any]:
+        kube = await KubeClient.from_environment(credential.kubeconfig)
+        seen: dict[str, Any] = {}
+
+        async def apply(what: str, name: str, body: Json) -> None:
+            try:
+                seen[what] = await kube.apply_claim_status("default", name, body,
+                                                           field_manager=DRIVER)
+            except KubeError as err:
+                seen[what] = err
+        try:
+            # The policy's binding is loaded a moment after it is created: wait until the
+            # plugin is refused another node's claim, then try the rest.
+            async def refused() -> bool:
+                await apply("another node's claim", other["metadata"]["name"],
+                            device_status(other, status_entry(theirs)))
+                return isinstance(seen["another node's claim"], KubeError)
+            deadline = asyncio.get_running_loop().time() + 30
+            while not await refused():
+                assert asyncio.get_running_loop().time() < deadline, seen
+                await asyncio.sleep(0.2)
+            name = own["metadata"]["name"]
+            await apply("its own", name, device_status(own, status_entry(mine)))
+            await apply("removed", name, device_status(own))
+            await apply("another driver's entry", name, device_status(
+                own, status_entry(mine, "nic-0", "other.example.com")))
+            body = device_status(own)
+            body["status"]["reservedFor"] = [{"resource": "pods", "name": "p",
+                                              "uid": "00000000-0000-0000-0000-000000000001"}]
+            await apply("its consumers", name, body)
+        finally:
+            await kube.close()
+        return seen
+
+    seen = asyncio.run(scenario())
+    assert [(d["pool"], d["device"]) for d in seen["its own"]["status"]["devices"]] == [
+        (mine, "gpu-0")], seen["its own"]
+    assert seen["its own"]["status"]["devices"][0]["data"] == {"uuid": "GPU-x"}
+    assert not seen["removed"]["status"].get("devices"), seen["removed"]
+    refusals = {"another node's claim": "resourceclaims/driver",
+                "another driver's entry": "resourceclaims/driver",
+                "its consumers": "resourceclaims/binding"}
+    for what, synthetic in refusals.items():
+        err = seen[what]
+        assert isinstance(err, KubeError), (what, err)
+        if version == "1.34":
+            assert err.status == 403 and policy in str(err), (what, err)
+        else:
+            assert err.status == 422 and synthetic in str(err), (what, err)
+    if version == "1.34":
+        assert f"pool {mine}" in str(seen["another node's claim"])
+        assert "may change only status.devices" in str(seen["its consumers"])
