@@ -277,7 +277,8 @@ def test_without_device_taints_a_134_server_gets_the_gpu_withdrawn(
     bed = BED_134_FALLBACK
     running = start(bed, kube_apiservers, stack, "health-fallback")
     server = running.server
-    assert "gpu-1" in slice_devices(server, running.node)
+    wait_for("gpu-1 published", lambda: "gpu-1" in slice_devices(server, running.node),
+             DEADLINE_S, POLL_S, log=running.plugin.log)
     inject_xid(running, 1, 48)
     wait_for("gpu-1 withdrawn", lambda: "gpu-1" not in slice_devices(server, running.node),
              DEADLINE_S, POLL_S, log=running.plugin.log)
