@@ -10,10 +10,16 @@ from pathlib import Path
 import pytest
 
 from tests.agent_process import AgentProcess, start_agent
-from tests.k8s.fixtures import kube_apiserver, kube_apiservers, kubelet_harness
+from tests.k8s.fixtures import (
+    device_taint_eviction,
+    kube_apiserver,
+    kube_apiservers,
+    kubelet_harness,
+)
 from tests.k8s.stack import stack
 
-__all__ = ["kube_apiserver", "kube_apiservers", "kubelet_harness", "stack"]
+__all__ = ["device_taint_eviction", "kube_apiserver", "kube_apiservers", "kubelet_harness",
+           "stack"]
 
 StartAgent = Callable[..., AgentProcess]
 

@@ -341,3 +341,46 @@ class KubeletHarness:
         _stop(self.proc)
         if self._short_dir is not None:
             shutil.rmtree(self._short_dir, ignore_errors=True)
+
+
+class DeviceTaintEviction:
+    """``k8s-harness evict``: kube-controller-manager's device taint eviction controller
+    (tests/k8s/src/evict.go) watching ``server``: a pod using a device with a ``NoExecute``
+    taint that its claim's allocation does not tolerate gets the ``DisruptionTarget``
+    condition and is deleted. On 1.34 the server must serve ``resource.k8s.io/v1alpha3``
+    (the controller's DeviceTaintRule informer): :data:`EVICTION_SERVER_FLAGS`."""
+
+    def __init__(self, server: ApiServer, *, root: Path, feature_gates: str = "",
+                 kubeconfig: Path | None = None, timeout: float = 90) -> None:
+        binary = build(server.version)
+        root.mkdir(parents=True, exist_ok=True)
+        self.log_path = root / "device-taint-eviction.log"
+        args = [str(binary), "evict", "--kubeconfig", str(kubeconfig or server.kubeconfig)]
+        if feature_gates:
+            args += ["--feature-gates", feature_gates]
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=log, start_new_session=True)
+        try:
+            ready = _Lines(self.proc).read(timeout)
+        except AssertionError:
+            self.close()
+            raise AssertionError(f"eviction controller not ready in {timeout}s:\n"
+                                 f"{self.log()}") from None
+        if not ready or not ready.get("ready"):
+            self.close()
+            raise AssertionError(f"eviction controller failed: {ready}\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def close(self) -> None:
+        _stop(self.proc)
+
+
+#: What a server needs beyond its gates for the eviction controller: 1.34 lists DeviceTaintRules
+#: from resource.k8s.io/v1alpha3, an alpha API version no server serves by default.
+EVICTION_SERVER_FLAGS: dict[str, tuple[str, ...]] = {
+    "1.34": ("--runtime-config=resource.k8s.io/v1alpha3=true",),
+    "1.37": (),
+}

@@ -5,10 +5,15 @@ package main
 import (
 	"context"
 
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/kubernetes/pkg/controller/devicetainteviction"
+
 	v1 "k8s.io/api/core/v1"
 	utilfeature "k8s.io/apiserver/pkg/util/feature"
 	"k8s.io/dynamic-resource-allocation/cel"
 	"k8s.io/dynamic-resource-allocation/structured"
+	"k8s.io/klog/v2"
 	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
 	"k8s.io/kubernetes/pkg/features"
 	"k8s.io/kubernetes/pkg/kubelet/apis/podresources"
@@ -36,6 +41,22 @@ func allocatorFeatures() structured.Features {
 
 func celFeatures() cel.Features {
 	return cel.Features{EnableConsumableCapacity: utilfeature.DefaultFeatureGate.Enabled(features.DRAConsumableCapacity)}
+}
+
+// deviceTaintEvictionController builds the controller as kube-controller-manager 1.34 does
+// (cmd/kube-controller-manager/app/core.go): DeviceTaintRules from resource.k8s.io/v1alpha3,
+// which the server must serve (--runtime-config=resource.k8s.io/v1alpha3=true), or the
+// controller's informers never sync; no worker count.
+func deviceTaintEvictionController(client kubernetes.Interface, f informers.SharedInformerFactory,
+	_ int) (func(context.Context), error) {
+	c := devicetainteviction.New(client, f.Core().V1().Pods(), f.Resource().V1().ResourceClaims(),
+		f.Resource().V1().ResourceSlices(), f.Resource().V1alpha3().DeviceTaintRules(),
+		f.Resource().V1().DeviceClasses(), "device-taint-eviction-controller")
+	return func(ctx context.Context) {
+		if err := c.Run(ctx); err != nil {
+			klog.FromContext(ctx).Error(err, "Device taint eviction controller failed")
+		}
+	}, nil
 }
 
 // 1.34's kubelet asks for the node without a context.

@@ -5,6 +5,10 @@ package main
 import (
 	"context"
 
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/kubernetes/pkg/controller/devicetainteviction"
+
 	v1 "k8s.io/api/core/v1"
 	utilfeature "k8s.io/apiserver/pkg/util/feature"
 	"k8s.io/dynamic-resource-allocation/cel"
@@ -45,6 +49,21 @@ func celFeatures() cel.Features {
 		EnableConsumableCapacity: on(features.DRAConsumableCapacity),
 		EnableListTypeAttributes: on(features.DRAListTypeAttributes),
 	}
+}
+
+// deviceTaintEvictionController builds the controller as kube-controller-manager 1.37 does
+// (cmd/kube-controller-manager/app/resource.go): resource.k8s.io/v1 informers, DeviceTaintRules
+// included, and a number of workers.
+func deviceTaintEvictionController(client kubernetes.Interface, f informers.SharedInformerFactory,
+	workers int) (func(context.Context), error) {
+	c := devicetainteviction.New(client, f.Core().V1().Pods(), f.Resource().V1().ResourceClaims(),
+		f.Resource().V1().ResourceSlices(), f.Resource().V1().DeviceTaintRules(),
+		f.Resource().V1().DeviceClasses(), "device-taint-eviction-controller")
+	return func(ctx context.Context) {
+		if err := c.Run(ctx, workers); err != nil {
+			klog.FromContext(ctx).Error(err, "Device taint eviction controller failed")
+		}
+	}, nil
 }
 
 func nodeGetter(_ context.Context, get func(context.Context) (*v1.Node, error)) dra.GetNodeFunc {
