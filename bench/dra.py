@@ -27,8 +27,8 @@ path), one answers claims from memory (no GET), so the two differ only in that r
 3. **Republish**: the production plugin wiring (claim reader and ResourceSlice publisher)
    against the API server; a watch on the node's ResourceSlices timestamps each event. From a
    MIG geometry change (``PUT /v1/gpus/{i}/mig``; also from the transition's own end) and
-   from an XID (``POST /v1/sim/xid``, the GPU turns unhealthy; then the reset that clears it)
-   to the first watch event carrying the changed slice.
+   from an XID (``POST /v1/sim/xid``, the GPU's devices get a blocking taint; then the reset
+   that clears it) to the first watch event carrying the changed slice.
 4. **Allocator**: ``k8s-harness allocate`` (the scheduler's structured allocator, one process
    per call) for one claim against the agent's dgx-h100 slices: a whole GPU, a static 1g.10gb
    (every GPU 7x 1g), a dynamic-MIG 1g.10gb (``--dynamic-mig``: every profile and placement);
@@ -584,9 +584,11 @@ def run_concurrency(loop: asyncio.AbstractEventLoop, agent: Agent, root: Path, s
 
 
 def _device_names(state: dict[str, str]) -> set[str]:
-    """Every device name of these slice specs (JSON)."""
+    """The device names of these slice specs (JSON) a new claim may get: every device but
+    those with a blocking taint (an unhealthy GPU's devices stay published, tainted)."""
     return {d["name"] for spec in state.values()
-            for d in (json.loads(spec) or {}).get("devices") or []}
+            for d in (json.loads(spec) or {}).get("devices") or []
+            if not any(t.get("effect") != "None" for t in d.get("taints") or [])}
 
 
 def _of_gpu(names: set[str], gpu: int) -> set[str]:

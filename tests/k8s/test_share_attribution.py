@@ -45,9 +45,9 @@ def socket_dir() -> Iterator[Path]:
 def test_each_share_of_a_gpu_is_attributed_to_its_pod_with_its_own_memory(
         version: str, kube_apiservers: StartApiServer, stack: StartStack,
         socket_dir: Path) -> None:
-    """share-0's MPS client uses 3000 MiB and share-1's 5000 MiB: GPU 0's FB_USED has one
-    series per pod, share-0's 3000 and share-1's 5000, each with its pod, container and claim
-    UID; after both unprepare, GPU 0 has its one unattributed series again."""
+    """share-attr-0's MPS client uses 3000 MiB and share-attr-1's 5000 MiB: GPU 0's FB_USED has
+    one series per pod, share-attr-0's 3000 and share-attr-1's 5000, each with its pod,
+    container and claim UID; after both unprepare, GPU 0 has its one unattributed series again."""
     gates = DRA_GATES[version]
     server = kube_apiservers(version)
     link = socket_dir / "kubelet.sock"
@@ -57,7 +57,7 @@ def test_each_share_of_a_gpu_is_attributed_to_its_pod_with_its_own_memory(
     assert running.kubelet is not None
     link.symlink_to(running.kubelet.pod_resources_socket)
     uuid = gpu_uuid(running.agent, 0)
-    names = start_pods(running, "10Gi", uuid, 2)
+    names = start_pods(running, "10Gi", uuid, 2, prefix="share-attr")
     for name in names:
         answer = allocate_pod(running, name, feature_gates=gates)
         assert answer.allocated, answer.reason

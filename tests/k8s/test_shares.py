@@ -122,10 +122,12 @@ def share_ids(socket: Path) -> dict[str, list[str | None]]:
     return found
 
 
-def start_pods(running: Stack, memory: str, uuid: str, count: int) -> list[str]:
-    """``count`` pods on the stack's node, each with a claim of its own for ``memory``."""
+def start_pods(running: Stack, memory: str, uuid: str, count: int, *,
+               prefix: str = "share") -> list[str]:
+    """``count`` pods on the stack's node, each with a claim of its own for ``memory``,
+    named ``<prefix>-<i>`` (the session's server is shared: a test of its own, a prefix)."""
     apply_shipped(running.server, DEVICE_CLASSES)
-    names = [f"share-{i}" for i in range(count)]
+    names = [f"{prefix}-{i}" for i in range(count)]
     running.server.apply([share_claim(n, memory, uuid) for n in names]
                          + [pod(n, {"c": n}, node_name=running.node) for n in names])
     return names

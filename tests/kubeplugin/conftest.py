@@ -109,6 +109,7 @@ class FakeClaims:
 class FakePublisher:
     in_sync: bool = True
     reason: str | None = None
+    withheld: str | None = None
     runs: int = 0
 
     async def run(self) -> None:

@@ -99,10 +99,7 @@ def conditions(server: ApiServer, name: str) -> dict[str, Json] | None:
 async def eventually(check: Callable[[], bool], what: str) -> None:
     async def holds() -> bool:
         return await asyncio.to_thread(check)
-    deadline = asyncio.get_running_loop().time() + 30
-    while not await holds():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out: {what}"
-        await asyncio.sleep(0.05)
+    await until(holds, what, timeout_s=30)
 
 
 def health_is(server: ApiServer, name: str, status: str, reason: str) -> Callable[[], bool]:
