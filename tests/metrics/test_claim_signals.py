@@ -120,13 +120,13 @@ def test_a_shared_gpus_framebuffer_is_attributed_to_each_shares_claim(
 
 
 def test_a_prepare_that_hangs_shows_as_reserved_with_its_age(tmp_path: Path) -> None:
-    """A prepare held up in NVML (20 s on the read that confirms the device) is a reserved
+    """A prepare held up in NVML (8 s on the read that confirms the device) is a reserved
     claim whose age grows; once it is done the claim is prepared and no age is left."""
     agent = start_agent(tmp_path / "state", preset="l40s",
                         extra=["--collect-interval", "0.2"])
     try:
         assert agent.request("PUT", "/v1/sim/latency",
-                             {"nvmlDeviceGetMinorNumber": 20}).status == 200
+                             {"nvmlDeviceGetMinorNumber": 8}).status == 200
         pending = agent.send("PUT", "/v1/claims/slow",
                              {"devices": [{"kind": "gpu", "device": "3"}]})
         wait_for(lambda: value(agent, "gpu_agent_claims", state="reserved") == 1,
