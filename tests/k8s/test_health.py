@@ -101,9 +101,14 @@ def node_name(test: str, bed: Bed) -> str:
 
 def start(bed: Bed, kube_apiservers: StartApiServer, stack: StartStack, test: str, *,
           agent_extra: tuple[str, ...] = (), eviction: bool = False) -> Stack:
-    return stack(bed.server(kube_apiservers, eviction=eviction), "dgx-h100",
-                 node=node_name(test, bed), agent_extra=list(agent_extra),
-                 kubelet_gates=bed.kubelet_gates)
+    """The stack, once the server holds the agent's whole pool: ``/readyz`` can answer 200
+    between kubelet's wipe of the node's slices at its start and the watch event telling
+    the publisher, and a test reading the server then finds no device at all."""
+    running = stack(bed.server(kube_apiservers, eviction=eviction), "dgx-h100",
+                    node=node_name(test, bed), agent_extra=list(agent_extra),
+                    kubelet_gates=bed.kubelet_gates)
+    running.wait_current()
+    return running
 
 
 def inject_xid(running: Stack, gpu: int, xid: int) -> float:
