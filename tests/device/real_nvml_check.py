@@ -83,6 +83,21 @@ def _latency_args(nvml: Any, name: str, handle: Any, uuid: str) -> tuple[Any, ..
     }.get(name, (handle,))
 
 
+def _recovery_answers(nvml: Any, handle: Any) -> dict[str, Any]:
+    """How this driver answers NVML's recovery action (field 230) and the deprecated 226/227:
+    each field's status, value type and value, and whether it offers the recovery-action
+    event, which is what the simulator models (``agent/gpu/sim/nvml.py``)."""
+    try:
+        found = nvml.nvmlDeviceGetFieldValues(handle, [230, 226, 227])
+        events = int(nvml.nvmlDeviceGetSupportedEventTypes(handle))
+    except nvml.NVMLError as err:
+        return {"error": str(err)}
+    return {"fields": {str(int(v.fieldId)): {
+        "return": int(v.nvmlReturn), "value_type": int(v.valueType),
+        "value": int(v.value.ullVal)} for v in found},
+        "event_offered": bool(events & 0x8000)}  # nvmlEventTypeGpuRecoveryAction
+
+
 def nvml_facts(repeats: int) -> dict[str, Any]:
     """Driver, GPUs and read latencies straight from pynvml (guarded)."""
     import pynvml as nvml  # noqa: PLC0415
@@ -110,6 +125,7 @@ def nvml_facts(repeats: int) -> dict[str, Any]:
                                 value.busId if key == "bus_id" else value)
                 except nvml.NVMLError as err:
                     gpu[key] = f"error: {err}"
+            gpu["recovery_action"] = _recovery_answers(nvml, handle)
             facts["gpus"].append(gpu)
         handle = nvml.nvmlDeviceGetHandleByIndex(0)
         uuid = nvml.nvmlDeviceGetUUID(handle)

@@ -382,8 +382,8 @@ class SimulatedNode:
         (a row remapping recorded) adds an uncorrectable remapped row, XID 64 (the remapper
         failed) sets the remapping failure, as the driver reports them. The GPU's recovery
         action follows the XID (:mod:`agent.gpu.sim.recovery_action`) or is the one named
-        (``none``, ``reset``, ``reboot``, ``drain-p2p``, ``drain-and-reset``); it is set
-        before the XID can be read, so a reader woken by the event sees it."""
+        (``none``, ``reset``, ``reboot``, ``drain-p2p``, ``drain-and-reset``), set under the
+        lock the XID's event is posted under, so a reader woken by the event sees it."""
         hw = self.hardware
         xid = _positive_int(xid, "xid", minimum=0)
         named = self._recovery_action(recovery_action)
