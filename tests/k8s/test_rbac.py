@@ -363,7 +363,8 @@ def test_the_plugin_writes_device_status_of_its_own_nodes_claims_only(
                 await apply("another node's claim", other["metadata"]["name"],
                             device_status(other, status_entry(theirs)))
                 return isinstance(seen["another node's claim"], KubeError)
-            await waiting.until(refused, "the policy refusing another node's claim")
+            await waiting.until(refused, "the policy refusing another node's claim",
+                                timeout_s=30)
             name = own["metadata"]["name"]
             await apply("its own", name, device_status(own, status_entry(mine)))
             await apply("removed", name, device_status(own))
