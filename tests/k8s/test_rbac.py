@@ -358,13 +358,19 @@ def test_the_plugin_writes_device_status_of_its_own_nodes_claims_only(
                 seen[what] = err
         try:
             # The policy's binding is loaded a moment after it is created: wait until the
-            # plugin is refused another node's claim, then try the rest.
+            # plugin is refused another node's claim, then try the rest. Each try changes
+            # the entry: a try stored before the policy was loaded would make the same one
+            # again a no-op that no policy refuses.
+            tries = iter(range(1_000_000))
+
             async def refused() -> bool:
+                entry = status_entry(theirs)
+                entry["conditions"][0]["message"] = f"try {next(tries)}"
                 await apply("another node's claim", other["metadata"]["name"],
-                            device_status(other, status_entry(theirs)))
+                            device_status(other, entry))
                 return isinstance(seen["another node's claim"], KubeError)
             await waiting.until(refused, "the policy refusing another node's claim",
-                                timeout_s=30)
+                                timeout_s=30, every_s=0.2)
             name = own["metadata"]["name"]
             await apply("its own", name, device_status(own, status_entry(mine)))
             await apply("removed", name, device_status(own))
