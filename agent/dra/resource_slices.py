@@ -36,7 +36,8 @@ What each GPU publishes with ``--dynamic-mig``:
   not publish its full GPU beside, and a GPU held whole publishes nothing but the full GPU.
 
 Shares (``--gpu-shares``, KEP-5075 consumable capacity; refused with ``--dynamic-mig``): every
-full GPU with MIG off allows multiple allocations, and its ``memory`` capacity is the
+full GPU with MIG off allows multiple allocations (and carries the attribute ``shareable``:
+``true``, which DeviceClass ``share.nodeagent.dev`` selects), and its ``memory`` capacity is the
 shareable memory (the total rounded down to whole GiB, ``device_names.shareable_mib``) with a
 request policy: a request that names no memory takes all of it (the whole GPU), otherwise
 1 GiB steps from 1 GiB up to all of it; the scheduler keeps the sum of a GPU's shares within
@@ -84,6 +85,9 @@ MAX_COUNTER_SETS = 8
 MEMORY_SLICES = 8
 #: Digits of a slice's index in its name: name order is index order up to 100,000 slices.
 SLICE_INDEX_DIGITS = 5
+#: The attribute (bool ``true``) a device open to several allocations (a memory share)
+#: carries beside ``allowMultipleAllocations``; absent on every other device.
+SHAREABLE_ATTRIBUTE = "shareable"
 #: A share's granularity (and its smallest size): 1 GiB.
 SHARE_STEP_MIB = 1024
 #: The inventory's values as NVIDIA's driver publishes them (go-nvlib's
@@ -291,7 +295,11 @@ def _shareable(device: Json, total_mib: int) -> Json:
     # Whole GiB, spelled as the server writes them back.
     whole = f"{shareable // 1024}Gi"
     step = f"{SHARE_STEP_MIB // 1024}Gi"
+    # ``allowMultipleAllocations`` is a device field CEL sees only where consumable capacity
+    # is on (a DeviceClass naming it is refused elsewhere), so the attribute is what the
+    # shipped share.nodeagent.dev class selects on; the publisher drops both together.
     return {**device, "allowMultipleAllocations": True,
+            "attributes": {**device["attributes"], SHAREABLE_ATTRIBUTE: _attr(True)},
             "capacity": {**device["capacity"], "memory": {
                 "value": whole,
                 "requestPolicy": {"default": whole,

@@ -222,6 +222,7 @@ def without_counters(agent_items: Sequence[Mapping[str, Any]]) -> list[Json]:
 #: them a shareable GPU reads as an exclusive one whose memory no request counts, so the
 #: publisher stops offering shares and publishes the GPUs whole.
 SHARE_FIELD = "spec.devices[].allowMultipleAllocations"
+SHAREABLE_ATTRIBUTE = "shareable"
 
 
 def share_fields(dropped: Iterable[str]) -> tuple[str, ...]:
@@ -232,9 +233,10 @@ def share_fields(dropped: Iterable[str]) -> tuple[str, ...]:
 
 
 def without_shares(agent_items: Sequence[Mapping[str, Any]]) -> list[Json]:
-    """The agent's pool with every device exclusive: no ``allowMultipleAllocations`` and no
-    capacity ``requestPolicy`` (the capacity values stay); what a server without consumable
-    capacity keeps of it anyway, written as such so that it stays in sync."""
+    """The agent's pool with every device exclusive: no ``allowMultipleAllocations``, no
+    ``shareable`` attribute and no capacity ``requestPolicy`` (the capacity values stay);
+    what a server without consumable capacity keeps of it anyway (and no device a share
+    class selects), written as such so that it stays in sync."""
     out: list[Json] = []
     for item in agent_items:
         spec = dict(item.get("spec", {}))
@@ -242,6 +244,12 @@ def without_shares(agent_items: Sequence[Mapping[str, Any]]) -> list[Json]:
             devices = []
             for device in spec.get("devices") or []:
                 plain = {k: v for k, v in device.items() if k != "allowMultipleAllocations"}
+                if isinstance(device.get("attributes"), Mapping):
+                    # The agent's mark of a shareable device (agent/dra/resource_slices.py),
+                    # which DeviceClass share.nodeagent.dev selects: a GPU published whole
+                    # must not match it.
+                    plain["attributes"] = {k: v for k, v in device["attributes"].items()
+                                           if k != SHAREABLE_ATTRIBUTE}
                 if isinstance(device.get("capacity"), Mapping):
                     plain["capacity"] = {
                         name: ({k: v for k, v in value.items() if k != "requestPolicy"}

@@ -180,12 +180,19 @@ CASES = [
     Example("dynamic-mig.yaml", "dgx-h100", None),  # no --dynamic-mig: no placements
     Example("tensor-parallel-4gpu.yaml", "dgx-h100", one_island),
     Example("tensor-parallel-4gpu.yaml", "a100-pcie-bridged", None),  # pairs only
-    Example("mps-shared.yaml", "l40s", whole_l40s),
-    Example("time-slicing.yaml", "l40s", whole_l40s),
+    # The sharing examples ask class share.nodeagent.dev: GPUs published as shareable only.
+    # A claim naming no memory takes all of a shareable GPU (its request policy's default).
+    Example("mps-shared.yaml", "l40s", whole_l40s, gpu_shares=True, consumed="44Gi"),
+    Example("mps-shared.yaml", "l40s", None),  # no --gpu-shares: nothing shareable
+    Example("mps-shared.yaml", "a100-pcie-bridged", None),
+    Example("time-slicing.yaml", "l40s", whole_l40s, gpu_shares=True, consumed="44Gi"),
+    Example("time-slicing.yaml", "a100-pcie-bridged", None),
     Example("memory-share.yaml", "l40s", whole_l40s, gpu_shares=True, consumed="10Gi"),
-    # Without --gpu-shares the allocator takes a capacity request of a device that allows
-    # one allocation as a minimum: the claim gets the whole GPU, not a share of it.
-    Example("memory-share.yaml", "l40s", whole_l40s),
+    # Without --gpu-shares a capacity request of a device that allows one allocation would be
+    # a minimum (the whole GPU, not a share of it): the share class matches no such device.
+    Example("memory-share.yaml", "l40s", None),
+    Example("memory-share.yaml", "a100-pcie-bridged", None),
+    Example("memory-share.yaml", "dgx-h100", None),
 ]
 
 

@@ -1,6 +1,6 @@
 // Command k8s-harness runs real Kubernetes components (built from the pinned modules) for the
 // Python tests under tests/k8s: an API server, the scheduler's allocator and kubelet's DRA
-// code, kube-controller-manager's device taint eviction controller. The same files build for every Kubernetes version: each version's module directory
+// code, kube-controller-manager's device taint eviction controller, kube-scheduler. The same files build for every Kubernetes version: each version's module directory
 // links them and adds compat.go for the few calls whose signatures differ.
 package main
 
@@ -16,7 +16,7 @@ import (
 
 func main() {
 	if len(os.Args) < 2 {
-		fail("usage: k8s-harness apiserver|allocate|kubelet|evict [flags]")
+		fail("usage: k8s-harness apiserver|allocate|kubelet|evict|scheduler [flags]")
 	}
 	var err error
 	switch os.Args[1] {
@@ -28,6 +28,8 @@ func main() {
 		err = runKubelet(os.Args[2:])
 	case "evict":
 		err = runEvict(os.Args[2:])
+	case "scheduler":
+		err = runScheduler(os.Args[2:])
 	case "version":
 		fmt.Println(kubernetesVersion)
 	default:

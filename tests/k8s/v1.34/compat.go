@@ -4,6 +4,7 @@ package main
 
 import (
 	"context"
+	"fmt"
 
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
@@ -102,4 +103,11 @@ func setShareID(*podresourcesv1.ClaimResource, state.Device) {}
 // The DRA manager's part of kubelet's pod status sync (1.34's takes no logger).
 func updateAllocatedResourcesStatus(m *dra.Manager, pod *v1.Pod, status *v1.PodStatus) {
 	m.UpdateAllocatedResourcesStatus(pod, status)
+}
+
+// runScheduler: the scheduler subcommand is built for 1.37 only (src/scheduler.go); 1.34's
+// kube-scheduler would add the k8s.io/kube-scheduler v0.34 module and minutes of cold build
+// for placements the allocator subcommand already checks on 1.34.
+func runScheduler([]string) error {
+	return fmt.Errorf("the scheduler subcommand is built for Kubernetes 1.37 only")
 }
