@@ -120,12 +120,13 @@ EXAMPLE_CASES = [
     ("dgx-h100", False, "dynamic-mig-3g40gb", set()),
     ("dgx-h100", True, "dynamic-mig-3g40gb", {"gpu-1-mig-3g40gb-9-0", "gpu-1-mig-3g40gb-9-4"}
      | {f"gpu-{i}-mig-3g40gb-9-{s}" for i in range(2, 8) for s in (0, 4)}),
-    # The sharing examples take any whole GPU (MIG off): the GPU's sharing is in the claim's
-    # config or its capacity request, not in a selector.
-    ("l40s", False, "mps-shared-gpu", {f"gpu-{i}" for i in range(4)}),
-    ("l40s", False, "gpu-10gi-share", {f"gpu-{i}" for i in range(4)}),
-    ("l40s", False, "time-sliced-gpu", {f"gpu-{i}" for i in range(4)}),
-    ("dgx-h100", False, "mps-shared-gpu", {f"gpu-{i}" for i in range(2, 8)}),
+    # The sharing examples ask share.nodeagent.dev: only GPUs published as shareable (agent
+    # --gpu-shares; tests/k8s/test_deploy.py and test_scheduler.py place them there), never
+    # a GPU that is not.
+    ("l40s", False, "mps-shared-gpu", set()),
+    ("l40s", False, "gpu-10gi-share", set()),
+    ("l40s", False, "time-sliced-gpu", set()),
+    ("dgx-h100", False, "mps-shared-gpu", set()),
 ]
 
 

@@ -47,13 +47,17 @@ def test_shareable_memory_is_the_total_rounded_down_to_whole_gib(total_mib: int,
 async def test_every_l40s_is_shareable_in_gib_steps_of_its_whole_memory(
         make_env: MakeEnv) -> None:
     """With shares on, each L40S (46,068 MiB) allows multiple allocations and offers 44 GiB:
-    a request without memory takes all of it, others 1 GiB steps from 1 GiB to 44 GiB."""
+    a request without memory takes all of it, others 1 GiB steps from 1 GiB to 44 GiB; each
+    carries the attribute shareable: true."""
     facts, driver = await base(make_env, "l40s")
     published = devices(render(facts, driver, shares()))
     assert [d["name"] for d in published] == ["gpu-0", "gpu-1", "gpu-2", "gpu-3"]
     for device in published:
         assert device["allowMultipleAllocations"] is True
         assert device["capacity"] == {"memory": policy(44)}
+        # What DeviceClass share.nodeagent.dev selects on (CEL sees the field above only
+        # where consumable capacity is on).
+        assert device["attributes"]["shareable"] == {"bool": True}
 
 
 async def test_without_the_flag_nothing_is_shareable(make_env: MakeEnv) -> None:
@@ -62,6 +66,7 @@ async def test_without_the_flag_nothing_is_shareable(make_env: MakeEnv) -> None:
     facts, driver = await base(make_env, "l40s")
     for device in devices(render(facts, driver, shares(on=False))):
         assert "allowMultipleAllocations" not in device
+        assert "shareable" not in device["attributes"]
         assert device["capacity"] == {"memory": {"value": "46068Mi"}}
 
 

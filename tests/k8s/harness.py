@@ -1,6 +1,7 @@
 """Real Kubernetes components for tests: the ``k8s-harness`` Go binary of each pinned
 Kubernetes version (tests/k8s/v<version>/), built on demand, and wrappers for its three
-subcommands (an API server with etcd, the scheduler's allocator, kubelet's DRA code)."""
+subcommands (an API server with etcd, the scheduler's allocator, kubelet's DRA code,
+kube-controller-manager's device taint eviction controller, kube-scheduler)."""
 
 from __future__ import annotations
 
@@ -384,3 +385,57 @@ EVICTION_SERVER_FLAGS: dict[str, tuple[str, ...]] = {
     "1.34": ("--runtime-config=resource.k8s.io/v1alpha3=true",),
     "1.37": (),
 }
+
+
+class KubeScheduler:
+    """``k8s-harness scheduler``: kube-scheduler 1.37 as its command builds it (default
+    profile, every in-tree plugin, DynamicResources included; no leader election, no HTTPS
+    endpoint) watching ``server``: Pods without a node get one, their claims allocated and
+    reserved, extended-resource requests backed by a DeviceClass's ``extendedResourceName``
+    turned into a claim of the scheduler's own (tests/k8s/src/scheduler.go). Only the newest
+    version has it (1.34's would add a module and minutes of cold build)."""
+
+    def __init__(self, server: ApiServer, *, root: Path, feature_gates: str = "",
+                 timeout: float = 90) -> None:
+        assert server.version == NEWEST, f"k8s-harness scheduler is built for {NEWEST} only"
+        binary = build(server.version)
+        root.mkdir(parents=True, exist_ok=True)
+        self.log_path = root / "kube-scheduler.log"
+        args = [str(binary), "scheduler", "--kubeconfig", str(server.kubeconfig)]
+        if feature_gates:
+            args += ["--feature-gates", feature_gates]
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=log, start_new_session=True)
+        try:
+            ready = _Lines(self.proc).read(timeout)
+        except AssertionError:
+            self.close()
+            raise AssertionError(f"kube-scheduler not ready in {timeout}s:\n{self.log()}") from None
+        if not ready or not ready.get("ready"):
+            self.close()
+            raise AssertionError(f"kube-scheduler failed: {ready}\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def close(self) -> None:
+        _stop(self.proc)
+
+
+def schedulable_node(server: ApiServer, name: str, *, pods: int = 110) -> dict[str, Any]:
+    """Make Node ``name`` (created if missing) what a registered kubelet and the node lifecycle
+    controller leave for the scheduler: capacity and allocatable (cpu, memory, pods), a
+    ``Ready`` condition, and no ``node.kubernetes.io/not-ready`` taint (the API server adds it
+    at creation; no controller removes it here)."""
+    server.ensure_node(name)
+    resources = {"cpu": "64", "memory": "512Gi", "pods": str(pods)}
+    server.kubectl("patch", "node", name, "--subresource=status", "--type=merge", "-p",
+                          json.dumps({"status": {
+                              "capacity": resources, "allocatable": resources,
+                              "conditions": [{"type": "Ready", "status": "True",
+                                              "reason": "KubeletReady",
+                                              "message": "kubelet is posting ready status"}]}}))
+    server.kubectl("patch", "node", name, "--type=merge", "-p",
+                   json.dumps({"spec": {"taints": None}}))
+    return server.ensure_node(name)

@@ -338,22 +338,26 @@ def test_without_counters_keeps_only_devices_that_consume_none(
     assert not any("sharedCounters" in s["spec"] for s in out)
 
 
-SHAREABLE = {"name": "gpu-2", "allowMultipleAllocations": True, "capacity": {
+SHAREABLE = {"name": "gpu-2", "allowMultipleAllocations": True, "attributes": {
+    "type": {"string": "gpu"}, "shareable": {"bool": True}}, "capacity": {
     "memory": {"value": "44Gi", "requestPolicy": {"default": "44Gi", "validRange": {
         "min": "1Gi", "max": "44Gi", "step": "1Gi"}}}}}
 
 
 def test_without_shares_publishes_every_gpu_whole() -> None:
     """Where the server keeps no consumable capacity, every device is exclusive (no
-    allowMultipleAllocations, no request policy) with its capacity values, and the server's
+    allowMultipleAllocations, no request policy, no ``shareable`` attribute for
+    share.nodeagent.dev to select) with its capacity values, and the server's
     read-back of the shareable pool is exactly that (nothing to rewrite again)."""
     pool = [_slice("a", [SHAREABLE, PLAIN])]
     out = without_shares(pool)
     assert out[0]["spec"]["devices"] == [
-        {"name": "gpu-2", "capacity": {"memory": {"value": "44Gi"}}}, PLAIN]
+        {"name": "gpu-2", "attributes": {"type": {"string": "gpu"}},
+         "capacity": {"memory": {"value": "44Gi"}}}, PLAIN]
     assert SHAREABLE["allowMultipleAllocations"] is True  # the agent's pool is left alone
     assert dropped_fields(pool[0], out[0]) == (
         "spec.devices[].allowMultipleAllocations",
+        "spec.devices[].attributes.shareable",
         "spec.devices[].capacity.memory.requestPolicy")
 
 
