@@ -6,6 +6,8 @@ example says it must be)."""
 
 from __future__ import annotations
 
+import json
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -245,3 +247,63 @@ def test_full_gpu_example_selects_on_memory(least: str, fits: bool,
                       classes=documents(CLASSES), claims=[claim],
                       feature_gates=DRA_GATES[version])
     assert answer.allocated is fits, answer.reason
+
+
+@pytest.mark.parametrize(("version", "kept"), [("1.34", False), ("1.37", True)])
+def test_extended_resource_name_is_kept_only_where_the_feature_is(
+        version: str, kept: bool, kube_apiservers: StartApiServer) -> None:
+    """The shipped GPU class with ``extendedResourceName: nvidia.com/gpu`` (what the Helm
+    chart's ``deviceClasses.gpu.extendedResourceName`` sets): a 1.37 server keeps it
+    (DRAExtendedResource, GA); a 1.34 server, where the gate is alpha and off, accepts the
+    class and drops the field silently, so a legacy pod there stays pending on a resource no
+    node has (docs/kubernetes.md, "Pods that ask for nvidia.com/gpu")."""
+    server = kube_apiservers(version)
+    [gpu] = [d for d in documents(CLASSES) if d["metadata"]["name"] == "gpu.nodeagent.dev"]
+    assert "extendedResourceName" not in gpu["spec"]  # absent as shipped
+    legacy = {**gpu, "spec": {**gpu["spec"], "extendedResourceName": "nvidia.com/gpu"}}
+    stored = json.loads(server.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-",
+                                       stdin=json.dumps(legacy)).stdout)
+    assert stored["spec"].get("extendedResourceName") == ("nvidia.com/gpu" if kept else None)
+    assert stored["spec"]["selectors"] == gpu["spec"]["selectors"]
+
+
+DOC = ROOT / "docs" / "kubernetes.md"
+
+
+def documented_attribute_examples() -> list[tuple[str, str]]:
+    """(attribute, example value) pairs of docs/kubernetes.md's attribute table, for the rows
+    on whole GPUs ("all", "GPUs"): the row's attribute names paired in order with its
+    backticked examples; a name without its own domain gets the row's first one's, and a
+    pattern (``GPU-…``) is no value."""
+    section = DOC.read_text().split("## Attributes and capacity to select on", 1)[1]
+    pairs = []
+    for line in section.split("\n\n## ", 1)[0].splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 4 or not cells[0].startswith("`"):
+            continue
+        if not cells[3].startswith(("all", "GPUs")):
+            continue
+        names = re.findall(r"`([^`]+)`", cells[0])
+        domain = names[0].rsplit("/", 1)[0] + "/" if "/" in names[0] else ""
+        names = [n if "/" in n else domain + n for n in names]
+        for name, value in zip(names, re.findall(r"`([^`]+)`", cells[2]), strict=False):
+            if "…" not in value and "<" not in value:
+                pairs.append((name, value))
+    return pairs
+
+
+def test_the_documented_attribute_examples_are_what_a_dgx_h100_publishes(
+        agent_node: StartAgent) -> None:
+    """Each example value in docs/kubernetes.md's attribute table is what a real agent on a
+    simulated DGX H100 publishes for its first GPU (with ``--gpu-shares`` for ``shareable``),
+    so a selector copied from the table matches: nvlinkBandwidth 450 GB/s per direction, not
+    NVLink 4's 900 GB/s total."""
+    examples = documented_attribute_examples()
+    assert ("nvlinkBandwidth", "450") in examples and ("shareable", "true") in examples
+    agent = agent_node("dgx-h100", node_name=NODE, extra=("--gpu-shares",))
+    gpu0 = devices_of(slices_of(agent, SLICE_RULES[VERSIONS[-1]]))["gpu-0"]
+    published = {name: next(iter(v.values())) for name, v in gpu0["attributes"].items()}
+    for name, value in examples:
+        shown = str(published.get(name)).lower() if isinstance(published.get(name), bool) \
+            else str(published.get(name))
+        assert shown == value, f"docs/kubernetes.md shows {name} = {value}; published: {shown}"

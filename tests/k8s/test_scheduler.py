@@ -214,17 +214,23 @@ def test_example_lands_on_the_node_kind_it_is_meant_for(example: str, meant_for:
                 assert [r.get("consumedCapacity") for r in results] == [{"memory": "10Gi"}]
 
 
-@pytest.mark.parametrize("resource", ["nvidia.com/gpu", "gpu.nodeagent.dev/gpu"])
-def test_legacy_pod_gets_gpus_through_dra(resource: str, cluster: Cluster) -> None:
-    """With ``extendedResourceName`` on the shipped gpu.nodeagent.dev class, an unchanged pod
-    asking for ``resources.limits: {<name>: 2}`` is bound to a node whose allocatable has no
-    such resource: kube-scheduler creates a claim of its own for two whole GPUs of that node,
-    names it in ``status.extendedResourceClaimStatus``, and kubelet's DRA manager prepares
-    it through the plugin (two CDI devices for the container)."""
+@pytest.mark.parametrize(("resource", "configured"), [
+    ("nvidia.com/gpu", True), ("gpu.nodeagent.dev/gpu", True),
+    # Every class's implicit name (KEP-5004), with nothing configured.
+    ("deviceclass.resource.kubernetes.io/gpu.nodeagent.dev", False)])
+def test_legacy_pod_gets_gpus_through_dra(resource: str, configured: bool,
+                                          cluster: Cluster) -> None:
+    """With ``extendedResourceName`` on the shipped gpu.nodeagent.dev class (or its implicit
+    name), an unchanged pod asking for ``resources.limits: {<name>: 2}`` is bound to a node
+    whose allocatable has no such resource: kube-scheduler creates a claim of its own for
+    two whole GPUs of that node, names it in ``status.extendedResourceClaimStatus``, and
+    kubelet's DRA manager prepares it through the plugin (two CDI devices for the
+    container)."""
     server = cluster.server
-    server.kubectl("patch", "deviceclass", "gpu.nodeagent.dev", "--type=merge", "-p",
-                   json.dumps({"spec": {"extendedResourceName": resource}}))
-    namespace = "legacy-" + resource.replace("/", "-").replace(".", "-")
+    if configured:
+        server.kubectl("patch", "deviceclass", "gpu.nodeagent.dev", "--type=merge", "-p",
+                       json.dumps({"spec": {"extendedResourceName": resource}}))
+    namespace = "legacy-" + resource.replace("/", "-").replace(".", "-")[-40:]
     ensure_namespace(server, namespace)
     try:
         create(server, f"/api/v1/namespaces/{namespace}/pods", {
@@ -250,6 +256,6 @@ def test_legacy_pod_gets_gpus_through_dra(resource: str, cluster: Cluster) -> No
         unprepared = kubelet.unprepare(f"{namespace}/cuda")
         assert unprepared["ok"], unprepared
     finally:
-        server.kubectl("patch", "deviceclass", "gpu.nodeagent.dev", "--type=json", "-p",
-                       '[{"op": "remove", "path": "/spec/extendedResourceName"}]',
-                       check=False)
+        if configured:
+            server.kubectl("patch", "deviceclass", "gpu.nodeagent.dev", "--type=json", "-p",
+                           '[{"op": "remove", "path": "/spec/extendedResourceName"}]')
