@@ -260,7 +260,9 @@ def test_extended_resource_name_is_kept_only_where_the_feature_is(
     server = kube_apiservers(version)
     [gpu] = [d for d in documents(CLASSES) if d["metadata"]["name"] == "gpu.nodeagent.dev"]
     assert "extendedResourceName" not in gpu["spec"]  # absent as shipped
-    legacy = {**gpu, "spec": {**gpu["spec"], "extendedResourceName": "nvidia.com/gpu"}}
+    # Under a name of its own: the shared server may hold the shipped class already.
+    legacy = {**gpu, "metadata": {"name": "extended-probe.nodeagent.dev"},
+              "spec": {**gpu["spec"], "extendedResourceName": "nvidia.com/gpu"}}
     stored = json.loads(server.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-",
                                        stdin=json.dumps(legacy)).stdout)
     assert stored["spec"].get("extendedResourceName") == ("nvidia.com/gpu" if kept else None)
