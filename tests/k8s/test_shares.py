@@ -196,6 +196,8 @@ def test_a_134_server_without_the_gate_gets_whole_gpus(kube_apiservers: StartApi
     gpus = [d for s in published for d in s["spec"]["devices"]]
     assert len(gpus) == 4
     assert not any(d.get("allowMultipleAllocations") for d in gpus), gpus
+    # Nor the attribute class share.nodeagent.dev selects: a share asked of it stays pending.
+    assert not any("shareable" in d["attributes"] for d in gpus), gpus
     assert not any("requestPolicy" in d["capacity"]["memory"] for d in gpus), gpus
     status, body = running.plugin.readyz()
     assert status == 503 and "published whole, not shareable" in str(body), body
