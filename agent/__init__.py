@@ -1,3 +1,3 @@
 """gpu-node-agent: the per-node agent that owns a node's NVIDIA GPUs for the cluster."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

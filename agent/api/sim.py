@@ -110,7 +110,18 @@ async def reset_gpu(request: web.Request) -> web.Response:
     await asyncio.to_thread(_sim(request).reset_gpu, uuid)
     ctx.node.session.clear_lost(uuid)
     ctx.node.health.clear(uuid, why="GPU reset")
+    await _after_reload(request, reset=frozenset({uuid}))
     return web.Response(status=204)
+
+
+async def _after_reload(request: web.Request, *, reset: frozenset[str] = frozenset()) -> None:
+    """What the agent does at start-up after a real driver reload or reset, done now: the
+    agent keeps running through the simulator's, so it re-reads the inventory and re-applies
+    the MIG geometry the reload emptied (``mig.reapply``) instead of finding it changed
+    behind its back at the next drift check."""
+    node = request.app[AGENT].node
+    await node.inventory.refresh()
+    await node.mig.reconcile(reset=reset)
 
 
 async def reload_driver(request: web.Request) -> web.Response:
@@ -119,4 +130,5 @@ async def reload_driver(request: web.Request) -> web.Response:
     for gpu in ctx.node.inventory.gpus:
         ctx.node.session.clear_lost(gpu.uuid)
         ctx.node.health.clear(gpu.uuid, why="driver reloaded")
+    await _after_reload(request)
     return web.Response(status=204)

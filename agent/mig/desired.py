@@ -1,8 +1,9 @@
 """The geometry last applied to each GPU, remembered durably (``<state>/mig/desired.json``) with
-the boot it was applied on: re-applied at start-up after a reboot or driver reload emptied the
-GPU, and reported as drift (event, metric, ``GET /v1/gpus/{gpu}/mig``) when the hardware
-shows something else, which is never overwritten. The claims' slices made on demand are not
-part of it."""
+the boot and the GPU's energy counter it was applied at: re-applied at start-up after a reboot
+(the boot id changed) or a driver reload (NVML's energy counter, which restarts from zero with
+the driver, is below what was recorded; the boot id stays) emptied the GPU, and reported as
+drift (event, metric, ``GET /v1/gpus/{gpu}/mig``) when the hardware shows something else,
+which is never overwritten. The claims' slices made on demand are not part of it."""
 
 from __future__ import annotations
 
@@ -57,8 +58,13 @@ class DesiredGeometry:
 
     async def remember(self, gpu: str, target: Geometry) -> None:
         """``target`` (without the claims' slices) is now what ``gpu`` should show."""
-        await self.records.set(gpu, {"geometry": self.static(gpu, target).to_dict(),
-                                     "boot_id": boot_id(self._proc_root)})
+        record: dict[str, Any] = {"geometry": self.static(gpu, target).to_dict(),
+                                  "boot_id": boot_id(self._proc_root)}
+        found = next((g for g in self._inventory.gpus if g.uuid == gpu), None)
+        energy = await self._devices.energy_mj(found) if found is not None else None
+        if energy is not None:
+            record["energy_mj"] = energy
+        await self.records.set(gpu, record)
         self._clear(gpu)
 
     def static(self, gpu: str, geometry: Geometry) -> Geometry:
@@ -69,9 +75,10 @@ class DesiredGeometry:
         return Geometry(mig_enabled=geometry.mig_enabled, instances=tuple(
             i for i in geometry.instances if (i.profile, i.placement) not in dynamic))
 
-    async def reconcile(self, request: Reapply) -> None:
+    async def reconcile(self, request: Reapply, *, reset: frozenset[str] = frozenset()) -> None:
         """At start-up: re-apply after a reboot or driver reload emptied a GPU; report (never
-        overwrite) a change made behind the agent's back."""
+        overwrite) a change made behind the agent's back. ``reset``: GPUs the agent knows were
+        just reset (the simulator's reset), emptied as by a reload."""
         for gpu in self._inventory.gpus:
             record = self.records.get(gpu.uuid)
             if not gpu.static.mig_capable or record is None or \
@@ -80,7 +87,8 @@ class DesiredGeometry:
             want, actual = await self._compare(gpu, record)
             if actual is None:
                 continue
-            rebooted = record.get("boot_id") != boot_id(self._proc_root)
+            rebooted = record.get("boot_id") != boot_id(self._proc_root) or \
+                gpu.uuid in reset or await self._reloaded(gpu, record)
             if rebooted and not actual.instances and self._reapply:
                 self._events.append("mig.reapply", f"GPU {gpu.index}: the node rebooted or "
                                     f"the driver reloaded; re-applying {layout(want)}",
@@ -93,6 +101,16 @@ class DesiredGeometry:
                 continue
             self._set(gpu, f"hardware shows {layout(actual)}, the agent last applied "
                            f"{layout(want)}; left as it is")
+
+    async def _reloaded(self, gpu: Gpu, record: dict[str, Any]) -> bool:
+        """Whether the driver was reloaded since ``record`` was written: the GPU's energy
+        counter only grows while one driver stays loaded. Unknown (no counter, or a record
+        from before it was kept) is not a reload: the change is reported, never re-applied."""
+        recorded = record.get("energy_mj")
+        if not isinstance(recorded, int) or isinstance(recorded, bool):
+            return False
+        now = await self._devices.energy_mj(gpu)
+        return now is not None and now < recorded
 
     async def check_drift(self) -> None:
         """The periodic part of :meth:`reconcile`: report GPUs changed behind our back."""

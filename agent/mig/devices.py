@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.durable import FileKind, fsync_dir, write_durable
-from agent.errors import DeviceBusy, DeviceUnavailable, NotFound
+from agent.errors import DeviceBusy, DeviceUnavailable, NotFound, NvmlError
 from agent.events import EventLog
 from agent.gpu import mig
 from agent.gpu.session import NvmlSession
@@ -98,6 +98,19 @@ class MigDevices:
     async def geometry(self, gpu: Gpu) -> Geometry:
         """The GPU's geometry from a fresh NVML walk (read pool)."""
         return await self._session.read(self._mutator(gpu).geometry)
+
+    async def energy_mj(self, gpu: Gpu) -> int | None:
+        """NVML's total energy counter of the GPU, which counts from zero again whenever the
+        driver loads (the one NVML reading that tells a driver reload from the same driver);
+        None where the GPU has none (before Volta) or the read fails."""
+        def read() -> int:
+            handle = self._session.gpu_handle(gpu.uuid)
+            return int(self._session.call("nvmlDeviceGetTotalEnergyConsumption", handle,
+                                          gpu=gpu.uuid))
+        try:
+            return await self._session.read(read)
+        except NvmlError:
+            return None
 
     async def processes(self, gpu: Gpu) -> tuple[GpuProcess, ...]:
         def read() -> tuple[GpuProcess, ...]:

@@ -145,9 +145,10 @@ class MigService:
         """Resolve every open journal entry (before the agent reports ready)."""
         await self._recovery.recover()
 
-    async def reconcile(self) -> None:
-        """Re-apply the remembered geometry where a reboot emptied a GPU; report drift."""
-        await self.desired.reconcile(self._reapply)
+    async def reconcile(self, *, reset: frozenset[str] = frozenset()) -> None:
+        """Re-apply the remembered geometry where a reboot, a driver reload or a reset of
+        ``reset`` emptied a GPU; report drift."""
+        await self.desired.reconcile(self._reapply, reset=reset)
 
     async def check_drift(self) -> None:
         await self.desired.check_drift()

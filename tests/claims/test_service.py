@@ -203,7 +203,7 @@ async def test_restart_rolls_back_half_done_prepares(tmp_path: Path) -> None:
 async def test_a_reboot_marks_claims_lost(tmp_path: Path) -> None:
     node = await open_services(tmp_path)
     await node.claims.prepare("c1", [gpu("0")], {})
-    node.sim.reload_driver()  # what a reboot does to the simulated node: a new boot id
+    node.sim.reboot()  # a new boot id
     await node.close()
     node = await open_services(tmp_path)
     try:

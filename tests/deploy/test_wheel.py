@@ -11,6 +11,7 @@ import sys
 import tomllib
 import urllib.request
 import venv
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,9 @@ def test_wheel_installs_with_constraints_and_serves(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--wheel-dir",
                     str(wheels), str(ROOT)], check=True, timeout=180, cwd=tmp_path)
     (wheel,) = wheels.glob("gpu_node_agent-*.whl")
+    # The licence file pyproject names travels in the wheel (PEP 639: dist-info/licenses/).
+    assert any(n.endswith(".dist-info/licenses/LICENSE")
+               for n in zipfile.ZipFile(wheel).namelist())
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
     pip = [str(env_dir / "bin" / "python"), "-m", "pip", "install", "-q"]

@@ -266,6 +266,8 @@ async def test_recovery_finishes_or_rolls_back_an_open_entry(node: Node) -> None
 
 async def test_driver_reload_reapplies_and_drift_is_reported(tmp_path: Path) -> None:
     node = await _open(tmp_path)
+    for gpu_state in node.sim.hardware.state.gpus:  # a driver loaded long ago
+        gpu_state.energy_mj = 10**12
     await node.change(BALANCED)
     applied = _layout(await node.geometry())
     await node.services.stop()

@@ -491,13 +491,19 @@ class SimulatedHardware:
             del self._activity[key]
 
     def reload_driver(self) -> None:
-        """Unload and load the kernel driver: every GPU reset; Hopper forgets MIG mode."""
+        """Unload and load the kernel driver: every GPU reset; Hopper forgets MIG mode; the
+        energy counters start again from zero (NVML counts them since the driver loaded). The
+        kernel's boot id stays: only a reboot (:meth:`reboot`) changes it."""
         now = time.time()
         for gpu in self.state.gpus:
             self.reset(gpu)
             if not self.model.mig_mode_survives_reload:
                 gpu.mig_current = gpu.mig_pending = pynvml.NVML_DEVICE_MIG_DISABLE
             gpu.energy_mj, gpu.energy_at = 0, now
+
+    def reboot(self) -> None:
+        """The node boots again: the driver loads afresh and the kernel has a new boot id."""
+        self.reload_driver()
         self.state.boot_id = str(uuid.uuid4())
 
     # -- events ----------------------------------------------------------------------------

@@ -459,8 +459,16 @@ class SimulatedNode:
             hw.commit()
 
     def reload_driver(self, *, kill_processes: bool = False) -> None:
-        """Unload and reload the driver (every GPU reset, Hopper MIG mode back to disabled,
-        new boot id). Running processes block it unless ``kill_processes`` (a reboot)."""
+        """Unload and reload the driver (every GPU reset, Hopper MIG mode back to disabled;
+        the boot id stays, as on a real node). Running processes block it unless
+        ``kill_processes``."""
+        self._reload(kill_processes=kill_processes, reboot=False)
+
+    def reboot(self) -> None:
+        """Boot the node again: every process gone, the driver loaded afresh, a new boot id."""
+        self._reload(kill_processes=True, reboot=True)
+
+    def _reload(self, *, kill_processes: bool, reboot: bool) -> None:
         hw = self.hardware
         with hw.lock:
             hw.prune_mps()
@@ -470,7 +478,10 @@ class SimulatedNode:
                     f"processes {busy} hold the GPUs; the driver cannot be unloaded", pids=busy)
             hw.state.processes.clear()
             hw.state.mps_servers.clear()
-            hw.reload_driver()
+            if reboot:
+                hw.reboot()
+            else:
+                hw.reload_driver()
             hw.commit()
             procfs.write_boot_id(self.proc_root, hw.state.boot_id)
 

@@ -111,16 +111,24 @@ def test_disabling_with_gpu_instances_is_in_use(h100: SimulatedNode) -> None:
 
 
 def test_reload_driver_hopper_forgets_mode_and_instances(h100: SimulatedNode) -> None:
-    """A driver reload on Hopper disables MIG, drops instances and changes the boot id."""
+    """A driver reload on Hopper disables MIG and drops instances; the energy counter starts
+    again from zero (NVML counts it since the driver loaded); the kernel's boot id stays, as
+    on a real node (issue 24: it used to change)."""
     handle = enable_mig(h100)
     gi = create_gi(h100, handle, 9)
     boot = h100.boot_id
+    h100.hardware.state.gpus[0].energy_mj = 10**9
+    before = h100.nvml.nvmlDeviceGetTotalEnergyConsumption(handle)
     h100.reload_driver()
     assert h100.nvml.nvmlDeviceGetMigMode(handle) == [DISABLE, DISABLE]
-    assert h100.boot_id != boot
-    assert (h100.proc_root / "sys/kernel/random/boot_id").read_text() == f"{h100.boot_id}\n"
+    assert h100.nvml.nvmlDeviceGetTotalEnergyConsumption(handle) < before
+    assert h100.boot_id == boot
+    assert (h100.proc_root / "sys/kernel/random/boot_id").read_text() == f"{boot}\n"
     with pytest.raises(pynvml.NVMLError_InvalidArgument):
         h100.nvml.nvmlGpuInstanceGetInfo(gi)
+    h100.reboot()  # only a reboot changes the boot id
+    assert h100.boot_id != boot
+    assert (h100.proc_root / "sys/kernel/random/boot_id").read_text() == f"{h100.boot_id}\n"
 
 
 def test_reload_driver_ampere_keeps_mode_and_applies_pending(a100: SimulatedNode) -> None:
