@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from agent.quantity import QuantityError, kubernetes_value, quantity_of
+
 _MIG = re.compile(r"^gpu-(0|[1-9][0-9]*)-mig-([a-z0-9]+)-(0|[1-9][0-9]*)-(0|[1-9][0-9]*)\Z")
 _GPU = re.compile(r"^gpu-(0|[1-9][0-9]*)\Z")
 
@@ -66,33 +68,20 @@ def shareable_mib(total_mib: int) -> int:
     return max(0, total_mib) // 1024 * 1024
 
 
-_QUANTITY = re.compile(r"^([0-9]{1,19})(?:\.([0-9]{1,9}))?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?\Z")
-_QUANTITY_SCALE = {None: 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50,
-                   "Ei": 2**60, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
-                   "E": 10**18}
 #: Above any GPU's memory by far (1 EiB): a bigger quantity is a mistake, not a request.
 MAX_QUANTITY_BYTES = 2**60
 
 
 def quantity_mib(value: object) -> int:
     """A memory quantity as whole MiB, rounded up: integer bytes, or a Kubernetes quantity
-    string in the forms an API server writes memory (``10Gi``, ``512Mi``, ``1.5Gi``,
-    ``10737418240``, ``10G``). ValueError says why anything else is refused (zero, negative,
-    above 1 EiB, exponents, milli-bytes); a bool is not a number here."""
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ValueError("a memory quantity is integer bytes or a string like '10Gi'")
-    if isinstance(value, int):
-        total = value
-    else:
-        match = _QUANTITY.match(value)
-        if match is None:
-            raise ValueError(f"{value[:40]!r} is not a memory quantity like '10Gi', '512Mi' "
-                             "or integer bytes")
-        scale = _QUANTITY_SCALE[match[3]]
-        fraction = match[2] or ""
-        # Exact integer arithmetic: '1.5Gi' is 1610612736 bytes, rounded up to whole bytes.
-        numerator = (int(match[1]) * 10**len(fraction) + int(fraction or 0)) * scale
-        total = -(-numerator // 10**len(fraction))
+    in any form Kubernetes accepts (``10Gi``, ``1.5Gi``, ``10737418240``, ``10G``, ``1e9``;
+    :mod:`agent.quantity`), its bytes rounded up as ``Quantity.Value()`` does. ValueError
+    says why anything else is refused (not a quantity, zero or negative, above 1 EiB); a bool
+    is not a number here."""
+    try:
+        total = kubernetes_value(quantity_of(value))
+    except QuantityError as err:
+        raise ValueError(f"not a memory quantity: {err}") from None
     if total <= 0:
         raise ValueError("a memory quantity must be above zero")
     if total > MAX_QUANTITY_BYTES:

@@ -27,6 +27,7 @@ LAYER_OF = {
     "agent.logs": "foundation",
     "agent.events": "foundation",
     "agent.device_names": "foundation",
+    "agent.quantity": "foundation",
     "agent.settings": "foundation",
     "agent.readiness": "foundation",
     "cdi": "foundation",

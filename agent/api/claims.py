@@ -23,10 +23,10 @@ from agent.api.context import AGENT
 from agent.api.models import PlacementModel, Strict
 from agent.api.node import require_ready
 from agent.api.routing import json_response
-from agent.claims.checkpoint import ClaimRecord, PreparedDevice
+from agent.claims.checkpoint import ClaimRecord, MpsDaemonRecord, PreparedDevice
 from agent.claims.requests import DeviceRequest
 from agent.claims.service import ClaimService
-from agent.claims.sharing import MpsConfig, SharingConfig
+from agent.claims.sharing import MpsConfig, SharingConfig, pinned_limit_mib
 from agent.device_names import ascii_integer, parse_device_name, quantity_mib
 from agent.errors import InvalidRequest
 
@@ -48,6 +48,13 @@ Quantity = Annotated[int, BeforeValidator(_mib), WithJsonSchema({
     "description": "A memory quantity: integer bytes or a Kubernetes quantity ('10Gi')"})]
 
 
+#: An MPS pinned limit: whole MiB as NVIDIA's driver computes it (rounded down, at least 1).
+PinnedLimit = Annotated[int, BeforeValidator(pinned_limit_mib), WithJsonSchema({
+    "oneOf": [{"type": "integer", "minimum": 1048576}, {"type": "string", "examples": ["10Gi"]}],
+    "description": "A memory quantity (integer bytes or a Kubernetes quantity, '10Gi'), "
+    "applied in whole MiB rounded down as NVIDIA's driver does; below 1 MiB is refused"})]
+
+
 class TimeSlicingConfigIn(Strict):
     interval: Literal["Default", "Short", "Medium", "Long"] = "Default"
 
@@ -57,13 +64,13 @@ class MpsConfigIn(Strict):
 
     default_active_thread_percentage: int | None = Field(
         default=None, ge=1, le=100, alias="defaultActiveThreadPercentage")
-    default_pinned_device_memory_limit: Quantity | None = Field(
+    default_pinned_device_memory_limit: PinnedLimit | None = Field(
         default=None, alias="defaultPinnedDeviceMemoryLimit")
     default_per_device_pinned_memory_limit: dict[
-        Annotated[str, Field(min_length=1, max_length=96)], Quantity] | None = Field(
+        Annotated[str, Field(min_length=1, max_length=96)], PinnedLimit] | None = Field(
         default=None, max_length=16, alias="defaultPerDevicePinnedMemoryLimit",
-        description="Per device (a UUID, or an index into the claim's sorted MPS device "
-        "UUIDs): overrides the default limit")
+        description="Per device (a UUID, or an index into the sorted UUIDs of the devices "
+        "this config applies to): overrides the default limit")
 
 
 class SharingIn(Strict):
@@ -233,6 +240,11 @@ class MpsDaemonModel(BaseModel):
     state: Literal["starting", "running", "failed"]
     reason: str | None
 
+    @classmethod
+    def of(cls, daemon: MpsDaemonRecord) -> MpsDaemonModel:
+        return cls(root=daemon.root, pipe_directory=daemon.root + "/pipe",
+                   devices=list(daemon.devices), state=daemon.state, reason=daemon.reason)
+
 
 class MigInstanceModel(BaseModel):
     profile: str | None = Field(description="The MIG profile (1g.10gb); null only when the "
@@ -313,7 +325,10 @@ class ClaimModel(BaseModel):
     issued_at_ns: int | None = Field(description="The newest stamp of a prepare this claim "
                                      "answered (" + STAMP_DESCRIPTION + ")")
     mps: MpsDaemonModel | None = Field(default=None, description="The claim's MPS control "
-                                       "daemon, when any device of it runs under MPS")
+                                       "daemon, when any device of it runs under MPS (the "
+                                       "first, when it has several)")
+    mps_daemons: list[MpsDaemonModel] = Field(
+        default=[], description="Every MPS control daemon of the claim: one per MPS config")
 
     @classmethod
     def of(cls, record: ClaimRecord, pool: str,
@@ -324,9 +339,8 @@ class ClaimModel(BaseModel):
             updated_at=record.updated_at, lost_reason=record.lost_reason,
             issued_at_ns=record.issued_at_ns,
             devices=[PreparedDeviceModel.of(d, pool, profiles) for d in record.devices],
-            mps=MpsDaemonModel(root=record.mps.root, pipe_directory=record.mps.root + "/pipe",
-                               devices=list(record.mps.devices), state=record.mps.state,
-                               reason=record.mps.reason) if record.mps is not None else None)
+            mps=MpsDaemonModel.of(record.mps) if record.mps is not None else None,
+            mps_daemons=[MpsDaemonModel.of(d) for d in record.daemons()])
 
 
 class ClaimList(BaseModel):

@@ -8,7 +8,7 @@ import hashlib
 import logging
 import os
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from agent.claims.checkpoint import PreparedDevice
@@ -199,15 +199,17 @@ class CdiWriter:
         return [p for p in paths if not os.path.exists(f"{self._dev_prefix}/{p.lstrip('/')}")]
 
     def write_claim(self, uid: str, devices: Sequence[tuple[PreparedDevice, int]], *,
-                    mps_root: Path | None = None) -> Path:
+                    mps_roots: Mapping[str, Path] | None = None) -> Path:
         """The claim's transient spec (``k8s.gpu.nodeagent.dev-claim_<uid>.json``); a device
-        under the claim's MPS daemon (``mps_root``) also gets its pipe and shm directories."""
+        under one of the claim's MPS daemons (``mps_roots``: each daemon's directory by device
+        UUID) also gets that daemon's pipe and shm directories."""
         def edits(device: PreparedDevice, minor: int) -> ContainerEdits:
             own = self.device_edits(device, minor)
             state = device.sharing_state
-            if mps_root is None or state is None or state.strategy != "MPS":
+            root = (mps_roots or {}).get(device.uuid or device.gpu)
+            if root is None or state is None or state.strategy != "MPS":
                 return own
-            return with_mps(own, mps_root)
+            return with_mps(own, root)
         spec = build_spec(CLAIM_KIND, [
             NamedEdits((claim_device(uid, d.device_name),), edits(d, minor))
             for d, minor in devices], self._common())

@@ -128,6 +128,17 @@ class ClaimRecord(_Record):
         default=None, description="The newest ordering stamp (CLOCK_BOOTTIME ns of this boot) "
         "of a prepare this claim answered; None when no caller stamped one")
     mps: MpsDaemonRecord | None = None
+    # One daemon per MPS config: the first in ``mps``, the others beside it, so an older agent
+    # reading this file still finds (and stops) the first and ignores the new field.
+    mps_more: list[MpsDaemonRecord] = Field(
+        default=[], description="The claim's MPS daemons after the first (``mps``)")
+
+    def daemons(self) -> list[MpsDaemonRecord]:
+        """Every MPS daemon of the claim (one per MPS config), the first first."""
+        return [self.mps, *self.mps_more] if self.mps is not None else list(self.mps_more)
+
+    def set_daemons(self, daemons: list[MpsDaemonRecord]) -> None:
+        self.mps, self.mps_more = (daemons[0], daemons[1:]) if daemons else (None, [])
 
 
 class CheckpointData(_Record):

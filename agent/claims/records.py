@@ -52,11 +52,12 @@ def sharing_record(device: DevicePlan | None) -> DeviceSharingRecord | None:
 
 def has_effects(record: ClaimRecord) -> bool:
     """Whether undoing the claim touches the hardware beyond its holds and spec."""
-    return record.mps is not None or any(d.sharing_state is not None for d in record.devices)
+    return bool(record.daemons()) or any(d.sharing_state is not None for d in record.devices)
 
 
-def mps_root(record: ClaimRecord) -> Path | None:
-    return Path(record.mps.root) if record.mps is not None else None
+def mps_roots(record: ClaimRecord) -> dict[str, Path]:
+    """The directory of the MPS daemon serving each of the claim's MPS devices, by UUID."""
+    return {uuid: Path(daemon.root) for daemon in record.daemons() for uuid in daemon.devices}
 
 
 def present(device: PreparedDevice, gpus: Mapping[str, Gpu]) -> bool:

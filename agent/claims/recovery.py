@@ -27,7 +27,7 @@ from agent.claims.checkpoint import (
 )
 from agent.claims.daemons import DaemonSupervisor
 from agent.claims.locks import ClaimLocks
-from agent.claims.records import UNBOUNDED, claim_details, hold_of, mps_root, present
+from agent.claims.records import UNBOUNDED, claim_details, hold_of, mps_roots, present
 from agent.claims.sharing_runtime import SharingRuntime
 from agent.durable import write_atomic
 from agent.errors import AgentError, CheckpointUnusable, Conflict, NotFound
@@ -178,10 +178,10 @@ class ClaimRecovery:
             path = await asyncio.to_thread(partial(
                 self._cdi.write_claim, record.uid,
                 [(d, gpus[d.gpu].static.minor) for d in record.devices],
-                mps_root=mps_root(record)))
+                mps_roots=mps_roots(record)))
             owned.add(str(path))
             await self._reapply_sharing(record)
-            if record.mps is not None:
+            if record.daemons():
                 await self._daemons.adopt(record)
         for path in await asyncio.to_thread(self._cdi.claim_specs):
             if str(path) not in owned:

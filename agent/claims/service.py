@@ -30,7 +30,7 @@ from agent.claims.checkpoint import ClaimCheckpoint, ClaimRecord
 from agent.claims.daemons import DaemonSupervisor
 from agent.claims.locks import ClaimLocks
 from agent.claims.node_spec import NodeSpec
-from agent.claims.records import claim_details, has_effects, mps_root
+from agent.claims.records import claim_details, has_effects, mps_roots
 from agent.claims.recovery import ClaimRecovery
 from agent.claims.requests import DeviceNames, DeviceRequest, digest, resourceslice_name_errors
 from agent.claims.sharing import SharingPlan, Target, plan
@@ -139,13 +139,15 @@ class ClaimService:
                         device.share is None and (state is None or state.strategy != "MPS")):
                     continue
                 counted = device.share is not None and device.share.counted
-                used = await self.sharing.used_mib(record.mps, gpu.uuid) \
-                    if record.mps is not None else None
+                daemon = next((m for m in record.daemons() if device.uuid in m.devices
+                               or gpu.uuid in m.devices), None)
+                used = await self.sharing.used_mib(daemon, gpu.uuid) \
+                    if daemon is not None else None
                 holders.append(ShareHolder(
                     claim=record.uid, memory_mib=device.share.memory_mib if counted and
                     device.share is not None else None,
                     share_id=device.share.share_id if device.share is not None else None,
-                    used_mib=used, mps_state=record.mps.state if record.mps else None))
+                    used_mib=used, mps_state=daemon.state if daemon else None))
                 taken += device.share.memory_mib if counted and device.share is not None \
                     else shareable_mib(gpu.static.memory_total_mib)
         if not holders:
@@ -312,7 +314,7 @@ class ClaimService:
         """Record the claim (``prepare_started``, with its sharing intent and daemon) durably,
         then set compute modes and time slices and start its daemon: a crash from here on is
         rolled back at start-up, resetting exactly what the record says it may have set."""
-        record.mps = self.sharing.daemon_record(record.uid, shared)
+        record.set_daemons(self.sharing.daemon_records(record.uid, shared))
         self.checkpoint.data.claims[record.uid] = record
         await self.checkpoint.commit()
         await self.sharing.apply(record)
@@ -355,7 +357,7 @@ class ClaimService:
         # tmpfs on hosts (tens of microseconds); handing it to a thread cost more than that.
         try:
             self.cdi.write_claim(record.uid, [(d, minors[d.gpu]) for d in record.devices],
-                                 mps_root=mps_root(record))
+                                 mps_roots=mps_roots(record))
         except BaseException:
             await asyncio.gather(committed, confirmed, return_exceptions=True)
             raise

@@ -11,9 +11,13 @@ The rules (docs/sharing.md):
 - ``TimeSlicing`` applies to full GPUs only (the interval is GPU-wide): refused on a MIG device
   and on a share of a GPU;
 - ``MPS`` applies to full GPUs (held exclusively, compute mode ``EXCLUSIVE_PROCESS``) and to
-  MIG devices (compute mode untouched); one control daemon per claim serves all its MPS
-  devices, so they must agree on ``defaultActiveThreadPercentage`` (a daemon-wide default);
-- a pinned memory limit is at most the device's memory (a share's: the share);
+  MIG devices (compute mode untouched); as in NVIDIA's driver, each MPS config gets a control
+  daemon of its own for the devices it applies to (:func:`config_groups`), with its own
+  directories and limits, so two configs of one claim are isolated from each other;
+- a pinned memory limit is whole MiB, rounded down, at least 1 (:func:`pinned_limit_mib`, as
+  NVIDIA's driver converts it) and at most the device's memory (a share's: the share); a
+  per-device key is a UUID or an index into the config's sorted device UUIDs, read as
+  NVIDIA's driver reads it (:func:`per_device_index`);
 - a ``capacity`` request is a counted share of a full GPU with MIG off: all of the GPU's
   shareable memory is the whole GPU (an exclusive hold, no implicit MPS); less is enforced
   with MPS: pinned limit = the share, threads = max(1, floor(100 * share / shareable)) unless
@@ -30,6 +34,7 @@ from typing import Any, Literal
 
 from agent.device_names import shareable_mib
 from agent.errors import InvalidRequest
+from agent.quantity import QuantityError, kubernetes_value, quantity_of
 
 Strategy = Literal["TimeSlicing", "MPS"]
 Interval = Literal["Default", "Short", "Medium", "Long"]
@@ -42,7 +47,7 @@ MEMORY_MIB = "memory_mib"
 @dataclass(frozen=True)
 class MpsConfig:
     """``mpsConfig``: limits in MiB; ``per_device_mib`` keys are UUIDs or indices into the
-    claim's sorted MPS device UUIDs, as NVIDIA's driver reads them."""
+    sorted UUIDs of the devices the config applies to, as NVIDIA's driver reads them."""
 
     thread_percentage: int | None = None
     pinned_mib: int | None = None
@@ -93,17 +98,25 @@ class DevicePlan:
 
 @dataclass(frozen=True)
 class DaemonIntent:
-    """The claim's one MPS control daemon: its devices (UUIDs, sorted) and limits."""
+    """One MPS control daemon of the claim (one per MPS config): its devices (UUIDs,
+    sorted), limits, and the claim's device positions it serves."""
 
     devices: tuple[str, ...]
     thread_percentage: int | None
     pinned_limits_mib: tuple[tuple[str, int], ...] = ()
+    positions: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class SharingPlan:
     devices: tuple[DevicePlan, ...] = ()
-    daemon: DaemonIntent | None = None
+    daemons: tuple[DaemonIntent, ...] = ()
+    """The claim's MPS daemons, in the order of the first device each serves."""
+
+    @property
+    def daemon(self) -> DaemonIntent | None:
+        """The first daemon (the only one, when the claim has one MPS config)."""
+        return self.daemons[0] if self.daemons else None
 
     @property
     def needs_nvidia_smi(self) -> bool:
@@ -127,8 +140,59 @@ def short_id(uid: str) -> str:
     return hashlib.sha256(uid.encode()).hexdigest()[:12]
 
 
-def daemon_root(mps_root: Path, uid: str) -> Path:
-    return mps_root / short_id(uid)
+def daemon_root(mps_root: Path, uid: str, index: int = 0) -> Path:
+    """The directory of the claim's ``index``-th MPS daemon: ``<short id>`` for the first
+    (the only one of a claim with one MPS config), ``<short id>-<index>`` for the others."""
+    return mps_root / (short_id(uid) if index == 0 else f"{short_id(uid)}-{index}")
+
+
+#: NVIDIA's driver sends pinned limits as whole MiB (``set_default_device_pinned_mem_limit
+#: <uuid> <N>M``) and refuses N = 0.
+_MIB = 2**20
+
+
+def pinned_limit_mib(value: object) -> int:
+    """An MPS pinned memory limit in whole MiB as NVIDIA's driver computes it
+    (``api/nvidia.com/resource/v1beta1/sharing.go``, ``limit.Megabyte``): the quantity's
+    ``Value()`` in bytes (rounded up), divided by 2^20 and rounded down, so ``1G`` is 953 MiB
+    and ``10M`` 9. ValueError (NVIDIA's "value set too low") for a limit below 1 MiB, zero and
+    negatives included, and for anything that is not a Kubernetes quantity."""
+    try:
+        quantity = quantity_of(value)
+    except QuantityError as err:
+        raise ValueError(f"not a memory quantity: {err}") from None
+    mib = kubernetes_value(quantity) // _MIB if quantity > 0 else 0
+    if mib < 1:
+        shown = value if isinstance(value, int) else repr(value)[:40]
+        raise ValueError(f"invalid limit: value set too low: {shown} is below 1 MiB (NVIDIA's "
+                         "driver gives MPS a pinned limit in whole MiB, rounded down, and "
+                         "refuses 0)")
+    return mib
+
+
+def per_device_index(key: str) -> int | None:
+    """A per-device key as an index, as NVIDIA's driver reads one that is not a UUID of the
+    config (Go's ``strconv.Atoi``): optional ``+``/``-``, ASCII digits, leading zeros
+    allowed (``00`` is 0), within int64; None when it is no integer."""
+    body = key[1:] if key[:1] in ("+", "-") else key
+    if not body or not body.isascii() or not body.isdigit():
+        return None
+    index = int(key)
+    return index if -2**63 <= index < 2**63 else None
+
+
+def config_groups(targets: Sequence[Target]) -> list[list[Target]]:
+    """The claim's MPS devices by the config that applies to them, one daemon each, in the
+    order of each group's first device: the devices of one kind (full GPU or MIG: NVIDIA's
+    ``GpuConfig`` and ``MigDeviceConfig`` are separate configs) with an equal ``sharing``,
+    and the partial shares without a config (the default config) together."""
+    groups: dict[tuple[object, ...], list[Target]] = {}
+    for target in targets:
+        if _mps(target):
+            key: tuple[object, ...] = ("config", target.kind, target.sharing) \
+                if target.sharing is not None else ("share",)
+            groups.setdefault(key, []).append(target)
+    return list(groups.values())
 
 
 def implicit_threads(share_mib: int, shareable: int) -> int:
@@ -139,45 +203,44 @@ def implicit_threads(share_mib: int, shareable: int) -> int:
 def plan(targets: Sequence[Target], *, dynamic_mig: bool = False) -> SharingPlan:
     """The claim's sharing plan, or :class:`InvalidRequest` listing every offending field."""
     errors = _Errors()
-    mps_uuids = sorted(t.uuid for t in targets if _mps(t))
+    groups = config_groups(targets)
+    group_of = {t.position: i for i, group in enumerate(groups) for t in group}
+    uuids_of = [sorted(t.uuid for t in group) for group in groups]
     devices: list[DevicePlan] = []
-    configured_threads: dict[int, int] = {}
     for target in targets:
-        device = _device_plan(target, mps_uuids, errors, dynamic_mig=dynamic_mig)
+        index = group_of.get(target.position)
+        device = _device_plan(target, uuids_of[index] if index is not None else [], errors,
+                              dynamic_mig=dynamic_mig)
         if device is not None:
             devices.append(device)
-            mps = target.sharing.mps if target.sharing is not None else None
-            if device.strategy == "MPS" and mps is not None and mps.thread_percentage:
-                configured_threads[target.position] = mps.thread_percentage
-    if len(set(configured_threads.values())) > 1:
-        shown = ", ".join(f"devices[{p}]: {v}" for p, v in sorted(configured_threads.items()))
-        for position in configured_threads:
-            errors.add(position, "sharing.mpsConfig.defaultActiveThreadPercentage",
-                       f"one MPS daemon serves the claim's MPS devices, so they must agree on "
-                       f"the thread percentage ({shown})")
     if errors.items:
         fields = ", ".join(e["field"] for e in errors.items)
         raise InvalidRequest(f"sharing cannot be honoured: {errors.items[0]['reason']} "
                              f"({fields})", errors.items)
-    mps_devices = [d for d in devices if d.strategy == "MPS"]
-    daemon = None
-    if mps_devices:
-        if configured_threads:
-            threads: int | None = next(iter(configured_threads.values()))
+    by_position = {d.position: d for d in devices}
+    daemons = []
+    for group in groups:
+        served = [by_position[t.position] for t in group if t.position in by_position
+                  and by_position[t.position].strategy == "MPS"]
+        if not served:
+            continue
+        config = group[0].sharing.mps if group[0].sharing is not None else None
+        if config is not None and config.thread_percentage:
+            threads: int | None = config.thread_percentage
         else:
             # Implicit (share-proportional) percentages: the daemon-wide default must not
             # give any share more than its proportion, so the smallest wins.
-            implicit = [d.thread_percentage for d in mps_devices if d.thread_percentage]
+            implicit = [d.thread_percentage for d in served if d.thread_percentage]
             threads = min(implicit) if implicit else None
-        mps_devices = [DevicePlan(**{**d.__dict__, "thread_percentage": threads})
-                       for d in mps_devices]
-        by_position = {d.position: d for d in mps_devices}
-        devices = [by_position.get(d.position, d) for d in devices]
-        daemon = DaemonIntent(
-            devices=tuple(sorted(d.uuid for d in mps_devices)), thread_percentage=threads,
-            pinned_limits_mib=tuple(sorted((d.uuid, d.pinned_mib) for d in mps_devices
-                                           if d.pinned_mib is not None)))
-    return SharingPlan(devices=tuple(devices), daemon=daemon)
+        for d in served:
+            by_position[d.position] = DevicePlan(**{**d.__dict__, "thread_percentage": threads})
+        daemons.append(DaemonIntent(
+            devices=tuple(sorted(d.uuid for d in served)), thread_percentage=threads,
+            pinned_limits_mib=tuple(sorted((d.uuid, d.pinned_mib) for d in served
+                                           if d.pinned_mib is not None)),
+            positions=tuple(d.position for d in served)))
+    return SharingPlan(devices=tuple(by_position[d.position] for d in devices),
+                       daemons=tuple(daemons))
 
 
 def _mps(target: Target) -> bool:
@@ -188,7 +251,7 @@ def _mps(target: Target) -> bool:
         target.memory_share_mib < shareable_mib(target.memory_mib)
 
 
-def _device_plan(target: Target, mps_uuids: Sequence[str], errors: _Errors, *,
+def _device_plan(target: Target, config_uuids: Sequence[str], errors: _Errors, *,
                  dynamic_mig: bool) -> DevicePlan | None:
     """One device's plan (None when it shares nothing); problems go to ``errors``."""
     sharing, share, at = target.sharing, target.memory_share_mib, target.position
@@ -239,14 +302,18 @@ def _device_plan(target: Target, mps_uuids: Sequence[str], errors: _Errors, *,
         if pinned is not None and pinned > limit_of:
             errors.add(at, "sharing.mpsConfig.defaultPinnedDeviceMemoryLimit",
                        _above(pinned, limit_of, share_mib is not None))
+        named_by: dict[str, str] = {}
         for key, value in mps.per_device_mib:
-            named = _per_device_key(key, mps_uuids)
             where = f"sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit.{key}"
+            named, why = _per_device_key(key, config_uuids)
             if named is None:
-                errors.add(at, where, f"{key!r} is neither the UUID of one of the claim's MPS "
-                           f"devices nor an index below {len(mps_uuids)} into their sorted "
-                           "UUIDs")
-            elif named == target.uuid:
+                errors.add(at, where, why)
+                continue
+            if named in named_by:
+                errors.add(at, where, f"{key!r} and {named_by[named]!r} both name {named}; "
+                           "give each device one limit")
+            named_by[named] = key
+            if named == target.uuid:
                 if value > limit_of:
                     errors.add(at, where, _above(value, limit_of, share_mib is not None))
                 pinned = value
@@ -270,12 +337,19 @@ def _above(value: int, limit: int, share: bool) -> str:
             f"({limit} MiB)")
 
 
-def _per_device_key(key: str, uuids: Sequence[str]) -> str | None:
-    """The UUID a per-device limit's key names: a UUID of the claim's, or an index into the
-    claim's sorted MPS device UUIDs."""
+def _per_device_key(key: str, uuids: Sequence[str]) -> tuple[str | None, str]:
+    """(the UUID a per-device limit's key names, or None and why), as NVIDIA's driver reads
+    the key (``uuidSet.Normalize``): a UUID of one of the config's devices, else an integer
+    index into their sorted UUIDs."""
     if key in uuids:
-        return key
-    if key.isascii() and key.isdigit() and int(key) < len(uuids) and (key == "0"
-                                                                      or key[0] != "0"):
-        return uuids[int(key)]
-    return None
+        return key, ""
+    index = per_device_index(key)
+    if index is None:
+        return None, (f"invalid device: {key[:100]!r} is neither the UUID of a device this MPS "
+                      f"config applies to ({', '.join(uuids)}) nor an integer index into "
+                      "their sorted UUIDs")
+    if not 0 <= index < len(uuids):
+        return None, (f"invalid device index: {index} (this MPS config applies to "
+                      f"{len(uuids)} device{'s' if len(uuids) != 1 else ''}, indices 0 to "
+                      f"{len(uuids) - 1} of their sorted UUIDs)")
+    return uuids[index], ""

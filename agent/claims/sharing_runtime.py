@@ -87,18 +87,18 @@ class SharingRuntime:
                 "--driver-root): MPS needs it; nothing was prepared", tool=MPS_CONTROL,
                 gpu=plan.daemon.devices[0], reason="not found or not executable")
 
-    def daemon_record(self, uid: str, plan: SharingPlan) -> MpsDaemonRecord | None:
-        """The claim's daemon as recorded before it is started (state ``starting``)."""
-        if plan.daemon is None:
-            return None
-        return MpsDaemonRecord(root=str(daemon_root(self.mps_root, uid)),
-                               devices=list(plan.daemon.devices),
-                               thread_percentage=plan.daemon.thread_percentage,
-                               pinned_limits_mib=dict(plan.daemon.pinned_limits_mib))
+    def daemon_records(self, uid: str, plan: SharingPlan) -> list[MpsDaemonRecord]:
+        """The claim's daemons (one per MPS config) as recorded before they are started
+        (state ``starting``), each in a directory of its own."""
+        return [MpsDaemonRecord(root=str(daemon_root(self.mps_root, uid, i)),
+                                devices=list(daemon.devices),
+                                thread_percentage=daemon.thread_percentage,
+                                pinned_limits_mib=dict(daemon.pinned_limits_mib))
+                for i, daemon in enumerate(plan.daemons)]
 
     async def apply(self, record: ClaimRecord) -> None:
         """Carry out what ``record`` intends (recorded durably by the caller first): per
-        full GPU, compute mode then time slice, then the claim's daemon. Raises
+        full GPU, compute mode then time slice, then the claim's daemons. Raises
         :class:`SharingUnavailable` (the caller undoes)."""
         for device in record.devices:
             sharing = device.sharing_state
@@ -113,8 +113,7 @@ class SharingRuntime:
             if sharing.exclusive_process:
                 await self._smi().set_compute_mode(device.gpu, "EXCLUSIVE_PROCESS")
                 sharing.compute_mode_applied = True
-        daemon = record.mps
-        if daemon is not None:
+        for daemon in record.daemons():
             await self._mps().start(spec_of(daemon))
             daemon.state, daemon.reason = "running", None
 
@@ -133,12 +132,11 @@ class SharingRuntime:
                 await self._smi().set_compute_mode(device.gpu, "EXCLUSIVE_PROCESS")
 
     async def undo(self, record: ClaimRecord, still_needed: StillNeeded) -> None:
-        """Stop the claim's daemon, then put back compute mode (``DEFAULT``) and time slice
+        """Stop the claim's daemons, then put back compute mode (``DEFAULT``) and time slice
         (0) where this claim may have set them and no other claim still needs them. Raises
         :class:`AgentError` when something could not be undone (the caller keeps the
         claim's holds, so nobody gets a GPU in an unknown state)."""
-        daemon = record.mps
-        if daemon is not None:
+        for daemon in record.daemons():
             await self._mps().stop(Path(daemon.root))
         for device in record.devices:
             sharing = device.sharing_state

@@ -79,8 +79,8 @@ class ClaimSampler:
         reserved = {uid for uid, state in states.items() if state == "reserved"}
         self._reserved_since = {uid: self._reserved_since.get(uid, now) for uid in reserved}
         oldest = now - min(self._reserved_since.values()) if reserved else 0.0
-        daemons: Counter[str] = Counter(r.mps.state for r in self.claims.records()
-                                        if r.mps is not None)
+        daemons: Counter[str] = Counter(d.state for r in self.claims.records()
+                                        for d in r.daemons())
         sample = ClaimSignals(claims=Counter(states.values()), oldest_reserved_s=oldest,
                               shares=tuple(uses), mps_daemons=daemons)
         self.share_used = used

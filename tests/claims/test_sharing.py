@@ -14,6 +14,8 @@ from agent.claims.sharing import (
     SharingConfig,
     Target,
     implicit_threads,
+    per_device_index,
+    pinned_limit_mib,
     plan,
     short_id,
 )
@@ -23,6 +25,7 @@ from agent.errors import InvalidRequest
 L40S_MIB = 46068  # shareable: 45056
 GPU_A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
 GPU_B = "GPU-bbbbbbbb-0000-0000-0000-000000000000"
+GPU_C = "GPU-cccccccc-0000-0000-0000-000000000000"
 MIG_A = "MIG-aaaaaaaa-1111-0000-0000-000000000000"
 
 
@@ -61,11 +64,11 @@ def test_quantities_become_whole_mib_rounded_up(quantity: int | str, mib: int) -
 
 
 @pytest.mark.parametrize("quantity", [
-    "0", 0, -1, "-1Gi", "10 Gi", "10gi", "1e3", "100m", "", "Gi", "1.2.3", True, 1.5, None,
-    "2Ei", 2**61, "1" * 30, "²"])
+    "0", 0, -1, "-1Gi", "10 Gi", "10gi", "1KiB", "", "Gi", "1.2.3", True, None, "2Ei", 2**61,
+    "1" * 30, "²", float("nan")])
 def test_bad_quantities_are_refused(quantity: object) -> None:
-    """Zero, negatives, exponents, milli-bytes, floats, booleans, malformed or absurd values
-    are refused with a reason (never another exception)."""
+    """Zero (``Gi`` reads 0 in Kubernetes), negatives, booleans, what Kubernetes refuses and
+    absurd values are refused with a reason (never another exception)."""
     with pytest.raises(ValueError, match="quantity"):
         quantity_mib(quantity)
 
@@ -148,13 +151,75 @@ def test_time_slicing_sets_the_interval() -> None:
 
 
 def test_per_device_limits_by_uuid_and_by_index() -> None:
-    """Per-device pinned limits name a device by UUID or by index into the claim's sorted MPS
-    UUIDs, and override the default."""
+    """Per-device pinned limits name a device by UUID or by index into the sorted UUIDs of
+    the config's devices, and override the default."""
     per = ((GPU_A, 1024), ("1", 2048))
     result = plan([full(0, GPU_B, sharing=mps(pinned=4096, per_device=per)),
                    full(1, GPU_A, sharing=mps(pinned=4096, per_device=per))])
     assert {d.uuid: d.pinned_mib for d in result.devices} == {GPU_A: 1024, GPU_B: 2048}
     assert result.daemon is not None and result.daemon.devices == (GPU_A, GPU_B)
+
+
+@pytest.mark.parametrize(("key", "index"), [
+    ("0", 0), ("00", 0), ("007", 7), ("+1", 1), ("-0", 0), ("-1", -1),
+    (str(2**63 - 1), 2**63 - 1), (str(2**63), None), ("1.0", None), (" 1", None),
+    ("", None), ("+", None), ("0x1", None), ("1_0", None), ("\u0663", None)])
+def test_per_device_keys_are_integers_as_go_reads_them(key: str, index: int | None) -> None:
+    """A per-device key that is no UUID of the config is read as NVIDIA's driver reads it
+    (``strconv.Atoi``): a sign, ASCII digits, leading zeros, int64; nothing else."""
+    assert per_device_index(key) == index
+
+
+@pytest.mark.parametrize(("key", "expected"), [("00", 1024), ("+1", 2048), ("-0", 1024),
+                                               ("01", 2048), (GPU_B, 2048)])
+def test_per_device_keys_nvidia_accepts_are_accepted(key: str, expected: int) -> None:
+    """``00`` (refused at beeb01d), ``+1``, ``-0`` and ``01`` name the config's devices by
+    index into their sorted UUIDs, as in NVIDIA's driver; a UUID names itself."""
+    config = mps(pinned=4096, per_device=((key, expected),))
+    result = plan([full(0, GPU_B, sharing=config), full(1, GPU_A, sharing=config)])
+    named = GPU_A if expected == 1024 else GPU_B
+    assert {d.uuid: d.pinned_mib for d in result.devices}[named] == expected
+
+
+@pytest.mark.parametrize(("quantity", "mib"), [
+    ("1G", 953), ("1e9", 953), (1e9, 953), ("10M", 9), ("1Gi", 1024), ("10Mi", 10),
+    ("2Gi", 2048), ("1.5Gi", 1536), (1048576, 1), ("1048575.5", 1), ("2097151", 1),
+    ("10Gi", 10240), ("0.5Ti", 524288)])
+def test_pinned_limits_are_whole_mib_rounded_down_as_nvidia_does(quantity: object,
+                                                                  mib: int) -> None:
+    """A pinned limit is the quantity's bytes (``Value()``, rounded up) in whole MiB rounded
+    down, as NVIDIA's driver sends it to MPS: ``1G`` is 953 MiB (954 at beeb01d), ``10M`` 9."""
+    assert pinned_limit_mib(quantity) == mib
+
+
+@pytest.mark.parametrize("quantity", ["1M", "1048575", 1048575, "1Ki", "0", 0, "Mi", "-1Gi",
+                                      "100m"])
+def test_pinned_limits_below_one_mib_are_refused_as_nvidia_does(quantity: object) -> None:
+    """Below 1 MiB (``1M``, accepted at beeb01d), zero and negatives are NVIDIA's "value set
+    too low"."""
+    with pytest.raises(ValueError, match="too low"):
+        pinned_limit_mib(quantity)
+
+
+def test_two_mps_configs_get_a_daemon_each() -> None:
+    """Two MPS configs of one claim each get a daemon of their own with their own limits, as
+    in NVIDIA's driver (one shared daemon at beeb01d, which also refused different thread
+    percentages); devices of one config share its daemon."""
+    result = plan([full(0, GPU_A, sharing=mps(threads=50, pinned=1024)),
+                   full(1, GPU_B, sharing=mps(threads=60)),
+                   full(2, GPU_C, sharing=mps(threads=50, pinned=1024))])
+    assert [(d.devices, d.thread_percentage, d.pinned_limits_mib, d.positions)
+            for d in result.daemons] == [
+        ((GPU_A, GPU_C), 50, ((GPU_A, 1024), (GPU_C, 1024)), (0, 2)),
+        ((GPU_B,), 60, (), (1,))]
+    assert {d.position: d.thread_percentage for d in result.devices} == {0: 50, 1: 60, 2: 50}
+
+
+def test_a_gpu_config_and_a_mig_config_are_separate_daemons() -> None:
+    """A full GPU and a MIG device never share a daemon: NVIDIA's GpuConfig and
+    MigDeviceConfig are separate configs even when their content is equal."""
+    result = plan([full(0, GPU_B, sharing=MPS), mig(1, sharing=MPS)])
+    assert [d.devices for d in result.daemons] == [(GPU_B,), (MIG_A,)]
 
 
 REFUSALS: list[tuple[str, list[Target], list[str]]] = [
@@ -187,10 +252,18 @@ REFUSALS: list[tuple[str, list[Target], list[str]]] = [
      ["devices[0].capacity.memory"]),
     ("sharing on an admin-access device", [full(sharing=MPS, admin_access=True)],
      ["devices[0].sharing"]),
-    ("MPS devices disagreeing on threads",
-     [full(0, GPU_A, sharing=mps(threads=50)), full(1, GPU_B, sharing=mps(threads=60))],
-     ["devices[0].sharing.mpsConfig.defaultActiveThreadPercentage",
-      "devices[1].sharing.mpsConfig.defaultActiveThreadPercentage"]),
+    ("per-device index of another config's device",
+     [full(0, GPU_A, sharing=mps(per_device=(("1", 1024),))),
+      full(1, GPU_B, sharing=mps(threads=50))],
+     ["devices[0].sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit.1"]),
+    ("per-device keys that are no integer nor a UUID of the config",
+     [full(sharing=mps(per_device=(("-1", 1), ("1.0", 1), (" 0", 1), ("0x0", 1), ("", 1),
+                                   ("\u0663", 1), ("9" * 30, 1), (GPU_B, 1))))],
+     [f"devices[0].sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit.{key}"
+      for key in ("-1", "1.0", " 0", "0x0", "", "\u0663", "9" * 30, GPU_B)]),
+    ("two per-device keys naming one device",
+     [full(sharing=mps(per_device=((GPU_A, 1024), ("00", 2048))))],
+     ["devices[0].sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit.00"]),
     ("every problem at once",
      [mig(0, sharing=SharingConfig("TimeSlicing")), full(1, GPU_B, memory_share_mib=99999)],
      ["devices[0].sharing.strategy", "devices[1].capacity.memory"]),

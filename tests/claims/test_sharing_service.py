@@ -15,6 +15,7 @@ import pytest
 from agent.claims.checkpoint import decode
 from agent.claims.requests import DeviceRequest
 from agent.claims.sharing import MpsConfig, SharingConfig, short_id
+from agent.claims.sharing_runtime import DaemonSpec
 from agent.errors import DeviceBusy, InvalidRequest, SharingUnavailable
 from tests.claims.fake_tools import FakeMps, FakeSmi, Tools, open_node
 from tests.service_node import ServiceNode
@@ -324,5 +325,64 @@ async def test_a_failed_cleanup_at_start_up_keeps_the_gpu_held(tmp_path: Path,
         tools.mps.fail_stop = False
         await node.claims.unprepare("c")
         assert node.ledger.holds(uuid) == []
+    finally:
+        await node.close()
+
+
+MPS_30 = SharingConfig("MPS", mps=MpsConfig(thread_percentage=30))
+MPS_70 = SharingConfig("MPS", mps=MpsConfig(thread_percentage=70))
+
+
+async def test_each_daemon_of_a_two_config_claim_is_supervised_on_its_own(
+        node: ServiceNode, tools: Tools) -> None:
+    """A claim with two MPS configs has two daemons; when one dies, the check reports that
+    one failed (durably) and the other keeps running."""
+    await node.claims.prepare("c2", [gpu("0", sharing=MPS_30), gpu("1", sharing=MPS_70)], {})
+    first, second = (Path(d["root"]) for d in [checkpoint_claims(node)["c2"]["mps"],
+                                                *checkpoint_claims(node)["c2"]["mps_more"]])
+    del tools.mps.running[second]
+    assert await node.claims.check_daemons() == 1
+    saved = checkpoint_claims(node)["c2"]
+    assert (saved["mps"]["root"], saved["mps"]["state"]) == (str(first), "running")
+    assert [(d["root"], d["state"]) for d in saved["mps_more"]] == [(str(second), "failed")]
+    assert await node.claims.check_daemons() == 0
+
+
+async def test_a_second_daemon_that_fails_to_start_undoes_the_first(node: ServiceNode,
+                                                                    tools: Tools) -> None:
+    """When the second config's daemon fails to start, the first is stopped too, compute
+    modes are reset and nothing stays held or recorded."""
+    def fail_second(spec: DaemonSpec) -> None:
+        if tools.mps.started:
+            raise SharingUnavailable("exit 1", tool="nvidia-cuda-mps-control",
+                                     reason="exit 1")
+
+    tools.mps.on_start = fail_second
+    with pytest.raises(SharingUnavailable):
+        await node.claims.prepare("c2", [gpu("0", sharing=MPS_30), gpu("1", sharing=MPS_70)],
+                                  {})
+    (started,) = tools.mps.started
+    assert started.root in tools.mps.stopped and tools.mps.running == {}
+    assert node.ledger.holds() == [] and "c2" not in checkpoint_claims(node)
+    assert sorted(c for c in tools.smi.calls if c[2] == "DEFAULT") == sorted(
+        [((await node.gpu(0)).uuid, "compute_mode", "DEFAULT"),
+         ((await node.gpu(1)).uuid, "compute_mode", "DEFAULT")])
+
+
+async def test_restart_adopts_each_daemon_of_a_claim(tmp_path: Path, tools: Tools) -> None:
+    """After a restart, each daemon of a two-config claim is adopted or reported on its own,
+    and the claim's spec still mounts each device's own daemon."""
+    node = await open_node(tmp_path, tools)
+    await node.claims.prepare("c2", [gpu("0", sharing=MPS_30), gpu("1", sharing=MPS_70)], {})
+    before = node.claims.cdi.claim_path("c2").read_text()
+    await node.close()
+    second = next(r for r in tools.mps.running if r.name == f"{short_id('c2')}-1")
+    del tools.mps.running[second]
+    node = await open_node(tmp_path, tools)
+    try:
+        assert len(tools.mps.started) == 2  # nothing started again
+        record = node.claims.claim("c2")
+        assert [d.state for d in record.daemons()] == ["running", "failed"]
+        assert node.claims.cdi.claim_path("c2").read_text() == before
     finally:
         await node.close()
