@@ -159,7 +159,7 @@ class ApiCredential:
         claims = self._claims()
         binding = node_binding(claims)
         if binding is not None:
-            if self._kind == "node_moved":
+            if (self.problem or "").startswith(reasons.NODE_CREDENTIAL_DEAD.text):
                 self._kind = "unauthenticated"  # foretold: the same reason, no new line
                 return
             now = (f"; Node {binding.node} is now uid {self._node_uid}"

@@ -310,9 +310,11 @@ class KubeClient:
                     "docs/kubernetes.md)") from err
         else:
             if not await asyncio.to_thread(kubeconfig.is_file):
+                what = "not a file" if await asyncio.to_thread(kubeconfig.exists) \
+                    else "no such file"
                 raise KubeConfigMissing(
-                    f"--kubeconfig {kubeconfig}: no such file; write the plugin's kubeconfig "
-                    "there (docs/kubernetes.md, bare-metal kubelet nodes) or pass its path")
+                    f"--kubeconfig {kubeconfig}: {what}; write the plugin's kubeconfig there "
+                    "(docs/kubernetes.md, bare-metal kubelet nodes) or pass its path")
             try:
                 loader = await load_kube_config(config_file=str(kubeconfig),
                                                 client_configuration=config,
