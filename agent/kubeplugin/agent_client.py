@@ -206,7 +206,8 @@ class AgentClient:
     def _raise(status: int, headers: Mapping[str, str], answer: Any) -> NoReturn:
         problem = answer if isinstance(answer, dict) else {}
         if status == 503:
-            detail = str(problem.get("detail") or problem.get("title") or "agent not ready")
+            detail = str(problem.get("detail") or problem.get("title")
+                         or reasons.AGENT_NOT_READY.text)
             raise AgentNotReady(_retry_after(headers.get("Retry-After")), detail, problem)
         raise AgentRefused(status, problem)
 

@@ -147,17 +147,19 @@ class ApiCredential:
                      extra={"credential": self.source})
         self._kind, self.problem = kind, problem
 
-    def _dead(self, binding: NodeBinding, why: str) -> str:
+    def _dead(self, binding: NodeBinding, why: str, *, expired: str | None = None) -> str:
+        cause = (f"it expired at {expired}" if expired else "a Node deleted and registered "
+                 "again has a new uid, which ends every token bound to the old one")
         return reasons.NODE_CREDENTIAL_DEAD.says(
-            f"{self.source} is bound to Node {binding.node} (uid {binding.uid}); {why}. A "
-            "Node deleted and registered again has a new uid, which ends every token bound "
-            f"to the old one: renew it with '{binding.renew_command()}', write it into the "
+            f"{self.source} is bound to Node {binding.node} (uid {binding.uid}); {why}: "
+            f"{cause}. Renew it with '{binding.renew_command()}' and write it into the "
             f"kubeconfig ({RENEW_DOC})")
 
     def unauthenticated(self, detail: str) -> None:
         """The server answered 401: the credential itself is refused."""
         claims = self._claims()
         binding = node_binding(claims)
+        expired = _expired(claims)
         if binding is not None:
             if (self.problem or "").startswith(reasons.NODE_CREDENTIAL_DEAD.text):
                 self._kind = "unauthenticated"  # foretold: the same reason, no new line
@@ -165,9 +167,9 @@ class ApiCredential:
             now = (f"; Node {binding.node} is now uid {self._node_uid}"
                    if self._node_uid and self._node_uid != binding.uid else "")
             self._set("unauthenticated", self._dead(
-                binding, f"the API server refuses it (HTTP 401: {detail}){now}"))
+                binding, f"the API server refuses it (HTTP 401: {detail}){now}",
+                expired=expired))
             return
-        expired = _expired(claims)
         self._set("unauthenticated", reasons.API_CREDENTIAL_REFUSED.says(
             f"HTTP 401 for {self.source}: {detail}"
             + (f"; the token expired at {expired}" if expired else "")
@@ -208,11 +210,14 @@ class ApiCredential:
 
 
 class CredentialProbe(Protocol):
-    """The call that checks the API server credential (``KubeClient``)."""
+    """The call that checks the API server credential (``KubeClient``), and the reload of
+    a credential rewritten in its file."""
 
     credential: ApiCredential | None
 
     async def check_credential(self) -> None: ...
+
+    async def reload_credential(self) -> None: ...
 
 
 async def follow_api_credential(probe: CredentialProbe) -> None:
@@ -232,10 +237,11 @@ async def follow_api_credential(probe: CredentialProbe) -> None:
             delay = min(delay * 2, RETRY_MAX_S)
             continue
         delay = RETRY_FIRST_S
-        if credential.problem is not None:
-            await _wait(credential.changed, RECHECK_S)
-        else:
-            await credential.changed.wait()
+        # A renewed credential is picked up before the old one runs out: the file is looked
+        # at (a stat) every RECHECK_S, and checked again while refused.
+        while not await _wait(credential.changed, RECHECK_S) \
+                and credential.problem is None:
+            await probe.reload_credential()
 
 
 # -- the agent token ----------------------------------------------------------------------
@@ -273,6 +279,9 @@ async def follow_agent_token(agent: TokenChecking) -> None:
             await agent.changed.wait()
 
 
-async def _wait(event: asyncio.Event, timeout_s: float) -> None:
+async def _wait(event: asyncio.Event, timeout_s: float) -> bool:
+    """Whether ``event`` was set within ``timeout_s``."""
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(event.wait(), timeout_s)
+        return True
+    return False

@@ -293,7 +293,7 @@ class KubeClient:
         The in-cluster token is re-read from its file as it rotates; a kubeconfig whose user
         runs an exec plugin gets its token refreshed by a background task ended by
         :meth:`close`, and a kubeconfig rewritten with another token is read again by
-        :meth:`check_credential`."""
+        :meth:`reload_credential`."""
         config = Configuration()
         refresher: asyncio.Task[None] | None = None
         if kubeconfig is None:
@@ -350,7 +350,7 @@ class KubeClient:
         token_file = kubeconfig_user(self._kubeconfig)[1].get("tokenFile")
         return _file_state(self._kubeconfig, *([Path(token_file)] if token_file else []))
 
-    async def _reload_kubeconfig(self) -> None:
+    async def reload_credential(self) -> None:
         """The kubeconfig's token again, if the file (or its token file) changed: a renewed
         credential is used without a restart (the server and its CA are kept)."""
         if self._kubeconfig is None:
@@ -377,7 +377,7 @@ class KubeClient:
         the role's RBAC (``nodes get``). A refusal (401, 403) or a missing Node is recorded
         in :attr:`credential`; no answer raises :class:`KubeUnavailable`."""
         assert self.credential is not None
-        await self._reload_kubeconfig()
+        await self.reload_credential()
         name = self.credential.node_name
         try:
             await self.get_node(name)

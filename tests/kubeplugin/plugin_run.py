@@ -80,13 +80,13 @@ class PluginRun:
 
 def start_plugin(root: Path, *, socket: Path, token_file: Path, kubeconfig: Path | None = None,
                  real_kubernetes: bool = False, env: dict[str, str] | None = None,
-                 extra: tuple[str, ...] = ()) -> PluginRun:
+                 node: str = NODE, extra: tuple[str, ...] = ()) -> PluginRun:
     """The plugin process, once it logged that it started (its health address known). With
     ``real_kubernetes`` it uses the real Kubernetes wiring from ``kubeconfig`` (the
     publisher left out), else in-memory fakes."""
     args = [sys.executable, "-m", "tests.kubeplugin.plugin_main", "kubelet-plugin",
             "--agent-socket", str(socket), "--token-file", str(token_file),
-            "--node-name", NODE, "--registry-dir", str(root / "reg"),
+            "--node-name", node, "--registry-dir", str(root / "reg"),
             "--plugins-dir", str(root / "plug"), "--health-listen", "127.0.0.1:0",
             "--log-format", "json", *(["--kubeconfig", str(kubeconfig)] if kubeconfig else []),
             *extra]
