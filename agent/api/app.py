@@ -8,7 +8,7 @@ from typing import Any
 from aiohttp import web
 
 import agent
-from agent.api import admin, claims, dra, gpus, mig, node, sim, topology
+from agent.api import admin, claims, dra, gpus, identity, mig, node, sim, topology
 from agent.api.context import AGENT, MAX_BODY_BYTES, AgentContext
 from agent.api.mig_models import (
     ApplyModel,
@@ -56,6 +56,9 @@ CORE_ROUTES = [
           tag="probes", content_type="text/plain"),
     Route("GET", "/openapi.json", node.openapi, "This document", None, public=True,
           tag="probes"),
+    Route("GET", "/v1/whoami", identity.whoami,
+          "The caller's token: its name and scopes (always authenticated, changes nothing)",
+          identity.Identity, identifies=True, errors=(401, 403)),
     Route("GET", "/v1/node", node.get_node, "Node identity, driver/CUDA/NVML versions, backend",
           NodeModel, errors=(503,)),
     Route("GET", "/v1/gpus", gpus.list_gpus, "Inventory of every GPU", GpuList, tag="gpus",

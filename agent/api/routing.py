@@ -67,6 +67,9 @@ class Route:
     #: Scopes that, besides ``read``, suffice for this read under --auth-read (the kubelet
     #: plugin holds a ``claims`` token only and reads its claims and the slices).
     read_by: tuple[str, ...] = ()
+    #: Always authenticates the caller's token, even where reads need none (--auth-read off),
+    #: and accepts any valid one whatever its scopes: a client checks its token with it.
+    identifies: bool = False
 
     @property
     def mutating(self) -> bool:
@@ -237,7 +240,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     spec = _spec_of(request)
     ctx = request.app[AGENT]
     if spec is not None and not spec.public:
-        needs_token = spec.mutating or ctx.node.settings.auth_read
+        needs_token = spec.mutating or spec.identifies or ctx.node.settings.auth_read
         if needs_token:
             if not ctx.tokens.configured:
                 raise Forbidden(
@@ -249,7 +252,8 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
             scope = spec.scope or "read"
             if not spec.mutating:
                 scope = next((s for s in spec.read_by if s in principal.scopes), scope)
-            principal.require(scope)
+            if not spec.identifies:
+                principal.require(scope)
     readiness = ctx.node.readiness
     if spec is not None and spec.needs_recovery and not readiness.reconciled:
         if readiness.storage_blocked is not None and spec.mutating:

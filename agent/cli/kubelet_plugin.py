@@ -37,7 +37,10 @@ def add_parser(sub: Any) -> None:
                         help="kubelet's plugins directory: <driver>/dra.sock goes here "
                              "(default /var/lib/kubelet/plugins)")
     plugin.add_argument("--kubeconfig", type=Path, metavar="PATH",
-                        help="kubeconfig for the API server (default: in-cluster)")
+                        help="kubeconfig for the API server (default: in-cluster, from "
+                             "$KUBERNETES_SERVICE_HOST, $KUBERNETES_SERVICE_PORT and the "
+                             "pod's ServiceAccount token); a rewritten token is used without "
+                             "a restart")
     plugin.add_argument("--health-listen", default="127.0.0.1:9478", metavar="HOST:PORT",
                         help="/healthz, /readyz and /metrics (default 127.0.0.1:9478)")
     plugin.add_argument("--agent-lost-after", type=float, default=60.0, metavar="SECONDS",
@@ -86,7 +89,8 @@ def run(args: argparse.Namespace, wire: Any = None) -> int:
     try:
         return asyncio.run(process.serve(settings, wire or process.wire_kubernetes))
     except process.PluginStartError as err:
-        print(f"gpu-agent kubelet-plugin: {err}", file=sys.stderr)
+        # One line, whatever the cause's own text holds: it goes to a journal or a pod log.
+        print(f"gpu-agent kubelet-plugin: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import stat
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from urllib.parse import quote
 
 from multidict import CIMultiDict
 
+from agent.kubeplugin import reasons
 from agent.kubeplugin.agent_http import UnixHttp
 from agent.kubeplugin.errors import (
     AgentNotReady,
@@ -104,9 +106,24 @@ def _retry_after(value: str | None) -> float:
         return 1.0
 
 
+@dataclass(frozen=True)
+class TokenCheck:
+    """What ``GET /v1/whoami`` said of the plugin's token: None (accepted with the ``claims``
+    scope, or an agent too old to say) or why the agent refuses it."""
+
+    problem: str | None
+    name: str | None = None
+
+
 class AgentClient:
     """The agent's claims and ResourceSlice API on ``socket``, authenticated with the token in
-    ``token_file``. Connections are opened on first use (inside the event loop)."""
+    ``token_file``. Connections are opened on first use (inside the event loop).
+
+    Every call says whether the agent answered: the first call that finds it away and the
+    first that finds it back each write one log line (``agent unreachable``, ``agent reachable
+    again``), however many calls retry in between, and wake :attr:`changed`. A 401 or 403 to a
+    claim call, or :meth:`check_token`'s verdict, is kept in :attr:`token_problem`, which
+    :meth:`readiness` reports."""
 
     def __init__(self, socket: Path, token_file: Path, *,
                  claim_timeout_s: float = CLAIM_TIMEOUT_S) -> None:
@@ -114,6 +131,51 @@ class AgentClient:
         self.tokens = TokenFile(token_file)
         self._claim_timeout_s = claim_timeout_s
         self._http = UnixHttp(str(socket), limit=MAX_CONNECTIONS)
+        #: None until the first call ends; then whether the last one was answered.
+        self.reachable: bool | None = None
+        self._away_since: float | None = None
+        #: Why the agent refuses the token (a readiness reason), or None.
+        self.token_problem: str | None = None
+        #: Set when the agent comes back, or refuses the token of a claim call: what
+        #: :func:`agent.kubeplugin.credentials.check_agent_token` waits for.
+        self.changed = asyncio.Event()
+
+    def _answered(self) -> None:
+        if self.reachable is False:
+            away = None if self._away_since is None else time.monotonic() - self._away_since
+            log.info("agent reachable again", extra={
+                "socket": str(self.socket),
+                "away_s": round(away, 1) if away is not None else None})
+            self.changed.set()
+        self.reachable, self._away_since = True, None
+
+    def _unreachable(self, reason: str) -> None:
+        if self.reachable is not False:
+            log.warning("agent unreachable", extra={"socket": str(self.socket),
+                                                    "error": reason})
+            self._away_since = time.monotonic()
+        self.reachable = False
+
+    def _refused_token(self, status: int, answer: Any) -> None:
+        """A claim call answered 401 or 403: the token, not the claim, is what is wrong."""
+        problem = answer if isinstance(answer, dict) else {}
+        self.refuse_token(token_refusal(self.tokens.path, status,
+                                        str(problem.get("detail") or f"HTTP {status}")))
+
+    def refuse_token(self, problem: str | None) -> None:
+        """Record what is wrong with the token (None: nothing), one log line per change."""
+        if problem == self.token_problem:
+            return
+        if problem is not None:
+            log.error("agent token refused", extra={"token_file": str(self.tokens.path),
+                                                    "problem": problem})
+        elif self.token_problem is not None:
+            log.info("agent accepts the token again", extra={
+                "token_file": str(self.tokens.path)})
+        first = problem is not None and self.token_problem is None
+        self.token_problem = problem
+        if first:
+            self.changed.set()
 
     async def _call(self, method: str, path: str, *, timeout_s: float, body: Any = None,
                     params: dict[str, str] | None = None,
@@ -127,23 +189,25 @@ class AgentClient:
                 response = await self._http.request(method, path, body=body, params=params,
                                                     headers=sent, connect_timeout_s=5)
         except TimeoutError as err:
-            raise AgentUnreachable(f"agent socket {self.socket}: no answer to {method} {path} "
-                                   f"within {timeout_s:.0f} s") from err
+            reason = (f"agent socket {self.socket}: no answer to {method} {path} within "
+                      f"{timeout_s:.0f} s")
+            self._unreachable(reason)
+            raise AgentUnreachable(reason) from err
         except OSError as err:
-            raise AgentUnreachable(f"agent socket {self.socket}: {err}") from err
-        answer: Any = None
-        if response.body:
-            try:
-                answer = json.loads(response.body)
-            except ValueError:
-                answer = {"detail": response.body[:500].decode(errors="replace")}
-        return response.status, response.headers, answer
+            reason = f"agent socket {self.socket}: {err}"
+            self._unreachable(reason)
+            raise AgentUnreachable(reason) from err
+        self._answered()
+        if auth and response.status in (401, 403):  # the agent's only 401s and 403s
+            self._refused_token(response.status, _decoded(response.body))
+        return response.status, response.headers, _decoded(response.body)
 
     @staticmethod
     def _raise(status: int, headers: Mapping[str, str], answer: Any) -> NoReturn:
         problem = answer if isinstance(answer, dict) else {}
         if status == 503:
-            detail = str(problem.get("detail") or problem.get("title") or "agent not ready")
+            detail = str(problem.get("detail") or problem.get("title")
+                         or reasons.AGENT_NOT_READY.text)
             raise AgentNotReady(_retry_after(headers.get("Retry-After")), detail, problem)
         raise AgentRefused(status, problem)
 
@@ -192,19 +256,53 @@ class AgentClient:
             self._raise(status, got, answer)
         return ResourceSlicesAnswer(got.get("ETag"), list(answer.get("items") or []))
 
+    async def check_token(self) -> TokenCheck:
+        """``GET /v1/whoami`` with the token: whether the agent accepts it with the ``claims``
+        scope (an agent without the route, before 0.2, cannot say: no problem). The verdict
+        is kept (:meth:`refuse_token`); :class:`AgentUnreachable` when there is no answer,
+        :class:`TokenFileError` when the file cannot be used."""
+        status, _, answer = await self._call("GET", "/v1/whoami", timeout_s=READY_TIMEOUT_S)
+        body = answer if isinstance(answer, dict) else {}
+        if status == 200:
+            scopes = {str(s) for s in body.get("scopes") or []}
+            name = str(body.get("name", ""))
+            if scopes & {"claims", "admin"}:
+                self.refuse_token(None)
+                return TokenCheck(None, name)
+            check = TokenCheck(token_refusal(
+                self.tokens.path, 403, f"the agent's token {name!r} lacks the 'claims' scope "
+                f"(it holds {', '.join(sorted(scopes)) or 'none'})"), name)
+            self.refuse_token(check.problem)
+            return check
+        if status in (401, 403):  # kept by _call already
+            return TokenCheck(self.token_problem)
+        # 404: an agent that cannot check a token (the first prepare will tell).
+        return TokenCheck(None)
+
     async def readiness(self) -> str | None:
-        """None when the agent answers ``/readyz`` 200; else why not (unreachable, or its
-        own reason for not being ready)."""
+        """None when the agent answers ``/readyz`` 200 and has not refused the token; else
+        why not (unreachable, the token refused, or the agent's own reason for not being
+        ready)."""
         try:
             status, _, answer = await self._call("GET", "/readyz", timeout_s=READY_TIMEOUT_S,
                                                  auth=False)
         except AgentUnreachable as err:
-            return f"agent unreachable: {err.reason}"
+            return reasons.AGENT_UNREACHABLE.says(err.reason)
+        if self.token_problem is not None:
+            # Checked again by every round while refused: a fixed token file shows at once.
+            try:
+                await self.check_token()
+            except AgentUnreachable as err:
+                return reasons.AGENT_UNREACHABLE.says(err.reason)
+            except TokenFileError as err:
+                self.refuse_token(reasons.AGENT_TOKEN_FILE.says(str(err)))
+            if self.token_problem is not None:
+                return self.token_problem
         if status == 200:
             return None
         reason = answer.get("reason") or answer.get("detail") if isinstance(answer, dict) \
             else None
-        return f"agent not ready (HTTP {status})" + (f": {reason}" if reason else "")
+        return f"{reasons.AGENT_NOT_READY} (HTTP {status})" + (f": {reason}" if reason else "")
 
     async def ready(self) -> bool:
         """Whether the agent answers and is ready."""
@@ -213,6 +311,23 @@ class AgentClient:
     async def close(self) -> None:
         """Close the connections to the agent (a later call opens new ones)."""
         self._http.close()
+
+
+def _decoded(body: bytes) -> Any:
+    if not body:
+        return None
+    try:
+        return json.loads(body)
+    except ValueError:
+        return {"detail": body[:500].decode(errors="replace")}
+
+
+def token_refusal(path: Path, status: int, detail: str) -> str:
+    """The readiness reason of a token the agent refuses: the file, the agent's words, what
+    to do (never the token)."""
+    return reasons.AGENT_TOKEN_REFUSED.says(
+        f"HTTP {status} for the token in {path}: {detail}; put the plugin's token (the "
+        "token field of a 'name:token:claims' line of the agent's token file) in that file")
 
 
 def token_file_usable(path: Path) -> str | None:

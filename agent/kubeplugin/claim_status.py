@@ -46,6 +46,7 @@ from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from agent.kubeplugin import reasons
 from agent.kubeplugin.claims import Allocated, ClaimError, KubeletClaim, our_devices
 from agent.kubeplugin.device_health import DeviceHealthView, DeviceState
 from agent.kubeplugin.kube import (
@@ -361,7 +362,7 @@ class ClaimStatusWriter:
             return self._unsupported
         waiting = sum(1 for t in self._claims.values() if t.failures)
         if waiting:
-            return (f"device status of {waiting} claim(s) not written yet, retrying: "
+            return (f"{reasons.STATUS_PENDING} {waiting} claim(s) not written yet, retrying: "
                     f"{self._last_error}")
         return None
 
@@ -567,9 +568,8 @@ class ClaimStatusWriter:
         if self._unsupported is not None:
             return  # another write in flight found it first: logged and counted once
         self._unsupported = (
-            "the API server does not keep ResourceClaim status.devices "
-            "(DRAResourceClaimDeviceStatus off?): claim device status is not written; "
-            "prepares are not affected")
+            f"{reasons.STATUS_UNSUPPORTED} (DRAResourceClaimDeviceStatus off?): claim "
+            "device status is not written; prepares are not affected")
         self.metrics.unsupported.set(1)
         log.warning("api server dropped resourceclaim status.devices; not writing device "
                     "status", extra={"driver": self.driver})

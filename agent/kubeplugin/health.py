@@ -16,8 +16,11 @@ from dataclasses import dataclass
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from agent.kubeplugin import reasons
 from agent.kubeplugin.agent_client import AgentClient
 from agent.kubeplugin.claim_status import ClaimStatusWriter
+from agent.kubeplugin.credentials import CredentialProbe
+from agent.kubeplugin.kube import KubeForbidden
 from agent.kubeplugin.metrics import PluginMetrics
 from agent.kubeplugin.protocols import ApiServer, Publisher
 from agent.kubeplugin.servers import RegistrationState
@@ -43,6 +46,9 @@ class Readiness:
     metrics: PluginMetrics | None = None
     #: Reported under ``warnings``, never failing readiness (nor the ready metric).
     claim_status: ClaimStatusWriter | None = None
+    #: The API server credential's check: a refusal is the ``api_server`` check's reason,
+    #: checked again by each round while it stands (a renewed credential shows at once).
+    credential: CredentialProbe | None = None
 
     def warnings(self) -> dict[str, str]:
         """What ``/readyz`` reports without failing: why claim device status is not written,
@@ -63,17 +69,31 @@ class Readiness:
     async def _api(self) -> str | None:
         if self.api is None:
             return None
+        credential = None if self.credential is None else self.credential.credential
+        if credential is not None and credential.problem is not None:
+            assert self.credential is not None
+            try:
+                await self.credential.check_credential()
+            except Exception as err:  # no answer to the check
+                return reasons.API_UNREACHABLE.says(f"{type(err).__name__}: {err}")
+            if credential.problem is not None:
+                return credential.problem
         try:
             await self.api.server_version()
-        except Exception as err:  # any failure means "not reachable"
-            return f"API server unreachable: {type(err).__name__}: {err}"
+        except KubeForbidden as err:  # a 401: the credential (recorded by the client)
+            if credential is not None and credential.problem is not None:
+                return credential.problem
+            return reasons.API_CREDENTIAL_REFUSED.says(str(err))
+        except Exception as err:  # any other failure means "not reachable"
+            return reasons.API_UNREACHABLE.says(f"{type(err).__name__}: {err}")
         return None
 
     async def _slices(self) -> str | None:
         if self.publisher is None:
             return None
         health = self.publisher.health()
-        return None if health.in_sync else f"slices not in sync: {health.reason or 'unknown'}"
+        return None if health.in_sync else reasons.SLICES_NOT_IN_SYNC.says(
+            health.reason or "unknown")
 
     async def checks(self) -> dict[str, str | None]:
         """Every check's result, run concurrently, each bounded by ``CHECK_TIMEOUT_S``."""
@@ -85,7 +105,7 @@ class Readiness:
             try:
                 return await asyncio.wait_for(check(), CHECK_TIMEOUT_S)
             except TimeoutError:
-                return f"no answer within {CHECK_TIMEOUT_S:g} s"
+                return f"{reasons.NO_ANSWER} {CHECK_TIMEOUT_S:g} s"
 
         results = await asyncio.gather(*(bounded(c) for c in named.values()))
         checks = dict(zip(named, results, strict=True))

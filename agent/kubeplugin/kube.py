@@ -41,9 +41,17 @@ from typing import Any, Protocol
 from urllib.parse import quote
 
 import aiohttp
+import yaml
 from kubernetes_asyncio.client import ApiClient, Configuration
-from kubernetes_asyncio.config import ConfigException, load_incluster_config, load_kube_config
+from kubernetes_asyncio.config import load_incluster_config, load_kube_config
+from kubernetes_asyncio.config.incluster_config import (
+    SERVICE_HOST_ENV_NAME,
+    SERVICE_PORT_ENV_NAME,
+    SERVICE_TOKEN_FILENAME,
+)
 from kubernetes_asyncio.config.kube_config import refresh_token
+
+from agent.kubeplugin.credentials import ApiCredential
 
 log = logging.getLogger("agent.kubeplugin.kube")
 
@@ -206,38 +214,121 @@ def error_for(status: int, body: Any, *, retry_after: str | None = None) -> Kube
     return KubeError(text, status=status, reason=reason)
 
 
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+def kubeconfig_user(path: Path) -> tuple[str, dict[str, Any]]:
+    """The current context's user of a kubeconfig: its name and its ``user`` fields ("" and
+    {} when the file does not say)."""
+    try:
+        doc = yaml.safe_load(path.read_text())
+        context = next(c.get("context") or {} for c in doc.get("contexts") or []
+                       if c.get("name") == doc.get("current-context"))
+        name = str(context.get("user", ""))
+        user = next(u.get("user") or {} for u in doc.get("users") or [] if u.get("name") == name)
+    except (OSError, ValueError, yaml.YAMLError, AttributeError, StopIteration, TypeError):
+        return "", {}
+    return name, user if isinstance(user, dict) else {}
+
+
+def credential_source(kubeconfig: Path | None) -> str:
+    """The API server credential in words, for logs and readiness reasons (never the
+    credential itself)."""
+    if kubeconfig is None:
+        return f"the in-cluster ServiceAccount token {SERVICE_TOKEN_FILENAME}"
+    name, user = kubeconfig_user(kubeconfig)
+    where = f"kubeconfig {kubeconfig}" + (f" (user {name})" if name else "")
+    if user.get("tokenFile"):
+        return f"the token file {user['tokenFile']} of {where}"
+    if user.get("token"):
+        return f"the token of {where}"
+    if user.get("exec"):
+        return f"the exec plugin's credential of {where}"
+    if user.get("client-certificate") or user.get("client-certificate-data"):
+        return f"the client certificate of {where}"
+    return f"the credential of {where}"
+
+
+def _bearer(config: Configuration) -> str | None:
+    value = str(config.api_key.get("BearerToken") or "")
+    return value.removeprefix("Bearer ").strip() or None
+
+
+def _file_state(*paths: Path) -> tuple[tuple[int, int, int, int], ...]:
+    out = []
+    for path in paths:
+        try:
+            info = path.stat()
+        except OSError:
+            out.append((0, 0, 0, 0))
+        else:
+            out.append((info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns))
+    return tuple(out)
+
+
 class KubeClient:
     """The API server calls of the plugin (:class:`ResourceSliceApi`, and the claim and node
-    reads)."""
+    reads).
 
-    def __init__(self, api: ApiClient, *, refresher: asyncio.Task[None] | None = None) -> None:
+    With a ``credential`` (:meth:`from_environment` gives one), every 401 answered to any
+    call marks it refused, every answer clears that, and each read of the plugin's own Node
+    shows whether a Node-bound token still matches its Node."""
+
+    def __init__(self, api: ApiClient, *, refresher: asyncio.Task[None] | None = None,
+                 credential: ApiCredential | None = None,
+                 kubeconfig: Path | None = None) -> None:
         self._api = api
         self._refresher = refresher
+        self.credential = credential
+        self._kubeconfig = kubeconfig
+        self._kubeconfig_seen = self._kubeconfig_files()
 
     @classmethod
-    async def from_environment(cls, kubeconfig: Path | None) -> KubeClient:
-        """A client from the pod's service account (``kubeconfig`` None) or a kubeconfig file.
+    async def from_environment(cls, kubeconfig: Path | None, *,
+                               node_name: str = "") -> KubeClient:
+        """A client from the pod's service account (``kubeconfig`` None) or a kubeconfig file;
+        :class:`KubeConfigMissing` naming what is missing and what to do.
 
         The in-cluster token is re-read from its file as it rotates; a kubeconfig whose user
         runs an exec plugin gets its token refreshed by a background task ended by
-        :meth:`close`."""
+        :meth:`close`, and a kubeconfig rewritten with another token is read again by
+        :meth:`reload_credential`."""
         config = Configuration()
         refresher: asyncio.Task[None] | None = None
-        try:
-            if kubeconfig is None:
+        if kubeconfig is None:
+            try:
                 load_incluster_config(  # type: ignore[no-untyped-call]
                     client_configuration=config)
-            else:
+            except Exception as err:  # the library's ConfigException, or anything else
+                raise KubeConfigMissing(
+                    "no API server configuration: --kubeconfig not given and no in-cluster "
+                    f"configuration ({_one_line(err).rstrip('.')}; looked for "
+                    f"${SERVICE_HOST_ENV_NAME}, ${SERVICE_PORT_ENV_NAME} and "
+                    f"{SERVICE_TOKEN_FILENAME}); pass "
+                    "--kubeconfig PATH (bare metal: /etc/gpu-agent/kubelet-plugin.kubeconfig, "
+                    "docs/kubernetes.md)") from err
+        else:
+            if not await asyncio.to_thread(kubeconfig.is_file):
+                what = "not a file" if await asyncio.to_thread(kubeconfig.exists) \
+                    else "no such file"
+                raise KubeConfigMissing(
+                    f"--kubeconfig {kubeconfig}: {what}; write the plugin's kubeconfig there "
+                    "(docs/kubernetes.md, bare-metal kubelet nodes) or pass its path")
+            try:
                 loader = await load_kube_config(config_file=str(kubeconfig),
                                                 client_configuration=config,
                                                 persist_config=False)
-                # Returns at once unless the user's token comes from an exec plugin (or
-                # gcp), which it then refreshes every minute.
-                refresher = asyncio.create_task(refresh_token(loader, config))
-        except (ConfigException, OSError) as err:
-            where = "in-cluster environment" if kubeconfig is None else str(kubeconfig)
-            raise KubeConfigMissing(f"no Kubernetes configuration from {where}: {err}") from err
-        return cls.from_configuration(config, refresher=refresher)
+            except Exception as err:  # ConfigException, YAML errors, a file it cannot read
+                raise KubeConfigMissing(f"--kubeconfig {kubeconfig}: not a usable kubeconfig: "
+                                        f"{_one_line(err)}") from err
+            # Returns at once unless the user's token comes from an exec plugin (or
+            # gcp), which it then refreshes every minute.
+            refresher = asyncio.create_task(refresh_token(loader, config))
+        credential = ApiCredential(source=credential_source(kubeconfig), node_name=node_name,
+                                   token=lambda: _bearer(config))
+        return cls(ApiClient(configuration=config), refresher=refresher, credential=credential,
+                   kubeconfig=kubeconfig)
 
     @classmethod
     def from_configuration(cls, config: Configuration, *,
@@ -251,7 +342,51 @@ class KubeClient:
         the server leaves hanging never take the publisher's connections."""
         config = copy.copy(self._api.configuration)  # shares api_key: one token for both
         config.connection_pool_maxsize = connections
-        return KubeClient(ApiClient(configuration=config))
+        return KubeClient(ApiClient(configuration=config), credential=self.credential)
+
+    def _kubeconfig_files(self) -> tuple[tuple[int, int, int, int], ...]:
+        if self._kubeconfig is None:
+            return ()
+        token_file = kubeconfig_user(self._kubeconfig)[1].get("tokenFile")
+        return _file_state(self._kubeconfig, *([Path(token_file)] if token_file else []))
+
+    async def reload_credential(self) -> None:
+        """The kubeconfig's token again, if the file (or its token file) changed: a renewed
+        credential is used without a restart (the server and its CA are kept)."""
+        if self._kubeconfig is None:
+            return
+        seen = self._kubeconfig_files()
+        if seen == self._kubeconfig_seen:
+            return
+        fresh = Configuration()
+        try:
+            await load_kube_config(config_file=str(self._kubeconfig),
+                                   client_configuration=fresh, persist_config=False)
+        except Exception as err:  # half-written, say: the next check reads it again
+            log.warning("kubeconfig changed but cannot be read", extra={
+                "kubeconfig": str(self._kubeconfig), "error": _one_line(err)})
+            return
+        self._kubeconfig_seen = seen
+        # The siblings share this dict (sibling() copies the configuration shallowly).
+        self._api.configuration.api_key.update(fresh.api_key)
+        log.info("kubeconfig changed; using its credential", extra={
+            "kubeconfig": str(self._kubeconfig)})
+
+    async def check_credential(self) -> None:
+        """Read this plugin's own Node: the one call that needs both a valid credential and
+        the role's RBAC (``nodes get``). A refusal (401, 403) or a missing Node is recorded
+        in :attr:`credential`; no answer raises :class:`KubeUnavailable`."""
+        assert self.credential is not None
+        await self.reload_credential()
+        name = self.credential.node_name
+        try:
+            await self.get_node(name)
+        except KubeForbidden as err:
+            if err.status == 403:
+                self.credential.forbidden(str(err))
+            # 401: recorded by _open already
+        except KubeNotFound:
+            self.credential.node_missing()
 
     async def close(self) -> None:
         if self._refresher is not None:
@@ -273,6 +408,8 @@ class KubeClient:
                 _request_timeout=limits or aiohttp.ClientTimeout(total=CALL_TIMEOUT_S))
         except (aiohttp.ClientError, OSError, TimeoutError) as err:
             raise KubeUnavailable(f"{method} {path}: {type(err).__name__}: {err}") from err
+        if self.credential is not None and response.status != 401:
+            self.credential.authenticated()
         if 200 <= response.status < 300:
             return response
         try:
@@ -285,8 +422,11 @@ class KubeClient:
             status_body: Any = json.loads(text) if text else None
         except ValueError:
             status_body = {"message": text[:200]}
-        raise error_for(response.status, status_body,
-                        retry_after=response.headers.get("Retry-After"))
+        error = error_for(response.status, status_body,
+                          retry_after=response.headers.get("Retry-After"))
+        if self.credential is not None and response.status == 401:
+            self.credential.unauthenticated(str(error))
+        raise error
 
     async def _call(self, method: str, path: str, *,
                     query: Sequence[tuple[str, str]] = (), body: Json | None = None,
@@ -314,7 +454,10 @@ class KubeClient:
         return parse_version(await self._call("GET", "/version"))
 
     async def get_node(self, name: str) -> Json:
-        return await self._call("GET", f"/api/v1/nodes/{segment(name)}")
+        node = await self._call("GET", f"/api/v1/nodes/{segment(name)}")
+        if self.credential is not None and name == self.credential.node_name:
+            self.credential.saw_node(node)
+        return node
 
     async def get_resource_claim(self, namespace: str, name: str) -> Json:
         """The ResourceClaim, read up to :data:`MAX_OBJECT_BYTES` (:class:`KubeTooLarge`)."""

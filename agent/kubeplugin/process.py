@@ -22,11 +22,16 @@ from prometheus_client import CollectorRegistry
 from agent.kubeplugin.agent_client import AgentClient, token_file_usable
 from agent.kubeplugin.claim_reads import READ_TIMEOUT_S, READS_AT_ONCE
 from agent.kubeplugin.claim_status import WRITES_AT_ONCE, ClaimStatusWriter
+from agent.kubeplugin.credentials import (
+    CredentialProbe,
+    follow_agent_token,
+    follow_api_credential,
+)
 from agent.kubeplugin.device_health import DeviceHealthView
 from agent.kubeplugin.dra import DraService
 from agent.kubeplugin.health import HealthServer, Readiness, parse_listen
 from agent.kubeplugin.health_stream import HealthStreams
-from agent.kubeplugin.kube import KubeClient
+from agent.kubeplugin.kube import KubeClient, KubeConfigMissing
 from agent.kubeplugin.metrics import PluginMetrics
 from agent.kubeplugin.miglabels import MigLabels, settings_problem
 from agent.kubeplugin.protocols import ApiServer, ClaimReader, Publisher
@@ -113,6 +118,8 @@ class Wiring:
     device_health: DeviceHealthView | None = None
     #: Writes the claims' device status (None: not written by this process).
     claim_status: ClaimStatusWriter | None = None
+    #: Checks the API server credential at start and while refused (None: not checked).
+    credential: CredentialProbe | None = None
 
 
 Wire = Callable[[PluginSettings, AgentClient, CollectorRegistry], Awaitable[Wiring]]
@@ -122,7 +129,11 @@ async def wire_kubernetes(settings: PluginSettings, agent: AgentClient,
                           registry: CollectorRegistry) -> Wiring:
     """The real Kubernetes side: the API server client (in-cluster, or ``--kubeconfig``) as
     claim reader and API probe, and the ResourceSlice publisher on the same client."""
-    kube = await KubeClient.from_environment(settings.kubeconfig)
+    try:
+        kube = await KubeClient.from_environment(settings.kubeconfig,
+                                                 node_name=settings.node_name)
+    except KubeConfigMissing as err:
+        raise PluginStartError(str(err)) from None
     claims = kube.sibling(connections=READS_AT_ONCE)
     publisher = ResourceSlicePublisher(agent, kube, node_name=settings.node_name,
                                driver=settings.driver,
@@ -140,11 +151,17 @@ async def wire_kubernetes(settings: PluginSettings, agent: AgentClient,
             await kube.close()
 
         return Wiring(claims=claims, api=kube, publisher=publisher, close=close_clients,
-                      device_health=publisher.device_health, claim_status=writer)
-    labels = await MigLabels.open(
-        kubeconfig=settings.kubeconfig, agent_socket=settings.agent_socket,
-        token_file=settings.mig_token_file, node_name=settings.node_name,
-        config_map=settings.mig_config_map, allow_reset=settings.mig_allow_reset)
+                      device_health=publisher.device_health, claim_status=writer,
+                      credential=kube)
+    try:
+        labels = await MigLabels.open(
+            kubeconfig=settings.kubeconfig, agent_socket=settings.agent_socket,
+            token_file=settings.mig_token_file, node_name=settings.node_name,
+            config_map=settings.mig_config_map, allow_reset=settings.mig_allow_reset)
+    except KubeConfigMissing as err:
+        for client in (statuses, claims, kube):
+            await client.close()
+        raise PluginStartError(str(err)) from None
 
     async def close() -> None:
         await labels.close()
@@ -153,7 +170,7 @@ async def wire_kubernetes(settings: PluginSettings, agent: AgentClient,
         await kube.close()
 
     return Wiring(claims=claims, api=kube, publisher=publisher, close=close, mig_labels=labels,
-                  device_health=publisher.device_health, claim_status=writer)
+                  device_health=publisher.device_health, claim_status=writer, credential=kube)
 
 
 @dataclass
@@ -173,6 +190,7 @@ class Plugin:
     _publishing: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
     _labelling: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
     _status_writing: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
+    _checking: list[asyncio.Task[None]] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         metrics = PluginMetrics(self.registry)
@@ -189,7 +207,8 @@ class Plugin:
                                          self.agent))
         self.health = HealthServer(self.settings.health_listen, Readiness(
             self.registration, self.agent, self.wiring.api, self.wiring.publisher,
-            metrics=metrics, claim_status=self.wiring.claim_status), self.registry)
+            metrics=metrics, claim_status=self.wiring.claim_status,
+            credential=self.wiring.credential), self.registry)
 
     async def start(self) -> None:
         try:
@@ -198,6 +217,11 @@ class Plugin:
         except (SocketPathError, OSError) as err:
             await self.stop()
             raise PluginStartError(str(err)) from err
+        # Both credentials are checked before anything needs them (credentials.py).
+        self._checking.append(asyncio.create_task(follow_agent_token(self.agent)))
+        probe = self.wiring.credential
+        if probe is not None and probe.credential is not None:
+            self._checking.append(asyncio.create_task(follow_api_credential(probe)))
         if self.wiring.publisher is not None:
             self._publishing = asyncio.create_task(self._publish(self.wiring.publisher))
         if self.wiring.mig_labels is not None:
@@ -247,6 +271,12 @@ class Plugin:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._publishing
             self._publishing = None
+        for task in self._checking:
+            task.cancel()
+        for task in self._checking:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._checking.clear()
         if self._labelling is not None:
             self._labelling.cancel()
             with contextlib.suppress(asyncio.CancelledError):

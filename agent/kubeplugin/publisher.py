@@ -46,6 +46,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception
 from tenacity.wait import wait_base, wait_exponential, wait_random
 
+from agent.kubeplugin import reasons
 from agent.kubeplugin.device_health import DeviceHealthView
 from agent.kubeplugin.kube import (
     KubeConflict,
@@ -245,27 +246,27 @@ class ResourceSlicePublisher:
         self.device_health = DeviceHealthView()
 
     def health(self) -> PublisherHealth:
-        reasons = []
+        found = []
         if self._agent_lost:
-            reasons.append(f"agent unreachable for more than {self._lost_after:g}s: pool "
-                           f"deleted ({self._agent_problem})")
+            found.append(f"{reasons.POOL_DELETED} {self._lost_after:g}s: pool deleted "
+                           f"({self._agent_problem})")
         elif self._agent_problem:
-            reasons.append(self._agent_problem)
+            found.append(self._agent_problem)
         if self._server_problem:
-            reasons.append(self._server_problem)
+            found.append(self._server_problem)
         if self._desired is None and not self._agent_lost:
-            reasons.append("no slices from the agent yet")
+            found.append(reasons.NO_SLICES_YET.says())
         elif not self._synced and not self._server_problem:
-            reasons.append("slices not published yet")
+            found.append(reasons.NOT_PUBLISHED_YET.says())
         if self._dropped:
-            reasons.append("the API server dropped written fields (a feature gate off?): "
+            found.append(f"{reasons.FIELDS_DROPPED} (a feature gate off?): "
                            + ", ".join(self._dropped)
                            + ("; devices that consume counters are withdrawn"
                               if self._counters_dropped else "")
                            + ("; GPUs are published whole, not shareable (shares need "
                               "DRAConsumableCapacity)" if self._shares_dropped else ""))
         withheld = self._taint_reasons()
-        return PublisherHealth(in_sync=not reasons, reason="; ".join(reasons) or None,
+        return PublisherHealth(in_sync=not found, reason="; ".join(found) or None,
                                dropped_fields=self._dropped,
                                withheld="; ".join(withheld) or None)
 
@@ -277,11 +278,11 @@ class ResourceSlicePublisher:
         if not hidden.withdrawn and not hidden.stripped:
             return []
         server = {
-            TaintSupport.UNKNOWN: "not known yet whether the API server keeps device taints",
-            TaintSupport.BLOCKING_ONLY: "the API server refuses informational device taints "
-                                        f"(effect None; {self._taints_found})",
-        }.get(self._taints, "the API server keeps no device taints (DRADeviceTaints off?; "
-                            f"{self._taints_found})")
+            TaintSupport.UNKNOWN: reasons.TAINTS_UNKNOWN.text,
+            TaintSupport.BLOCKING_ONLY: f"{reasons.TAINTS_BLOCKING_ONLY} (effect None; "
+                                        f"{self._taints_found})",
+        }.get(self._taints,
+              f"{reasons.TAINTS_NONE} (DRADeviceTaints off?; {self._taints_found})")
         left_out = []
         if hidden.withdrawn:
             left_out.append("devices with a blocking taint withdrawn: " + ", ".join(
@@ -292,7 +293,8 @@ class ResourceSlicePublisher:
 
     async def run(self) -> None:
         """Publish until cancelled."""
-        version = await self._retrying("server version", self._kube.server_version)
+        version = await self._retrying(reasons.CALL_SERVER_VERSION.text,
+                                       self._kube.server_version)
         self.kubernetes = kubernetes_version(version)
         if self.kubernetes != f"{version[0]}.{version[1]}":
             log.warning("api server version outside the supported range",
@@ -320,7 +322,8 @@ class ResourceSlicePublisher:
                 etag = None
                 now = time.monotonic()
                 failing_since = now if failing_since is None else failing_since
-                self._agent_problem = f"agent not answering: {type(err).__name__}: {err}"
+                self._agent_problem = reasons.AGENT_NOT_ANSWERING.says(
+                    f"{type(err).__name__}: {err}")
                 self.metrics.errors.labels("agent").inc()
                 left = failing_since + self._lost_after - now
                 if not self._agent_lost and left <= 0:
@@ -368,7 +371,7 @@ class ResourceSlicePublisher:
 
         while True:
             with contextlib.suppress(KubeExpired):  # too old to resume: list again
-                await self._retrying("watch resourceslices", list_and_watch)
+                await self._retrying(reasons.CALL_WATCH.text, list_and_watch)
 
     def _made_here(self, event: WatchEvent) -> bool:
         """Whether the event reports this publisher's own create or update. Deletions are
@@ -384,10 +387,10 @@ class ResourceSlicePublisher:
     async def _reconcile_forever(self) -> None:
         # Before the first write: a server that drops taints would otherwise show a faulty
         # GPU as healthy until the next write noticed.
-        await self._retrying("probe device taints", self._probe_taints)
+        await self._retrying(reasons.CALL_TAINT_PROBE.text, self._probe_taints)
         while True:
             await self._dirty.wait()
-            await self._retrying("publish resourceslices", self._sync)
+            await self._retrying(reasons.CALL_PUBLISH.text, self._sync)
 
     async def _retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
         """``call`` until it returns, retried with backoff on API server errors (an expired
@@ -486,7 +489,7 @@ class ResourceSlicePublisher:
                     self._node_uid = uid
                     actions = self._plan(desired, listing.items)
         except InvalidDesired as err:
-            self._server_problem = f"agent slices unusable: {err}"
+            self._server_problem = reasons.AGENT_SLICES_UNUSABLE.says(str(err))
             log.error("agent slices unusable", extra={"error": str(err)})
             return
         cause = self._cause(actions)

@@ -24,6 +24,7 @@ from typing import Protocol, TypeAlias
 
 import grpc
 
+from agent.kubeplugin import reasons
 from agent.kubeplugin.claims import KubeletClaim
 from agent.kubeplugin.dra import DraService, arrival_ns
 from agent.kubeplugin.health_stream import HealthStreams, as_messages
@@ -112,10 +113,10 @@ class RegistrationState:
         if self.registered:
             return None
         if self.error:
-            return f"kubelet refused the registration: {self.error}"
+            return reasons.REGISTRATION_REFUSED.says(self.error)
         if self.info_calls:
-            return "kubelet called GetInfo but has not confirmed the registration"
-        return "kubelet has not called GetInfo yet"
+            return reasons.NOT_CONFIRMED.says()
+        return reasons.NOT_CALLED.says()
 
 
 class RegistrationServicer:

@@ -238,3 +238,32 @@ def test_policy_and_classes_name_this_driver_and_service_account() -> None:
         expression = selector["cel"]["expression"]
         assert expression.startswith(f'device.driver == "{DRIVER}" &&')
         assert f'device.attributes["{DRIVER}"].type == ' in expression
+
+
+def test_the_node_bound_credential_is_renewed_where_the_install_put_it() -> None:
+    """docs/kubernetes.md's "Renewing a Node-bound credential" writes the token into the file
+    the systemd unit passes as --kubeconfig, for the user the bare-metal install made, and
+    makes it for the ServiceAccount and namespace the manifests bind the plugin's role to."""
+    text = (ROOT / "docs" / "kubernetes.md").read_text()
+    renewing = " ".join(text.split("## Renewing a Node-bound credential", 1)[1]
+                        .replace("\\\n", " ").split())
+    unit = PLUGIN_SYSTEMD_UNIT.read_text().split(
+        "ExecStart=/usr/bin/gpu-agent kubelet-plugin ", 1)[1].split("\n", 1)[0]
+    kubeconfig = _flags([a for a in unit.split() if a.startswith("--")])["--kubeconfig"]
+    assert f"--kubeconfig={kubeconfig} set-credentials" in renewing
+    installed = next(line for line in text.splitlines()
+                     if "set-credentials" in line and "$KC" in line)
+    user = installed.split("set-credentials", 1)[1].split()[0]
+    assert f"set-credentials {user} " in renewing
+    account = by_kind(render("daemonset"), "ServiceAccount")["metadata"]
+    assert (f"kubectl -n {account['namespace']} create token {account['name']} "
+            "--duration=720h --bound-object-kind=Node") in renewing
+
+
+def test_the_readiness_probe_waits_longer_than_a_check() -> None:
+    """Each /readyz check is bounded (a refused credential's check included), and the probe
+    waits longer than that bound: a slow dependency is a reason, not a probe timeout."""
+    from agent.kubeplugin.health import CHECK_TIMEOUT_S  # noqa: PLC0415 - the optional extra
+
+    plugin = container(_pod(), "kubelet-plugin")
+    assert plugin["readinessProbe"]["timeoutSeconds"] > CHECK_TIMEOUT_S

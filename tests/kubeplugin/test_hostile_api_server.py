@@ -98,6 +98,9 @@ class HostileApiServer:
         self.paths.append(request.raw_path)
         if request.path == "/version":
             return web.json_response({"major": "1", "minor": "37", "gitVersion": "v1.37.2"})
+        if request.path == f"/api/v1/nodes/{NODE}":  # the plugin's credential check
+            return web.json_response({"apiVersion": "v1", "kind": "Node",
+                                      "metadata": {"name": NODE, "uid": "node-a-uid"}})
         if request.path.startswith(CLAIMS) and request.path.count("/") == 7:
             parts = request.path.split("/")
             if parts[6] == "resourceclaims":
@@ -192,6 +195,9 @@ async def plugin(short_dir: Path, agent: Agent,
             started = entry
     # Keep draining its output so that it never blocks on a full pipe.
     threading.Thread(target=lambda: lines.extend(proc.stdout or ()), daemon=True).start()
+    # The one read of its own Node that checks its credential, before the tests count paths.
+    await waiting.until(lambda: f"/api/v1/nodes/{NODE}" in api_server.paths,
+                        "the plugin's credential check")
     channel = grpc.aio.insecure_channel(f"unix://{short_dir / 'plug' / DRIVER / 'dra.sock'}")
     try:
         yield PluginProcess(proc, f"http://{started['health']}", dra_v1_pb2_grpc.DRAPluginStub(
