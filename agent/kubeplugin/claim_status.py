@@ -398,8 +398,10 @@ class ClaimStatusWriter:
                     held = await agent.claims()
                     break
                 except Exception as err:  # the agent restarting: try again, never give up
-                    log.info("reading the agent's claims for their status failed; retrying",
-                             extra={"error": f"{type(err).__name__}: {err}"})
+                    # Once, not per retry: the agent client logs its going and coming back.
+                    log.log(logging.INFO if delay == RETRY_FIRST_S else logging.DEBUG,
+                            "reading the agent's claims for their status failed; retrying",
+                            extra={"error": f"{type(err).__name__}: {err}"})
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, RETRY_MAX_S)
             await asyncio.gather(*(self._recover_one(c) for c in held

@@ -29,6 +29,7 @@ from tests.kubeplugin.plugin_run import (
     serve,
     start_plugin,
 )
+from tests.waiting import wait_for
 
 #: How many rounds of /readyz a test polls before counting log lines: each round calls the
 #: agent and the API server again, as kubelet's probe does every 10 s.
@@ -234,24 +235,32 @@ def test_a_refused_agent_token_is_its_own_reason_until_fixed(short_dir: Path, ca
         agent.stop(signal.SIGKILL)
 
 
-def test_the_agent_going_and_coming_back_is_one_line_each(short_dir: Path) -> None:
+def test_the_agent_going_and_coming_back_is_one_line_each(short_dir: Path,
+                                                          stand_in: StandIn) -> None:
     """Started with the agent's socket missing, the plugin logs "agent unreachable" once
-    while it retries (and /readyz is asked again and again); the agent started logs "agent
-    reachable again" once, the token is checked, and the check is ok; the agent killed is one
-    more "agent unreachable"."""
+    while its parts retry (and /readyz is asked again and again: the retries show at debug
+    level only); the agent started logs "agent reachable again" once, the token is checked,
+    and the check is ok; the agent killed is one more "agent unreachable"."""
     state = short_dir / "state"
     plugin_token = secrets.token_hex(16)
     lines = f"admin:{secrets.token_hex(16)}\nplugin:{plugin_token}:claims\n"
     token_file = write_private(short_dir / "plugin.token", plugin_token + "\n")
     socket = state / "agent.sock"
-    run = start_plugin(short_dir, socket=socket, token_file=token_file)
+    run = start_plugin(short_dir, socket=socket, token_file=token_file, real_kubernetes=True,
+                       kubeconfig=kubeconfig(short_dir / "kubeconfig", stand_in.url,
+                                             stand_in.token),
+                       extra=("--log-level", "debug"))
     agent: AgentProcess | None = None
+    recovering = "reading the agent's claims for their status failed; retrying"
     try:
         found = run.wait_check("agent", reasons.AGENT_UNREACHABLE.text)
         assert str(socket) in found, found
         gone = run.wait_logged("agent unreachable")
         assert gone["socket"] == str(socket) and gone["level"] == "warning", gone
         rounds(run, "agent")
+        wait_for(lambda: run.count(recovering) >= 3, "the claim status reader's retries")
+        assert [line["level"] for line in run.logged(recovering)][:3] == [
+            "info", "debug", "debug"], run.output()
         assert run.count("agent unreachable") == 1, run.output()
         assert run.count("agent reachable again") == 0
 
