@@ -7,11 +7,11 @@ import asyncio
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import agent
-from agent.cli import admin, claims, kubelet_plugin, mig, mps_host, topo
+from agent.cli import admin, claims, kubelet_plugin, mig, mps_host, options, topo
 from agent.cli.client import AgentClient, ClientError, discover, tls_context
 from agent.cli.tables import gpu_table, node_lines
 from agent.errors import AgentError
@@ -294,19 +294,8 @@ def _add_sim(sub: Any) -> None:
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="gpu-agent", description=__doc__)
     top.add_argument("--version", action="version", version=f"gpu-agent {agent.__version__}")
+    # --json only: the connection flags are given to every client parser below.
     client_opts = argparse.ArgumentParser(add_help=False)
-    client_opts.add_argument("--url", help="agent address: http(s)://HOST:PORT, HOST:PORT "
-                                           "or unix:PATH (default: the local socket)")
-    client_opts.add_argument("--token-file", help="token file (or GPU_AGENT_TOKEN[_FILE])")
-    client_opts.add_argument("--cacert", metavar="PEM",
-                             help="CA to trust for an https:// agent (or GPU_AGENT_CACERT; "
-                                  "default: the system's)")
-    client_opts.add_argument("--cert", metavar="PEM",
-                             help="client certificate, for an agent started with "
-                                  "--tls-client-ca (or GPU_AGENT_CERT)")
-    client_opts.add_argument("--key", metavar="PEM",
-                             help="the private key of --cert (or GPU_AGENT_KEY; default: in "
-                                  "the --cert file)")
     client_opts.add_argument("--json", action="store_true", help="print JSON")
     sub = top.add_subparsers(dest="command", required=True)
     _add_serve(sub)
@@ -319,9 +308,25 @@ def parser() -> argparse.ArgumentParser:
     claims.add_parsers(sub, client_opts)
     topo.add_parsers(sub, client_opts)
     admin.add_parsers(sub, client_opts)
-    sub.choices["sim"].add_argument("--url")
-    sub.choices["sim"].add_argument("--token-file")
+    _share_connection(top, seen=set(), skip={"serve", "kubelet-plugin", "mps-host"})
     return top
+
+
+def _share_connection(node: argparse.ArgumentParser, seen: set[int],
+                      skip: Collection[str] = ()) -> None:
+    """Give ``node`` and every client verb and subverb under it the connection flags of
+    :data:`options.CONNECTION` (defaults suppressed, so one given before the verb survives the
+    subparsers after it). The servers' own parsers (``skip``) keep their flags."""
+    if id(node) in seen:
+        return  # an alias names the same parser twice
+    seen.add(id(node))
+    if "--url" not in node._option_string_actions:
+        node._add_container_actions(options.CONNECTION)  # what parents=[...] does
+    for action in node._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                if name not in skip:
+                    _share_connection(child, seen)
 
 
 COMMANDS: dict[str, Command] = {"node": _node, "gpus": _gpus, "sim": _sim, "mig": mig.run,
@@ -354,9 +359,9 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.command == "cdi" and args.cdi_verb == "generate":
         return claims.generate(args)  # offline: opens NVML itself, talks to no agent
     try:
-        url, token = discover(args.url, args.token_file)
-        tls = tls_context(getattr(args, "cacert", None), getattr(args, "cert", None),
-                          getattr(args, "key", None))
+        conn = options.connection(args)
+        url, token = discover(conn["url"], conn["token_file"])
+        tls = tls_context(conn["cacert"], conn["cert"], conn["key"])
         return COMMANDS[args.command](args, AgentClient(url, token, tls=tls))
     except ClientError as err:
         print(f"gpu-agent: {err}", file=sys.stderr)
