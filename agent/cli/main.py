@@ -9,11 +9,12 @@ import os
 import sys
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
+from urllib.parse import quote
 
 import agent
 from agent.cli import admin, claims, kubelet_plugin, mig, mps_host, options, topo
 from agent.cli.client import AgentClient, ClientError, discover, tls_context
-from agent.cli.tables import gpu_table, node_lines
+from agent.cli.tables import gpu_detail, gpu_table, node_lines
 from agent.errors import AgentError
 
 Command = Callable[[argparse.Namespace, AgentClient], int]
@@ -64,19 +65,17 @@ def _print(args: argparse.Namespace, body: Any) -> None:
 
 def _node(args: argparse.Namespace, client: AgentClient) -> int:
     body = client.request("GET", "/v1/node").body
-    if args.json:
-        _print(args, body)
-    else:
-        print("\n".join(node_lines(body)))
+    options.emit(args, body, lambda node, width: "\n".join(node_lines(node, width)))
     return 0
 
 
 def _gpus(args: argparse.Namespace, client: AgentClient) -> int:
-    body = client.request("GET", "/v1/gpus").body
-    if args.json:
-        _print(args, body)
+    if args.gpu is not None:
+        body = client.request("GET", f"/v1/gpus/{quote(args.gpu, safe='')}").body
+        options.emit(args, body, gpu_detail)
     else:
-        print(gpu_table(body["gpus"]))
+        body = client.request("GET", "/v1/gpus").body
+        options.emit(args, body, lambda listing, width: gpu_table(listing["gpus"], width))
     return 0
 
 
@@ -301,8 +300,11 @@ def parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     kubelet_plugin.add_parser(sub)
     mps_host.add_parser(sub)
-    sub.add_parser("node", parents=[client_opts], help="node identity and versions")
-    sub.add_parser("gpus", parents=[client_opts], help="the node's GPUs")
+    sub.add_parser("node", parents=[options.OUTPUT], help="node identity and versions")
+    gpus = sub.add_parser("gpus", parents=[options.OUTPUT],
+                          help="the node's GPUs (fits 120 columns; -o wide: every column), "
+                               "or one of them")
+    gpus.add_argument("gpu", nargs="?", help="one GPU, by index or UUID (default: every GPU)")
     _add_sim(sub)
     mig.add_parsers(sub, client_opts)
     claims.add_parsers(sub, client_opts)
