@@ -19,6 +19,11 @@ from agent.errors import AgentError
 
 Command = Callable[[argparse.Namespace, AgentClient], int]
 
+#: ``gpu-agent --help``'s text: plain words (the module docstring is reST for the code's readers).
+DESCRIPTION = ("Run the GPU node agent (serve), kubelet's DRA plugin (kubelet-plugin) or the MPS "
+               "host (mps-host), or talk to a running agent (every other verb). The connection "
+               "flags (--url, --token-file, --cacert, --cert, --key) may go anywhere on the line.")
+
 
 def _serve(args: argparse.Namespace) -> int:
     from agent import daemon, logs, systemd  # noqa: PLC0415 - keeps client verbs fast
@@ -291,7 +296,7 @@ def _add_sim(sub: Any) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="gpu-agent", description=__doc__)
+    top = argparse.ArgumentParser(prog="gpu-agent", description=DESCRIPTION)
     top.add_argument("--version", action="version", version=f"gpu-agent {agent.__version__}")
     # --json only: the connection flags are given to every client parser below.
     client_opts = argparse.ArgumentParser(add_help=False)
