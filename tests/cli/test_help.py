@@ -19,3 +19,13 @@ def test_help_has_no_rst_backticks(argv: list[str]) -> None:
     text = target.format_help()
     assert "``" not in text
     assert text.strip()
+
+
+def test_mps_host_help_lists_its_required_flag_as_required() -> None:
+    host = next(a for a in parser()._actions
+                if isinstance(a, argparse._SubParsersAction)).choices["mps-host"]
+    text = host.format_help()
+    required = text[text.index("required arguments:"):]
+    assert "--socket PATH" in required.split("\n\n")[0]
+    options = text[text.index("options:"):].split("\n\n")[0]
+    assert "--socket PATH" not in options
