@@ -16,11 +16,16 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 TOP = tuple(f"{p.name}/" for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith("."))
 #: A backticked path, up to a space or ``::`` (a test's node id names its file first).
 PATH = re.compile(r"`([A-Za-z0-9_./-]+?)(?:::[^`]*)?`")
+#: A path to a file of a known kind anywhere in the text, backticked or not (an HTML comment
+#: naming the test that generates a table).
+FILE = re.compile(r"(?<![\w/.-])([A-Za-z0-9_-]+/[A-Za-z0-9_./-]*"
+                  r"\.(?:py|md|yaml|json|toml|service))\b")
 
 
 def _named_paths(doc: Path) -> list[str]:
     """The repository paths ``doc`` names in backticks, without globs or placeholders."""
-    found = {m for m in PATH.findall(doc.read_text()) if m.startswith(TOP)}
+    text = doc.read_text()
+    found = {m for m in PATH.findall(text) + FILE.findall(text) if m.startswith(TOP)}
     return sorted(p.rstrip("/") for p in found if not re.search(r"[*<>{}]|\.\.\.", p))
 
 
