@@ -232,12 +232,14 @@ def test_policy_and_classes_name_this_driver_and_service_account() -> None:
     classes = [d for d in docs if d["kind"] == "DeviceClass"]
     assert {c["metadata"]["name"] for c in classes} == {
         f"gpu.{DRIVER.split('.', 1)[1]}", f"mig.{DRIVER.split('.', 1)[1]}",
-        f"dynamic-mig.{DRIVER.split('.', 1)[1]}"}
+        f"dynamic-mig.{DRIVER.split('.', 1)[1]}", f"share.{DRIVER.split('.', 1)[1]}"}
     for cls in classes:
         (selector,) = cls["spec"]["selectors"]
         expression = selector["cel"]["expression"]
         assert expression.startswith(f'device.driver == "{DRIVER}" &&')
-        assert f'device.attributes["{DRIVER}"].type == ' in expression
+        # The share class selects what is published shareable, whatever its type.
+        selects = "shareable" if cls["metadata"]["name"].startswith("share.") else "type"
+        assert f'device.attributes["{DRIVER}"].{selects} == ' in expression
 
 
 def test_the_node_bound_credential_is_renewed_where_the_install_put_it() -> None:
