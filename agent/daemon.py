@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import ssl
+import sys
 from pathlib import Path
 
 from aiohttp import web
@@ -49,8 +50,9 @@ def load_tokens(settings: Settings) -> TokenStore:
             generate_token_file(path)
         store = TokenStore.load(path)
         token = path.read_text().split(":")[1].strip()
-        # Printed once for the developer at the terminal; the structured log never carries it.
-        print(f"simulated agent token (also in {path}): {token}", flush=True)
+        # Printed once for the developer at the terminal, on stderr so that stdout stays the
+        # program's output; the structured log never carries it.
+        print(f"simulated agent token (also in {path}): {token}", file=sys.stderr, flush=True)
         return store
     return TokenStore.empty()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from aiohttp import ClientPayloadError, web
@@ -129,8 +130,18 @@ def load_json(raw: bytes) -> Any:
         raise BodyError(f"not valid JSON ({type(err).__name__}, depth {depth})") from None
 
 
+def field_path(loc: Sequence[int | str]) -> str:
+    """The field a pydantic error location names, spelled as the services spell the fields
+    they refuse: list positions in brackets, names after dots (``devices[0].sharing``);
+    ``(body)`` for the document itself."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
+    return out or "(body)"
+
+
 def _field_errors(err: ValidationError) -> list[dict[str, Any]]:
-    return [{"field": ".".join(str(p) for p in e["loc"]) or "(body)", "reason": e["msg"]}
+    return [{"field": field_path(e["loc"]), "reason": e["msg"]}
             for e in err.errors(include_url=False, include_input=False)]
 
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from agent.api.models import MigModeModel, PlacementModel, Strict
+from agent.api.models import MigModeModel, OneOf, PlacementModel, Strict
 from agent.device_names import ascii_integer
 from agent.gpu.types import GiProfile, Placement
 from agent.mig.geometry import (
@@ -250,8 +250,9 @@ class ProfileList(BaseModel):
 
 
 class ApplyRequest(Strict):
-    config: dict[str, Any] | str = Field(description="A mig-parted v1 config: a JSON object "
-                                                     "or YAML text")
+    config: Annotated[dict[str, Any] | str, OneOf(
+        "a mig-parted v1 config: a JSON object or YAML text")] = Field(
+        description="A mig-parted v1 config: a JSON object or YAML text")
     label: str = Field(min_length=1, max_length=128)
     drain: DrainIn = Field(default_factory=DrainIn)
     allow_reset: bool = Field(

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, RootModel
+from pydantic import BaseModel, ConfigDict, Field, GetCoreSchemaHandler, RootModel
+from pydantic_core import CoreSchema
 
 from agent.events import Event
 from agent.gpu.types import DriverInfo, Gpu, MigDevice
@@ -20,6 +22,25 @@ class Strict(BaseModel):
     boolean, ``true`` not a count (strict mode; bodies are validated from their JSON text)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+@dataclass(frozen=True)
+class OneOf:
+    """Marks a union field of a request (``Annotated[int | str, OneOf("...")]``): a value
+    no member takes is one error at the field itself, with ``message``. pydantic would report
+    an error per member, each under the member's type name (``must_include[1].int``,
+    ``must_include[1].str``): paths no client can match to a field it sent."""
+
+    message: str
+
+    def __get_pydantic_core_schema__(self, source: Any,
+                                     handler: GetCoreSchemaHandler) -> CoreSchema:
+        """The union's schema, with one error of its own."""
+        schema = handler(source)
+        if schema["type"] != "union":
+            raise TypeError(f"OneOf marks a union, not a {schema['type']} schema")
+        return cast("CoreSchema", {**schema, "custom_error_type": "union_refused",
+                                   "custom_error_message": self.message})
 
 
 class Problem(BaseModel):

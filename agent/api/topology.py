@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from aiohttp import web
 from pydantic import BaseModel, Field
 
 from agent.api.body import parse_body
 from agent.api.context import AGENT, AgentContext
-from agent.api.models import Strict
+from agent.api.models import OneOf, Strict
 from agent.api.node import require_ready
 from agent.api.routing import Route, json_response
 from agent.device_names import ascii_integer
@@ -16,7 +18,7 @@ from agent.topology.graph import TopologyGraph
 from agent.topology.select import Selection, select
 from agent.topology.service import TopologyService
 
-GpuRef = int | str
+GpuRef = Annotated[int | str, OneOf("a GPU index (a whole number) or UUID (a string)")]
 
 
 class TopologyGpuModel(BaseModel):

@@ -68,13 +68,10 @@ class _VerbOrUid(_SubParsers):
 
 
 def _client_options() -> argparse.ArgumentParser:
-    """The client flags, left out of the namespace unless given, so they may come before or
+    """``--json``, left out of the namespace unless given, so it may come before or
     after the verb (``claims --json UID`` and ``claims UID --json``). A fresh parser per use:
     parents share their action objects, and ``set_defaults`` changes those."""
     opts = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
-    opts.add_argument("--url", help="agent address: http(s)://HOST:PORT or unix:PATH "
-                                    "(default: the local socket)")
-    opts.add_argument("--token-file", help="token file (or GPU_AGENT_TOKEN[_FILE])")
     opts.add_argument("--json", action="store_true", help="print JSON")
     return opts
 
@@ -87,7 +84,7 @@ def add_parsers(sub: Any, client_opts: argparse.ArgumentParser) -> None:
         description="List the claims prepared on this node (no arguments), show one "
                     "(claims UID), prepare or unprepare one.")
     # Set here only: leaf verbs leave unset options out, so these survive them.
-    claims.set_defaults(url=None, token_file=None, json=False, claims_verb=None, uid=None)
+    claims.set_defaults(json=False, claims_verb=None, uid=None)
     verbs = claims.add_subparsers(dest="claims_verb", action=_VerbOrUid,
                                   metavar="{UID,show,prepare,unprepare}")
     show = verbs.add_parser("show", parents=[_client_options()],

@@ -16,7 +16,14 @@ from agent.settings import DEFAULT_SOCKET, SIM_STATE_DIR
 
 
 class ClientError(Exception):
-    """A one-line message for the terminal."""
+    """A one-line message for the terminal; ``status`` and ``problem`` (the problem+json body)
+    when the agent answered with an error."""
+
+    def __init__(self, message: str, *, status: int | None = None,
+                 problem: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.problem = problem or {}
 
 
 class _UnixConnection(http.client.HTTPConnection):
@@ -42,12 +49,19 @@ class Response:
 
 
 def read_token_file(path: Path) -> str:
-    """The token of the first ``name:token[:scopes]`` line."""
+    """The token of the first line that has one: the token alone (as the kubelet plugin's
+    Secret holds it) or the agent's own ``name:token[:scopes]`` line, whose second field is the
+    token. ``#`` lines are comments. A file with no token is a :class:`ClientError`."""
     for raw in path.read_text().splitlines():
         line = raw.strip()
-        if line and not line.startswith("#"):
-            return line.split(":")[1]
-    raise ClientError(f"no token in {path}")
+        if not line or line.startswith("#"):
+            continue
+        fields = line.split(":")
+        token = fields[1].strip() if len(fields) > 1 else line
+        if token:
+            return token
+    raise ClientError(f"token file {path} holds no token: put the token alone on a line, or "
+                      "a 'name:token[:scopes]' line")
 
 
 def normalise_url(url: str) -> str:
@@ -89,7 +103,11 @@ def discover(url: str | None, token_file: str | None) -> tuple[str, str | None]:
         try:
             token = read_token_file(Path(token_path))
         except OSError as err:
-            raise ClientError(f"cannot read token file {token_path}: {err.strerror}") from err
+            raise ClientError(f"cannot read token file {token_path}: {err.strerror} (pass "
+                              "--token-file FILE, or set GPU_AGENT_TOKEN_FILE)") from err
+        except UnicodeDecodeError as err:
+            raise ClientError(f"token file {token_path} is not text: give the file that holds "
+                              "the token") from err
     return normalise_url(url or DEFAULT_SOCKET), token
 
 
@@ -146,6 +164,11 @@ class AgentClient:
             conn.request(method, path, body=data, headers=headers)
             raw = conn.getresponse()
             payload = raw.read()
+        except ssl.SSLError as err:
+            reason = getattr(err, "reason", None) or str(err)
+            raise ClientError(f"TLS with the agent at {self.url} failed: {reason} (pass --cacert "
+                              "with the CA that signed its certificate, and --cert/--key if it "
+                              "asks for a client certificate)") from err
         except (OSError, http.client.HTTPException) as err:
             reason = getattr(err, "strerror", None) or str(err) or type(err).__name__
             raise ClientError(f"cannot reach the agent at {self.url}: {reason} (is it running? "
@@ -157,7 +180,20 @@ class AgentClient:
         except json.JSONDecodeError:
             parsed = payload.decode(errors="replace")
         if raw.status >= 400:
-            if isinstance(parsed, dict) and "detail" in parsed:
-                raise ClientError(f"{raw.status} {parsed.get('title', '')}: {parsed['detail']}")
-            raise ClientError(f"{raw.status} {raw.reason}")
+            raise self._refusal(raw.status, raw.reason, parsed)
         return Response(raw.status, parsed)
+
+    def _refusal(self, status: int, reason: str, parsed: Any) -> ClientError:
+        """An error answer as one line; for 401 and 403, what to pass instead."""
+        if not (isinstance(parsed, dict) and "detail" in parsed):
+            return ClientError(f"{status} {reason}", status=status)
+        detail = " ".join(str(parsed["detail"]).split())  # one line, whatever the agent sent
+        if status == 401:
+            detail = ("the agent does not know this token: pass --token-file with one of the "
+                      "tokens in the agent's own --token-file" if self.token else
+                      "this needs a token: pass --token-file FILE (the token alone, or a "
+                      "'name:token[:scopes]' line), or set GPU_AGENT_TOKEN_FILE")
+        elif status == 403 and parsed.get("scope"):
+            detail += f"; pass --token-file with a token that has the {parsed['scope']!r} scope"
+        return ClientError(f"{status} {parsed.get('title', reason)}: {detail}", status=status,
+                           problem=parsed)

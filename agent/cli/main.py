@@ -7,16 +7,22 @@ import asyncio
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
+from urllib.parse import quote
 
 import agent
-from agent.cli import admin, claims, kubelet_plugin, mig, mps_host, topo
+from agent.cli import admin, claims, kubelet_plugin, mig, mps_host, options, topo
 from agent.cli.client import AgentClient, ClientError, discover, tls_context
-from agent.cli.tables import gpu_table, node_lines
+from agent.cli.tables import gpu_detail, gpu_table, node_lines
 from agent.errors import AgentError
 
 Command = Callable[[argparse.Namespace, AgentClient], int]
+
+#: ``gpu-agent --help``'s text: plain words (the module docstring is reST for the code's readers).
+DESCRIPTION = ("Run the GPU node agent (serve), kubelet's DRA plugin (kubelet-plugin) or the MPS "
+               "host (mps-host), or talk to a running agent (every other verb). The connection "
+               "flags (--url, --token-file, --cacert, --cert, --key) may go anywhere on the line.")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -64,19 +70,17 @@ def _print(args: argparse.Namespace, body: Any) -> None:
 
 def _node(args: argparse.Namespace, client: AgentClient) -> int:
     body = client.request("GET", "/v1/node").body
-    if args.json:
-        _print(args, body)
-    else:
-        print("\n".join(node_lines(body)))
+    options.emit(args, body, lambda node, width: "\n".join(node_lines(node, width)))
     return 0
 
 
 def _gpus(args: argparse.Namespace, client: AgentClient) -> int:
-    body = client.request("GET", "/v1/gpus").body
-    if args.json:
-        _print(args, body)
+    if args.gpu is not None:
+        body = client.request("GET", f"/v1/gpus/{quote(args.gpu, safe='')}").body
+        options.emit(args, body, gpu_detail)
     else:
-        print(gpu_table(body["gpus"]))
+        body = client.request("GET", "/v1/gpus").body
+        options.emit(args, body, lambda listing, width: gpu_table(listing["gpus"], width))
     return 0
 
 
@@ -292,36 +296,44 @@ def _add_sim(sub: Any) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="gpu-agent", description=__doc__)
+    top = argparse.ArgumentParser(prog="gpu-agent", description=DESCRIPTION)
     top.add_argument("--version", action="version", version=f"gpu-agent {agent.__version__}")
+    # --json only: the connection flags are given to every client parser below.
     client_opts = argparse.ArgumentParser(add_help=False)
-    client_opts.add_argument("--url", help="agent address: http(s)://HOST:PORT, HOST:PORT "
-                                           "or unix:PATH (default: the local socket)")
-    client_opts.add_argument("--token-file", help="token file (or GPU_AGENT_TOKEN[_FILE])")
-    client_opts.add_argument("--cacert", metavar="PEM",
-                             help="CA to trust for an https:// agent (or GPU_AGENT_CACERT; "
-                                  "default: the system's)")
-    client_opts.add_argument("--cert", metavar="PEM",
-                             help="client certificate, for an agent started with "
-                                  "--tls-client-ca (or GPU_AGENT_CERT)")
-    client_opts.add_argument("--key", metavar="PEM",
-                             help="the private key of --cert (or GPU_AGENT_KEY; default: in "
-                                  "the --cert file)")
     client_opts.add_argument("--json", action="store_true", help="print JSON")
     sub = top.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     kubelet_plugin.add_parser(sub)
     mps_host.add_parser(sub)
-    sub.add_parser("node", parents=[client_opts], help="node identity and versions")
-    sub.add_parser("gpus", parents=[client_opts], help="the node's GPUs")
+    sub.add_parser("node", parents=[options.OUTPUT], help="node identity and versions")
+    gpus = sub.add_parser("gpus", parents=[options.OUTPUT],
+                          help="the node's GPUs (fits 120 columns; -o wide: every column), "
+                               "or one of them")
+    gpus.add_argument("gpu", nargs="?", help="one GPU, by index or UUID (default: every GPU)")
     _add_sim(sub)
     mig.add_parsers(sub, client_opts)
     claims.add_parsers(sub, client_opts)
     topo.add_parsers(sub, client_opts)
     admin.add_parsers(sub, client_opts)
-    sub.choices["sim"].add_argument("--url")
-    sub.choices["sim"].add_argument("--token-file")
+    _share_connection(top, seen=set(), skip={"serve", "kubelet-plugin", "mps-host"})
     return top
+
+
+def _share_connection(node: argparse.ArgumentParser, seen: set[int],
+                      skip: Collection[str] = ()) -> None:
+    """Give ``node`` and every client verb and subverb under it the connection flags of
+    :data:`options.CONNECTION` (defaults suppressed, so one given before the verb survives the
+    subparsers after it). The servers' own parsers (``skip``) keep their flags."""
+    if id(node) in seen:
+        return  # an alias names the same parser twice
+    seen.add(id(node))
+    if "--url" not in node._option_string_actions:
+        node._add_container_actions(options.CONNECTION)  # what parents=[...] does
+    for action in node._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                if name not in skip:
+                    _share_connection(child, seen)
 
 
 COMMANDS: dict[str, Command] = {"node": _node, "gpus": _gpus, "sim": _sim, "mig": mig.run,
@@ -354,9 +366,9 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.command == "cdi" and args.cdi_verb == "generate":
         return claims.generate(args)  # offline: opens NVML itself, talks to no agent
     try:
-        url, token = discover(args.url, args.token_file)
-        tls = tls_context(getattr(args, "cacert", None), getattr(args, "cert", None),
-                          getattr(args, "key", None))
+        conn = options.connection(args)
+        url, token = discover(conn["url"], conn["token_file"])
+        tls = tls_context(conn["cacert"], conn["cert"], conn["key"])
         return COMMANDS[args.command](args, AgentClient(url, token, tls=tls))
     except ClientError as err:
         print(f"gpu-agent: {err}", file=sys.stderr)

@@ -19,8 +19,10 @@ def add_parser(sub: Any) -> None:
                     "Unix socket. Run it as its own DaemonSet or systemd unit: the daemons "
                     "it starts live in its cgroup and outlive agent restarts. SIGTERM stops "
                     "it without stopping any daemon.")
-    host.add_argument("--socket", required=True, type=Path, metavar="PATH",
-                      help="the socket the agent's --mps-host-socket names")
+    # Its own --help section: argparse lists a required flag among the optional ones.
+    required = host.add_argument_group("required arguments")
+    required.add_argument("--socket", required=True, type=Path, metavar="PATH",
+                          help="the socket the agent's --mps-host-socket names")
     host.add_argument("--mps-root", type=Path, metavar="DIR",
                       help="the agent's --mps-root: pipe and log directories must be below it")
     host.add_argument("--mps-control", type=Path, metavar="PATH",

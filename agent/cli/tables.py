@@ -6,11 +6,30 @@ from collections.abc import Sequence
 from typing import Any
 
 
-def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Left-aligned columns separated by two spaces, like kubectl."""
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=False)]
-    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
-                     for row in [header, *rows])
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:max(limit - 3, 0)] + "..."
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]], width: int | None = None) -> str:
+    """Left-aligned columns separated by two spaces, like kubectl. With ``width``, the widest
+    columns are narrowed (their cells cut, ending in ``...``) until every line fits in it;
+    a column never gets narrower than its header."""
+    cells = [[str(c) for c in row] for row in [header, *rows]]
+    widths = [max(len(c) for c in col) for col in zip(*cells, strict=True)]
+    if width is not None:
+        floors = [max(len(h), 3) for h in header]
+        over = sum(widths) + 2 * (len(widths) - 1) - width
+        while over > 0:
+            narrowable = [i for i, w in enumerate(widths) if w > floors[i]]
+            if not narrowable:
+                break
+            widest = max(narrowable, key=lambda i: widths[i])
+            others = max((widths[i] for i in narrowable if i != widest), default=0)
+            step = min(over, widths[widest] - max(others, floors[widest]) or 1)
+            widths[widest] -= step
+            over -= step
+    return "\n".join("  ".join(_cut(c, w).ljust(w) for c, w in zip(row, widths, strict=True))
+                     .rstrip() for row in cells)
 
 
 def _mig(gpu: dict[str, Any]) -> str:
@@ -111,21 +130,73 @@ def taint_lines(gpus: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def gpu_table(gpus: Sequence[dict[str, Any]]) -> str:
-    rows = [[str(g["index"]), g["name"], g["uuid"], g["pci_bus_id"], str(g["memory_total_mib"]),
-             "-" if g["numa_node"] is None else str(g["numa_node"]), _mig(g),
-             ",".join(d["profile"] for d in g["mig_devices"]) or "-",
-             "ok" if g["health"]["healthy"] else "UNHEALTHY: " + "; ".join(g["health"]["reasons"]),
-             _taints(g), available_text(g), holders_text(g)]
-            for g in gpus]
-    text = table(["IDX", "NAME", "UUID", "BUS ID", "MEMORY MiB", "NUMA", "MIG", "MIG DEVICES",
-                  "HEALTH", "TAINTS", "AVAILABLE", "HELD BY"], rows)
-    why = taint_lines(gpus)
+def _short_name(name: str) -> str:
+    return name.removeprefix("NVIDIA ")
+
+
+def _health(gpu: dict[str, Any], wide: bool) -> str:
+    if gpu["health"]["healthy"]:
+        return "ok"
+    return "UNHEALTHY: " + "; ".join(gpu["health"]["reasons"]) if wide else "UNHEALTHY"
+
+
+def _gpu_row(g: dict[str, Any], wide: bool) -> list[str]:
+    if not wide:
+        return [str(g["index"]), _short_name(g["name"]), str(g["memory_total_mib"]), _mig(g),
+                _health(g, wide), available_text(g), holders_text(g)]
+    return [str(g["index"]), g["name"], g["uuid"], g["pci_bus_id"], str(g["memory_total_mib"]),
+            "-" if g["numa_node"] is None else str(g["numa_node"]), _mig(g),
+            ",".join(d["profile"] for d in g["mig_devices"]) or "-", _health(g, wide),
+            _taints(g), available_text(g), holders_text(g)]
+
+
+#: The ``gpus`` columns: the default fits 120 columns (taints are listed under the table);
+#: ``-o wide`` adds identity, placement and every MIG device and taint.
+GPU_COLUMNS = ["IDX", "NAME", "MEMORY MiB", "MIG", "HEALTH", "AVAILABLE", "HELD BY"]
+GPU_WIDE_COLUMNS = ["IDX", "NAME", "UUID", "BUS ID", "MEMORY MiB", "NUMA", "MIG", "MIG DEVICES",
+                    "HEALTH", "TAINTS", "AVAILABLE", "HELD BY"]
+
+
+def gpu_table(gpus: Sequence[dict[str, Any]], width: int | None = None) -> str:
+    """The ``gpus`` listing: cut to ``width`` columns with fewer of them, or (None) every
+    column in full, as ``-o wide``; then each taint and why."""
+    wide = width is None
+    text = table(GPU_WIDE_COLUMNS if wide else GPU_COLUMNS,
+                 [_gpu_row(g, wide) for g in gpus], width)
+    why = [line if width is None else _cut(line, width) for line in taint_lines(gpus)]
     return text + ("\n\nTaints:\n" + "\n".join(why) if why else "")
 
 
-def node_lines(node: dict[str, Any]) -> list[str]:
+def key_values(rows: Sequence[tuple[str, str]], width: int | None = None) -> list[str]:
+    """``key  value`` lines, the values aligned; each line cut to ``width``."""
+    pad = max(len(k) for k, _ in rows)
+    return [f"{k.ljust(pad)}  {v}" if width is None else _cut(f"{k.ljust(pad)}  {v}", width)
+            for k, v in rows]
+
+
+def gpu_detail(gpu: dict[str, Any], width: int | None = None) -> str:
+    """``gpus N``: one GPU as ``key  value`` lines, then its MIG devices and its taints."""
+    rows = [("index", str(gpu["index"])), ("name", gpu["name"]), ("uuid", gpu["uuid"]),
+            ("bus id", gpu["pci_bus_id"]), ("architecture", gpu.get("architecture", "-")),
+            ("memory", f"{gpu['memory_total_mib']} MiB"),
+            ("numa node", "-" if gpu["numa_node"] is None else str(gpu["numa_node"])),
+            ("cpu affinity", gpu.get("cpu_affinity") or "-"), ("mig", _mig(gpu)),
+            ("health", _health(gpu, True)), ("drained", gpu.get("drained") or "-"),
+            ("available", available_text(gpu)), ("held by", holders_text(gpu))]
+    text = "\n".join(key_values(rows, width))
+    devices = gpu.get("mig_devices") or []
+    if devices:
+        text += "\n\n" + table(
+            ["MIG", "PROFILE", "GI", "CI", "PLACEMENT", "MEMORY MiB", "AVAILABLE", "UUID"],
+            [[str(d["index"]), d["profile"], str(d["gi_id"]), str(d["ci_id"]),
+              f"{d['placement']['start']}:{d['placement']['size']}", str(d["memory_mib"]),
+              "yes" if d["availability"]["available"] else "no", d["uuid"]]
+             for d in devices], width)
+    why = [line if width is None else _cut(line, width) for line in taint_lines([gpu])]
+    return text + ("\n\nTaints:\n" + "\n".join(why) if why else "")
+
+
+def node_lines(node: dict[str, Any], width: int | None = None) -> list[str]:
     keys = ["hostname", "backend", "gpu_count", "driver_version", "cuda_driver_version",
             "nvml_version", "agent_version", "boot_id"]
-    width = max(len(k) for k in keys)
-    return [f"{k.ljust(width)}  {node[k]}" for k in keys]
+    return key_values([(k, str(node[k])) for k in keys], width)

@@ -8,7 +8,11 @@ from typing import Any
 
 from agent.cli.client import AgentClient
 from agent.device_names import ascii_integer
+from agent.dra.resource_slices import KUBERNETES_VERSIONS
 from agent.topology.matrix import render
+
+#: The versions ``GET /v1/resourceslices?kubernetes=`` knows, so the two cannot drift.
+KUBERNETES_CHOICES = tuple(f"{major}.{minor}" for major, minor in KUBERNETES_VERSIONS)
 
 
 def add_parsers(sub: Any, client_opts: argparse.ArgumentParser) -> None:
@@ -24,9 +28,9 @@ def add_parsers(sub: Any, client_opts: argparse.ArgumentParser) -> None:
                         help="choose only among these GPUs")
     slices = verbs.add_parser("slices", parents=[client_opts],
                               help="this node's ResourceSlices (resource.k8s.io/v1, JSON)")
-    slices.add_argument("--kubernetes", choices=("1.34", "1.35"), default="1.35",
-                        help="API server version (1.35: counters and devices in separate "
-                             "slices)")
+    slices.add_argument("--kubernetes", choices=KUBERNETES_CHOICES, default="1.35",
+                        help="API server version, as the agent's API takes it (1.35 and "
+                             "newer: counters and devices in separate slices)")
 
 
 def _ref(text: str) -> int | str:

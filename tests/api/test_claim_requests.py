@@ -62,14 +62,14 @@ SPELLINGS: dict[str, tuple[dict[str, Any], int, str | None]] = {
     "the old spelling works for slices too": ({"request": "slice", "profile": "1g.10gb",
                                                "gpu": "2"}, 200, None),
     "both spellings at once are refused, naming the old one":
-        ({"kind": "gpu", "request": "gpu", "device": "0"}, 422, "devices.0.request"),
+        ({"kind": "gpu", "request": "gpu", "device": "0"}, 422, "devices[0].request"),
     "both spellings are refused even when they disagree":
-        ({"kind": "gpu", "request": "slice", "device": "0"}, 422, "devices.0.request"),
-    "neither spelling is a missing kind": ({"device": "0"}, 422, "devices.0.kind"),
+        ({"kind": "gpu", "request": "slice", "device": "0"}, 422, "devices[0].request"),
+    "neither spelling is a missing kind": ({"device": "0"}, 422, "devices[0].kind"),
     "a kind that is neither gpu nor slice": ({"kind": "mig", "device": "0"}, 422,
-                                             "devices.0.kind"),
+                                             "devices[0].kind"),
     "the old spelling is checked as kind is": ({"request": "mig", "device": "0"}, 422,
-                                               "devices.0.kind"),
+                                               "devices[0].kind"),
 }
 
 

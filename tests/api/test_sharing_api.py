@@ -54,42 +54,42 @@ def dev(ref: str = "0", **extra: Any) -> dict[str, Any]:
 
 #: A device entry and the field its 422 names.
 BAD: dict[str, tuple[dict[str, Any], str]] = {
-    "unknown strategy": (dev(sharing={"strategy": "Fractional"}), "devices.0.sharing.strategy"),
+    "unknown strategy": (dev(sharing={"strategy": "Fractional"}), "devices[0].sharing.strategy"),
     "thread percentage 0": (dev(sharing={"strategy": "MPS", "mpsConfig": {
         "defaultActiveThreadPercentage": 0}}),
-        "devices.0.sharing.mpsConfig.defaultActiveThreadPercentage"),
+        "devices[0].sharing.mpsConfig.defaultActiveThreadPercentage"),
     "thread percentage 101": (dev(sharing={"strategy": "MPS", "mpsConfig": {
         "defaultActiveThreadPercentage": 101}}),
-        "devices.0.sharing.mpsConfig.defaultActiveThreadPercentage"),
+        "devices[0].sharing.mpsConfig.defaultActiveThreadPercentage"),
     "thread percentage as a string": (dev(sharing={"strategy": "MPS", "mpsConfig": {
         "defaultActiveThreadPercentage": "50"}}),
-        "devices.0.sharing.mpsConfig.defaultActiveThreadPercentage"),
+        "devices[0].sharing.mpsConfig.defaultActiveThreadPercentage"),
     "unknown mpsConfig field": (dev(sharing={"strategy": "MPS", "mpsConfig": {
-        "multiUser": True}}), "devices.0.sharing.mpsConfig.multiUser"),
+        "multiUser": True}}), "devices[0].sharing.mpsConfig.multiUser"),
     "snake_case spelling": (dev(sharing={"strategy": "MPS", "mps_config": {}}),
-                            "devices.0.sharing.mps_config"),
+                            "devices[0].sharing.mps_config"),
     "mpsConfig with TimeSlicing": (dev(sharing={"strategy": "TimeSlicing", "mpsConfig": {}}),
-                                   "devices.0.sharing"),
+                                   "devices[0].sharing"),
     "unknown interval": (dev(sharing={"strategy": "TimeSlicing", "timeSlicingConfig": {
-        "interval": "VeryLong"}}), "devices.0.sharing.timeSlicingConfig.interval"),
+        "interval": "VeryLong"}}), "devices[0].sharing.timeSlicingConfig.interval"),
     "bad pinned quantity": (dev(sharing={"strategy": "MPS", "mpsConfig": {
         "defaultPinnedDeviceMemoryLimit": "10 GB"}}),
-        "devices.0.sharing.mpsConfig.defaultPinnedDeviceMemoryLimit"),
+        "devices[0].sharing.mpsConfig.defaultPinnedDeviceMemoryLimit"),
     "zero pinned limit": (dev(sharing={"strategy": "MPS", "mpsConfig": {
         "defaultPinnedDeviceMemoryLimit": 0}}),
-        "devices.0.sharing.mpsConfig.defaultPinnedDeviceMemoryLimit"),
+        "devices[0].sharing.mpsConfig.defaultPinnedDeviceMemoryLimit"),
     "pinned limit above memory": (dev(sharing={"strategy": "MPS", "mpsConfig": {
         "defaultPinnedDeviceMemoryLimit": "64Gi"}}),
         "devices[0].sharing.mpsConfig.defaultPinnedDeviceMemoryLimit"),
-    "bad capacity quantity": (dev(capacity={"memory": "lots"}), "devices.0.capacity.memory"),
+    "bad capacity quantity": (dev(capacity={"memory": "lots"}), "devices[0].capacity.memory"),
     "capacity above the shareable memory": (dev(capacity={"memory": "45057Mi"}),
                                             "devices[0].capacity.memory"),
     "unknown capacity": (dev(capacity={"memory": "1Gi", "threads": 3}),
-                         "devices.0.capacity.threads"),
+                         "devices[0].capacity.threads"),
     "share_id on a slice": ({"kind": "slice", "profile": "1g.10gb", "share_id": "s"},
-                            "devices.0"),
+                            "devices[0]"),
     "sharing on a slice": ({"kind": "slice", "profile": "1g.10gb",
-                            "sharing": {"strategy": "MPS"}}, "devices.0"),
+                            "sharing": {"strategy": "MPS"}}, "devices[0]"),
     "time-slicing a share": (dev(capacity={"memory": "10Gi"}, sharing={
         "strategy": "TimeSlicing"}), "devices[0].sharing.strategy"),
 }

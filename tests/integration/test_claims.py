@@ -110,8 +110,8 @@ def test_stale_retry_after_unprepare_is_refused(agent: AgentProcess) -> None:
 
 @pytest.mark.parametrize(("body", "status", "field"), [
     ({"devices": []}, 422, "devices"),
-    ({"devices": [{"kind": "gpu"}]}, 422, "devices.0"),
-    ({"devices": [{"kind": "slice", "profile": "1g.10gb", "device": "x"}]}, 422, "devices.0"),
+    ({"devices": [{"kind": "gpu"}]}, 422, "devices[0]"),
+    ({"devices": [{"kind": "slice", "profile": "1g.10gb", "device": "x"}]}, 422, "devices[0]"),
     ({"devices": [{"kind": "gpu", "device": "nope"}]}, 422, "devices[0].device"),
     ({"devices": [{"kind": "gpu", "device": "0"}], "extra": 1}, 422, "extra"),
 ])

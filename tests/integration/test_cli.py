@@ -22,9 +22,12 @@ def test_gpus_table_and_json(h100: AgentProcess) -> None:
     table = cli("gpus", "--url", h100.url)
     assert table.returncode == 0, table.stderr
     lines = table.stdout.splitlines()
-    assert lines[0].split()[:3] == ["IDX", "NAME", "UUID"]
+    assert lines[0].split()[:3] == ["IDX", "NAME", "MEMORY"]
     assert len(lines) == 9
-    assert all("NVIDIA H100 80GB HBM3" in line for line in lines[1:])
+    assert all("H100 80GB HBM3" in line and len(line) <= 120 for line in lines[1:])
+    wide = cli("gpus", "-o", "wide", "--url", h100.url).stdout.splitlines()
+    assert wide[0].split()[:3] == ["IDX", "NAME", "UUID"]
+    assert all("NVIDIA H100 80GB HBM3" in line for line in wide[1:9])
     as_json = json.loads(cli("gpus", "--json", "--url", f"unix:{h100.socket_path}").stdout)
     assert len(as_json["gpus"]) == 8
 

@@ -67,7 +67,7 @@ def _rows(stdout: str) -> dict[str, dict[str, str]]:
 def test_available_is_right_for_shared_held_and_free_gpus(l40s: AgentProcess) -> None:
     """A shared GPU shows the memory its shares left and each share in HELD BY (not "whole
     GPU"); a GPU held whole, under MPS or not, is not available (not "ok"); a free one is."""
-    out = cli("gpus", *_opts(l40s))
+    out = cli("gpus", "-o", "wide", *_opts(l40s))
     assert out.returncode == 0, out.stderr
     rows = _rows(out.stdout)
     assert rows["0"]["AVAILABLE"] == "shares: 24576 of 45056 MiB left"

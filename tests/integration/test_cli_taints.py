@@ -51,7 +51,7 @@ def test_gpus_shows_taints_and_why(h100: AgentProcess) -> None:
     (instance,) = _tainted(h100, "5", "mig")
     since = _tainted(h100, "3")[0]["time_added"]
 
-    out = cli("gpus", "--url", h100.url)
+    out = cli("gpus", "-o", "wide", "--url", h100.url)
     assert out.returncode == 0, out.stderr
     rows = _rows(out.stdout)
     assert rows["3"]["TAINTS"] == f"{XID}=48:NoSchedule"

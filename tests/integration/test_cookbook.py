@@ -3,23 +3,18 @@ every route the agent serves must appear in it."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 from agent.api.app import all_routes
 from tests.agent_process import start_agent
+from tests.docs.scripts import COOKBOOK, cookbook, failure, run_script, sh_blocks, shell_env
 from tests.tools import require_tool
-
-COOKBOOK = Path(__file__).resolve().parents[2] / "docs" / "cookbook.md"
-_BLOCK = re.compile(r"^```sh\n(.*?)^```", re.S | re.M)
 
 
 def _blocks() -> list[str]:
-    return _BLOCK.findall(COOKBOOK.read_text())
+    return sh_blocks(COOKBOOK)
 
 
 def _commands() -> list[str]:
@@ -53,16 +48,9 @@ def test_cookbook_runs_against_a_simulated_agent(tmp_path: Path) -> None:
     require_tool("curl", "apt-get install curl")
     agent = start_agent(tmp_path / "state")
     try:
-        # No ``set -x``: it would echo the token; the trap names the failing command instead.
-        script = ("set -euo pipefail\ntrap 'echo \"FAILED: $BASH_COMMAND\" >&2' ERR\n"
-                  + "\n".join(_blocks()))
-        env = {**os.environ, "API": agent.url, "TOKEN": agent.token or "",
-               "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
-        done = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=60, check=False)
-        assert done.returncode == 0, (f"a cookbook command failed (exit {done.returncode}):\n"
-                                      f"{done.stderr[-3000:]}\n--- stdout ---\n"
-                                      f"{done.stdout[-2000:]}")
+        done = run_script(cookbook(), tmp_path,
+                          shell_env(API=agent.url, TOKEN=agent.token or ""), timeout=60)
+        assert done.returncode == 0, failure(done, "a cookbook command")
         assert agent.token and agent.token not in done.stdout
     finally:
         agent.stop(signal.SIGKILL)

@@ -261,9 +261,9 @@ def test_every_route_refuses_an_unknown_query_parameter(agent: AgentProcess) -> 
     ("POST", "/v1/topology/select", {"count": 2.0}, "count"),
     ("PUT", "/v1/gpus/2/mig?dry_run=true",
      {"instances": [{"profile": "3g.40gb", "placement": {"start": "0", "size": 4}}]},
-     "instances.0.placement.start"),
+     "instances[0].placement.start"),
     ("PUT", "/v1/claims/strict", {"devices": [{"kind": "gpu", "device": 3}]},
-     "devices.0.device"),
+     "devices[0].device"),
 ])
 def test_strict_types_are_not_coerced(agent: AgentProcess, method: str, path: str,
                                       body: dict[str, Any], field: str) -> None:

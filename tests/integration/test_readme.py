@@ -1,39 +1,38 @@
 """The README's tour is executed: every ``sh`` block, in order, on a fresh simulated agent as
-``make run`` starts it, with curl failing on any HTTP error; and its flag table is the
-parser's."""
+``make run`` starts it, with curl failing on any HTTP error, leaving the node as it found it so
+the cookbook runs after it; and its flag table is the parser's."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 from agent.cli.main import serve_flag_table
 from tests.agent_process import start_agent
+from tests.docs.scripts import (
+    README,
+    cookbook,
+    cookbook_setup,
+    failure,
+    node_state,
+    readme_tour,
+    run_script,
+    shell_env,
+)
 from tests.tools import require_tool
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-_BLOCK = re.compile(r"^```sh\n(.*?)^```", re.S | re.M)
-# Lines that start another agent or the test suite: the tour's agent is already running.
-_NOT_TOUR = re.compile(r"^\s*(make (run|test)|\S*gpu-agent serve)\b")
 _TABLE = re.compile(r"<!-- generated from the parser[^\n]*-->\n(.*?)\n<!-- end of generated "
                     r"table -->", re.S)
 
 
-def _tour(port: int) -> str:
-    """The README's sh blocks as one script, against the test agent's port."""
-    lines = [line for block in _BLOCK.findall(README.read_text())
-             for line in block.splitlines() if not _NOT_TOUR.match(line)]
-    return "\n".join(lines).replace("localhost:9401", f"127.0.0.1:{port}")
-
-
-def test_readme_tour_runs_top_to_bottom_on_a_fresh_agent(tmp_path: Path) -> None:
+def test_readme_tour_runs_on_a_fresh_agent_cleans_up_and_the_cookbook_runs_after_it(
+        tmp_path: Path) -> None:
     """Every tour command exits 0 and no request answers an error, in order, on a fresh
-    agent; afterwards the node is as the tour says: every GPU healthy, no fault left, and
-    each geometry change but the one the tour's fault breaks succeeded."""
+    agent; each geometry change but the one the tour's fault breaks succeeds; afterwards the
+    node is as the tour found it (no claim, process, fault, latency, MIG layout or mark left
+    behind), so docs/cookbook.md then runs on the same agent, from its own setup lines."""
     require_tool("curl", "apt-get install curl")
     # As `make run` in this directory: state in ./.gpu-agent-sim, the CLI in .venv/bin.
     agent = start_agent(tmp_path / ".gpu-agent-sim")
@@ -42,23 +41,18 @@ def test_readme_tour_runs_top_to_bottom_on_a_fresh_agent(tmp_path: Path) -> None
     shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m agent "$@"\n')
     shim.chmod(0o755)
     try:
-        script = ("set -euo pipefail\ntrap 'echo \"FAILED: $BASH_COMMAND\" >&2' ERR\n"
-                  'curl() { command curl --fail-with-body "$@"; }\n'
-                  + _tour(agent.address[1]))
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_AGENT_")}
-        env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
-        done = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=120, check=False)
-        assert done.returncode == 0, (f"a tour command failed (exit {done.returncode}):\n"
-                                      f"{done.stderr[-3000:]}\n--- stdout ---\n"
-                                      f"{done.stdout[-2000:]}")
-        gpus = agent.request("GET", "/v1/gpus").body["gpus"]
-        assert [g["index"] for g in gpus if not g["health"]["healthy"]] == []
-        assert agent.request("GET", "/v1/sim").body["faults"] == []
+        fresh = node_state(agent)
+        port = agent.address[1]
+        done = run_script(readme_tour(port), tmp_path, shell_env())
+        assert done.returncode == 0, failure(done, "a tour command")
         transitions = agent.request("GET", "/v1/transitions").body["transitions"]
         states = {(t["gpu_index"], t["state"]) for t in transitions}
         assert states >= {(0, "succeeded"), (1, "succeeded")}, transitions
         assert {t["state"] for t in transitions if t["gpu_index"] != 5} == {"succeeded"}
+        assert node_state(agent) == fresh, "the tour left the node changed"
+        done = run_script(cookbook_setup(port) + cookbook(), tmp_path, shell_env())
+        assert done.returncode == 0, failure(done, "a cookbook command, after the tour,")
+        assert agent.token and agent.token not in done.stdout
     finally:
         agent.stop(signal.SIGKILL)
 
