@@ -247,3 +247,46 @@ def test_every_rendered_object_validates(home: Path, values: list[str], version:
 
 def _b64(text: str) -> str:
     return base64.b64decode(text).decode()
+
+
+DEPLOY = ROOT / "docs" / "deploy.md"
+
+
+def helm_section() -> str:
+    return DEPLOY.read_text().split("\n## Helm\n", 1)[1].split("\n## ", 1)[0]
+
+
+def documented_values() -> list[tuple[str, str]]:
+    """(value, default cell) of each row of docs/deploy.md's Helm values table."""
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")]
+            for line in helm_section().splitlines() if line.startswith("| `")]
+    return [(row[0].strip("`"), row[1]) for row in rows]
+
+
+def test_the_documented_values_and_defaults_are_the_charts() -> None:
+    """Every value the Helm section's table names is in values.yaml, with the default the
+    table shows where it shows one literally (backticked)."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    table = documented_values()
+    assert len(table) >= 15
+    for name, default in table:
+        node: Any = values
+        for part in name.split("."):
+            assert isinstance(node, dict) and part in node, f"{name} is not in values.yaml"
+            node = node[part]
+        if default.startswith("`") and default.endswith("`"):
+            assert yaml.safe_load(default.strip("`")) == node, name
+
+
+def test_the_documented_namespace_labels_are_the_charts(home: Path) -> None:
+    """The Helm section's `kubectl label namespace` sets the labels the chart's Namespace (and
+    the kustomize base's) has: the privileged pod-security level."""
+    (line,) = [line for line in helm_section().replace("\\\n", " ").splitlines()
+               if line.startswith("kubectl label namespace")]
+    documented = dict(word.split("=", 1) for word in line.split()[4:])
+    namespace = by_name(template(home, sets=["namespace.create=true"]), "Namespace",
+                        "gpu-node-agent")
+    labels = namespace["metadata"]["labels"]
+    assert documented == {k: v for k, v in labels.items() if k.startswith("pod-security.")}
+    assert documented == {f"pod-security.kubernetes.io/{m}": "privileged"
+                          for m in ("enforce", "audit", "warn")}
