@@ -190,7 +190,10 @@ def resolve(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> S
     """Merge flags (``None`` = not given), environment and config file into :class:`Settings`."""
     env = os.environ if env is None else env
     from_env = _from_env(env)
-    given = {k: v for k, v in flags.items() if v is not None and v != []}
+    # Paths given as flags arrive as argparse's strings: typed as the environment's and the
+    # config file's are (a string driver root crashed the start with a TypeError).
+    given = {k: _coerce(k, v) if _FLAG_TYPES.get(k) == "path" else v
+             for k, v in flags.items() if v is not None and v != []}
     config_path = given.get("config") or from_env.get("config")
     merged: dict[str, Any] = _from_config(Path(config_path)) if config_path else {}
     merged.update(from_env)

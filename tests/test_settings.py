@@ -73,3 +73,16 @@ def test_unknown_config_key_is_an_error(tmp_path: Path) -> None:
     config.write_text("listn = ['127.0.0.1:1']\n")
     with pytest.raises(InvalidRequest, match="unknown key 'listn'"):
         resolve({"config": str(config)}, env={})
+
+
+@pytest.mark.parametrize("name", ["driver_root", "dev_root", "mps_control", "nvidia_smi",
+                                  "mps_host_socket", "tls_cert", "token_file"])
+def test_path_flags_are_paths_whatever_their_source(name: str, tmp_path: Path) -> None:
+    """A path flag is a Path from the command line (argparse gives a string) as from the
+    environment: `gpu-agent serve --driver-root DIR`, as the DaemonSet runs it, crashed at
+    start with a TypeError joining the string to the driver's library directories."""
+    extra = {"tls_key": "/k"} if name == "tls_cert" else {}
+    from_flag = resolve({name: "/some/where", **extra}, env={})
+    from_env = resolve({**extra}, env={f"GPU_AGENT_{name.upper()}": "/some/where"})
+    assert getattr(from_flag, name) == getattr(from_env, name)
+    assert isinstance(getattr(from_flag, name), Path)

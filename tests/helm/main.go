@@ -1,7 +1,7 @@
 // Command helm is Helm's own command line, built from the pinned helm.sh/helm/v4 module so the
-// chart tests (tests/helm/test_chart.py) lint and render deploy/helm/gpu-node-agent with a
-// known Helm, not whatever a machine has installed. Only offline verbs (lint, template) are
-// used, so no cloud auth plugins are linked.
+// chart tests (tests/helm/) lint, render, install, upgrade and uninstall
+// deploy/helm/gpu-node-agent with a known Helm, not whatever a machine has installed. The
+// test bed's API server takes a token from a kubeconfig, so no cloud auth plugins are linked.
 package main
 
 import (
