@@ -129,6 +129,12 @@ class NvmlSession:
                 self._on_error(error)
             raise error from err
 
+    def total_energy_mj(self, gpu_uuid: str) -> int:
+        """The GPU's total energy counter in mJ (from a worker thread); it counts from zero
+        again whenever the driver loads. NvmlError where the GPU has none."""
+        return int(self.call("nvmlDeviceGetTotalEnergyConsumption", self.gpu_handle(gpu_uuid),
+                             gpu=gpu_uuid))
+
     def gpu_handle(self, gpu_uuid: str) -> Any:
         """The device handle of a GPU, cached by UUID: a GPU's handle stays valid while NVML is
         initialised, and looking one up can take long on a busy node. (GPU-instance, compute-

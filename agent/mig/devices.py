@@ -100,15 +100,11 @@ class MigDevices:
         return await self._session.read(self._mutator(gpu).geometry)
 
     async def energy_mj(self, gpu: Gpu) -> int | None:
-        """NVML's total energy counter of the GPU, which counts from zero again whenever the
-        driver loads (the one NVML reading that tells a driver reload from the same driver);
-        None where the GPU has none (before Volta) or the read fails."""
-        def read() -> int:
-            handle = self._session.gpu_handle(gpu.uuid)
-            return int(self._session.call("nvmlDeviceGetTotalEnergyConsumption", handle,
-                                          gpu=gpu.uuid))
+        """The GPU's total energy counter, which counts from zero again whenever the driver
+        loads (the one reading that tells a driver reload from the same driver); None where
+        the GPU has none (before Volta) or the read fails."""
         try:
-            return await self._session.read(read)
+            return await self._session.read(lambda: self._session.total_energy_mj(gpu.uuid))
         except NvmlError:
             return None
 
