@@ -49,7 +49,7 @@ from tests.docs.scripts import (
     sharing_requests,
     shell_env,
 )
-from tests.kubeplugin.conftest import NODE
+from tests.kubeplugin.conftest import NODE, write_private
 from tests.kubeplugin.plugin_run import PluginRun, StandIn, follow, kubeconfig, serve
 from tests.tools import require_tool, unavailable
 from tests.waiting import wait_for
@@ -168,7 +168,7 @@ def one_line_problems(output: str) -> list[str]:
 
 def unit_command(day: Day, **paths: str) -> list[str]:
     """The plugin unit's ``ExecStart`` with this day's paths in place of the node's: the
-    clone's ``gpu-agent``, ``paths`` for the flags named (``None``-valued ones dropped), the
+    clone's ``gpu-agent``, ``paths`` for the flags named (an empty one dropped), the
     node name the unit takes from ``NODE_NAME`` and no extra arguments."""
     text = (day.clone / PLUGIN_UNIT).read_text()
     [start] = re.findall(r"^ExecStart=(.*)$", text, re.M)
@@ -235,12 +235,6 @@ def api_server() -> Iterator[StandIn]:
     yield from serve(StandIn(token=secrets.token_hex(16)))
 
 
-def private(path: Path, text: str) -> Path:
-    path.write_text(text)
-    path.chmod(0o600)
-    return path
-
-
 # -- the day -----------------------------------------------------------------------------------
 
 
@@ -287,7 +281,7 @@ def test_a_newcomers_first_day_has_no_traceback_and_one_line_errors(
             day, **{"token-file": str(agent_token), "kubeconfig": ""}))
         assert "pass --kubeconfig PATH" in outside and "KUBERNETES_SERVICE_HOST" in outside
 
-        wrong_agent_token = private(day.root / "wrong.token", secrets.token_hex(16) + "\n")
+        wrong_agent_token = write_private(day.root / "wrong.token", secrets.token_hex(16) + "\n")
         wrong_api = kubeconfig(day.root / "wrong.kubeconfig", api_server.url, "not-the-token")
         wrong = running_plugin(day, unit_command(
             day, **{"token-file": str(wrong_agent_token), "kubeconfig": str(wrong_api)}))
