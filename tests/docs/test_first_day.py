@@ -246,7 +246,7 @@ def test_a_newcomers_first_day_has_no_traceback_and_one_line_errors(
     before the kubeconfig is written and outside any cluster, exit 2 with one line naming
     ``--kubeconfig``; with a wrong agent token and a wrong API token, each its own one-line
     ``/readyz`` reason and log line naming the credential; after a Ctrl-C of ``make run``, the
-    agent unreachable, naming the socket. No traceback anywhere."""
+    agent unreachable, naming the socket (and the CLI's one line). No traceback anywhere."""
     # -P: the path a console script gets (no working directory), as .venv/bin/gpu-agent's.
     where = subprocess.run([".venv/bin/python", "-P", "-c", "import agent; print(agent.__file__)"],
                            cwd=day.clone, env=day.env, capture_output=True, text=True,
@@ -300,6 +300,13 @@ def test_a_newcomers_first_day_has_no_traceback_and_one_line_errors(
         running = False
         ctrl_c(agent)
         day.seen["make run"] = agent.log()
+        # The README's first CLI command, with the agent stopped:
+        gone = subprocess.run([".venv/bin/gpu-agent", "gpus"], cwd=day.clone, env=day.env,
+                              capture_output=True, text=True, timeout=60, check=False)
+        day.seen["the CLI with the agent down"] = gone.stdout + gone.stderr
+        assert (gone.returncode, gone.stdout, len(gone.stderr.splitlines())) == (1, "", 1), \
+            gone.stderr
+        assert gone.stderr.startswith("gpu-agent: ") and "--url" in gone.stderr, gone.stderr
         down = running_plugin(day, unit_command(
             day, **{"token-file": str(agent_token), "kubeconfig": str(api_config)}))
         try:
