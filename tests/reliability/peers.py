@@ -147,7 +147,9 @@ class LongPolls:
     the current ETag and ``wait_s``, each on a connection of its own. Every answer is read
     whole and counted by status (a 503 without ``Retry-After`` counted apart); the poll is
     then sent again on a fresh connection, after the ``Retry-After`` of a 503. A connection
-    that ends without a whole answer is ``lost``. Once ``stop`` is set no poll is sent again,
+    reset before a single byte of an answer came is ``reset`` (the kernel resets one that
+    the agent never took as well); one that ends otherwise without a whole answer (closed, or
+    reset part-way) is ``lost``. Once ``stop`` is set no poll is sent again,
     and :meth:`run` returns when every poll sent has ended (or after ``drain_s``)."""
 
     addresses: list[Address]
@@ -161,6 +163,7 @@ class LongPolls:
     without_retry_after: int = 0
     sent: int = 0
     lost: int = 0
+    reset: int = 0
     not_connected: int = 0
     most_open: int = 0
 
@@ -224,16 +227,21 @@ class LongPolls:
             self.sent += 1
             selector.modify(sock, selectors.EVENT_READ)
             return None
+        reset = False
         try:
             chunk = sock.recv(65536)
         except OSError:
             chunk = b""
+            reset = True
         poll.got += chunk
         answer = whole_answer(poll.got)
         if answer is None:
             if chunk:
                 return None
-            self.lost += 1  # closed or reset before a whole answer
+            if reset and not poll.got:
+                self.reset += 1
+            else:
+                self.lost += 1  # closed, or reset part-way, before a whole answer
             return 0.2
         status, headers = answer
         self.answers[status] += 1
