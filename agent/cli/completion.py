@@ -1,0 +1,154 @@
+"""``gpu-agent completion bash|zsh``: a shell completion script generated from the parser itself
+(verbs, subverbs, flags and their choices), so it cannot drift from the commands it completes."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+SHELLS = ("bash", "zsh")
+
+_INSTALL = """\
+bash: add 'source <(gpu-agent completion bash)' to ~/.bashrc, or write it to
+/etc/bash_completion.d/gpu-agent. zsh: add 'source <(gpu-agent completion zsh)' to ~/.zshrc,
+after compinit. A new shell then completes verbs, subverbs, flags and flag values."""
+
+
+@dataclass(frozen=True)
+class Level:
+    """What may follow one verb path (``""`` for the top, ``"mig set"``...) on the line."""
+
+    path: str
+    verbs: tuple[str, ...]
+    flags: tuple[str, ...]
+    valued: tuple[str, ...]
+    """The flags that take a value (the next word is theirs, not a verb)."""
+    choices: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Each flag's values, where the parser lists them."""
+    positional: tuple[str, ...] = ()
+    """The values the positional arguments take, where the parser lists them."""
+
+
+def add_parser(sub: Any) -> None:
+    completion = sub.add_parser(
+        "completion", help="print a shell completion script (bash, zsh)",
+        description="Print a completion script for the shell, generated from this "
+                    "gpu-agent's own commands.", epilog=_INSTALL)
+    completion.add_argument("shell", choices=SHELLS)
+
+
+def levels(parser: argparse.ArgumentParser, path: str = "") -> Iterator[Level]:
+    """Every verb path under ``parser``, top first; an alias is a path of its own."""
+    verbs: dict[str, argparse.ArgumentParser] = {}
+    flags: list[str] = []
+    valued: list[str] = []
+    choices: dict[str, tuple[str, ...]] = {}
+    positional: list[str] = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            verbs.update((name, child) for name, child in
+                         action._name_parser_map.items())
+        elif action.help == argparse.SUPPRESS:
+            continue
+        elif action.option_strings:
+            flags += action.option_strings
+            if action.nargs != 0:
+                valued += action.option_strings
+                if action.choices is not None:
+                    choices.update(dict.fromkeys(action.option_strings,
+                                                 tuple(map(str, action.choices))))
+        elif action.choices is not None:
+            positional += map(str, action.choices)
+    yield Level(path, tuple(verbs), tuple(flags), tuple(valued), choices, tuple(positional))
+    for name, child in verbs.items():
+        yield from levels(child, f"{path} {name}".strip())
+
+
+def _words(words: tuple[str, ...] | list[str]) -> str:
+    return shlex.quote(" ".join(words))
+
+
+def bash(parser: argparse.ArgumentParser) -> str:
+    """The bash script: ``_gpu_agent`` walks the words typed so far through the verb paths,
+    skipping each flag's value, then offers the flags, verbs or values that fit there."""
+    level_cases = []
+    choice_cases = []
+    for level in levels(parser):
+        level_cases.append(
+            f"        {shlex.quote(level.path)}) verbs={_words(level.verbs)}; "
+            f"flags={_words(level.flags)}; valued={_words(level.valued)}; "
+            f"positional={_words(level.positional)} ;;")
+        for flag, values in level.choices.items():
+            choice_cases.append(f"        {shlex.quote(f'{level.path}|{flag}')}) "
+                                f"echo {_words(values)} ;;")
+    return _BASH.format(prog=parser.prog, levels="\n".join(level_cases),
+                        choices="\n".join(choice_cases))
+
+
+def zsh(parser: argparse.ArgumentParser) -> str:
+    """The zsh script: the bash one, through zsh's own bash-completion layer."""
+    return ("# gpu-agent completion for zsh: the bash script through bashcompinit.\n"
+            "autoload -U +X bashcompinit && bashcompinit\n" + bash(parser))
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    print(bash(parser) if args.shell == "bash" else zsh(parser), end="")
+    return 0
+
+
+_BASH = """\
+# {prog} completion for bash, generated from its parser: {prog} completion bash
+_gpu_agent_level() {{
+    # What may follow the verb path $1: verbs, flags, valued (flags taking a value) and the
+    # values of positional arguments.
+    case "$1" in
+{levels}
+        *) verbs=""; flags=""; valued=""; positional="" ;;
+    esac
+}}
+
+_gpu_agent_choices() {{
+    # The values of flag $2 after the verb path $1, where the parser lists them.
+    case "$1|$2" in
+{choices}
+    esac
+}}
+
+_gpu_agent() {{
+    local cur="${{COMP_WORDS[COMP_CWORD]}}" path="" word i skip=0 choices
+    local verbs flags valued positional
+    _gpu_agent_level ""
+    for (( i = 1; i < COMP_CWORD; i++ )); do
+        word="${{COMP_WORDS[i]}}"
+        if (( skip )); then
+            skip=0
+            continue
+        fi
+        case "$word" in
+            --*=*) continue ;;
+            -*) case " $valued " in *" $word "*) skip=1 ;; esac; continue ;;
+        esac
+        case " $verbs " in
+            *" $word "*) path="${{path:+$path }}$word"; _gpu_agent_level "$path" ;;
+        esac
+    done
+    if (( skip )); then
+        choices="$(_gpu_agent_choices "$path" "${{COMP_WORDS[COMP_CWORD-1]}}")"
+        if [[ -n "$choices" ]]; then
+            COMPREPLY=( $(compgen -W "$choices" -- "$cur") )
+        else
+            COMPREPLY=( $(compgen -f -- "$cur") )
+        fi
+    elif [[ "$cur" == -* ]]; then
+        COMPREPLY=( $(compgen -W "$flags" -- "$cur") )
+    else
+        COMPREPLY=( $(compgen -W "$verbs $positional" -- "$cur") )
+    fi
+    return 0
+}}
+
+complete -F _gpu_agent {prog}
+"""

@@ -1,0 +1,93 @@
+"""``gpu-agent completion bash|zsh`` (issue 24): a script generated from the parser, so every
+verb, subverb, flag and choice the parser has is completed, sourced and run in a real bash."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agent.cli import completion
+from agent.cli.main import main, parser
+
+
+def _verb_paths(node: argparse.ArgumentParser, path: tuple[str, ...] = ()
+                ) -> Iterator[tuple[tuple[str, ...], str]]:
+    """Every (parent path, verb) of the parser, aliases included, read off argparse itself."""
+    for action in node._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action._name_parser_map.items():
+                yield path, name
+                yield from _verb_paths(child, (*path, name))
+
+
+def test_every_verb_and_subverb_of_the_parser_is_in_the_script() -> None:
+    script = completion.bash(parser())
+    lines = {line.strip().split(")", 1)[0]: line for line in script.splitlines()
+             if ") verbs=" in line}
+    paths = list(_verb_paths(parser()))
+    assert len(paths) > 40
+    for parent, verb in paths:
+        offered = lines[shlex.quote(" ".join(parent))].split("verbs=", 1)[1].split(";")[0]
+        assert verb in " ".join(shlex.split(offered)).split(), (parent, verb)
+
+
+def test_the_zsh_script_is_the_bash_one_through_bashcompinit() -> None:
+    script = completion.zsh(parser())
+    assert "bashcompinit" in script and script.endswith(completion.bash(parser()))
+
+
+def test_the_verb_prints_the_script(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["completion", "bash"]) == 0
+    assert capsys.readouterr().out == completion.bash(parser())
+
+
+def _complete(script: Path, *lines: str) -> list[list[str]]:
+    """COMPREPLY for each command line (its last word the one being completed), from the
+    script sourced in a real bash run in the script's directory."""
+    calls = "".join(
+        f"COMP_WORDS=({' '.join(shlex.quote(w) for w in words)}); "
+        f"COMP_CWORD={len(words) - 1}; COMPREPLY=(); _gpu_agent; "
+        "printf '%s ' \"${COMPREPLY[@]}\"; echo\n"
+        for words in (shlex.split(line) + ([""] if line.endswith(" ") else []) for line in lines))
+    done = subprocess.run(["bash", "--norc", "--noprofile", "-c",
+                           f"source {shlex.quote(str(script))}\n{calls}"],
+                          capture_output=True, text=True, timeout=30, check=True,
+                          cwd=script.parent)
+    assert done.stderr == ""
+    return [line.split() for line in done.stdout.splitlines()]
+
+
+def test_bash_completes_verbs_subverbs_flags_and_choices(tmp_path: Path) -> None:
+    script = tmp_path / "gpu-agent.bash"
+    script.write_text(completion.bash(parser()))
+    top, mig, output, prefix, after_url, resolve, kubernetes, alias, file_value = _complete(
+        script,
+        "gpu-agent ", "gpu-agent mig ", "gpu-agent gpus -o ", "gpu-agent gpus --to",
+        "gpu-agent --url unix:/s mig s", "gpu-agent admin resolve 0 ",
+        "gpu-agent topo slices --kubernetes 1.3", "gpu-agent admin clear-h",
+        "gpu-agent claims --token-file gpu-agent.b")
+    assert set(top) == {verb for parent, verb in _verb_paths(parser()) if parent == ()}
+    assert mig == ["show", "set", "apply", "export"]
+    assert output == ["table", "wide", "json", "yaml"]
+    assert prefix == ["--token-file"]
+    assert after_url == ["show", "set"]
+    assert resolve == ["roll-back", "finish"]
+    assert kubernetes == ["1.34", "1.35", "1.36", "1.37"]
+    assert alias == ["clear-health"]
+    assert file_value == ["gpu-agent.bash"]  # a value without choices: a file
+
+
+def test_bash_offers_every_subverb_of_every_verb(tmp_path: Path) -> None:
+    script = tmp_path / "gpu-agent.bash"
+    script.write_text(completion.bash(parser()))
+    paths = list(_verb_paths(parser()))
+    parents = sorted({parent for parent, _ in paths})
+    offered = _complete(script, *(" ".join(["gpu-agent", *parent]) + " " for parent in parents))
+    for parent, got in zip(parents, offered, strict=True):
+        want = [verb for p, verb in paths if p == parent]
+        assert set(want) <= set(got), (parent, got)
