@@ -99,6 +99,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+# Bash that zsh's bashcompinit runs as well: no associative arrays, no unquoted expansion
+# that needs word splitting, no variable named as a zsh special one (path, words).
 _BASH = """\
 # {prog} completion for bash, generated from its parser: {prog} completion bash
 _gpu_agent_level() {{
@@ -118,7 +120,7 @@ _gpu_agent_choices() {{
 }}
 
 _gpu_agent() {{
-    local cur="${{COMP_WORDS[COMP_CWORD]}}" path="" word i skip=0 choices
+    local cur="${{COMP_WORDS[COMP_CWORD]}}" verb_path="" word i skip=0 choices
     local verbs flags valued positional
     _gpu_agent_level ""
     for (( i = 1; i < COMP_CWORD; i++ )); do
@@ -132,11 +134,13 @@ _gpu_agent() {{
             -*) case " $valued " in *" $word "*) skip=1 ;; esac; continue ;;
         esac
         case " $verbs " in
-            *" $word "*) path="${{path:+$path }}$word"; _gpu_agent_level "$path" ;;
+            *" $word "*)
+                verb_path="${{verb_path:+$verb_path }}$word"
+                _gpu_agent_level "$verb_path" ;;
         esac
     done
     if (( skip )); then
-        choices="$(_gpu_agent_choices "$path" "${{COMP_WORDS[COMP_CWORD-1]}}")"
+        choices="$(_gpu_agent_choices "$verb_path" "${{COMP_WORDS[COMP_CWORD-1]}}")"
         if [[ -n "$choices" ]]; then
             COMPREPLY=( $(compgen -W "$choices" -- "$cur") )
         else

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,16 +47,23 @@ def test_the_verb_prints_the_script(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out == completion.bash(parser())
 
 
-def _complete(script: Path, *lines: str) -> list[list[str]]:
+#: How each shell loads the script and calls the function as its completion system does
+#: (zsh's bashcompinit runs it with ksharrays, so COMP_WORDS counts from 0 as in bash).
+SHELLS = {"bash": (["bash", "--norc", "--noprofile", "-c"], ""),
+          "zsh": (["zsh", "-f", "-c"], "autoload -U compinit && compinit -u -D\n")}
+
+
+def _complete(script: Path, *lines: str, shell: str = "bash") -> list[list[str]]:
     """COMPREPLY for each command line (its last word the one being completed), from the
-    script sourced in a real bash run in the script's directory."""
+    script sourced in a real shell run in the script's directory."""
+    command, prelude = SHELLS[shell]
     calls = "".join(
         f"COMP_WORDS=({' '.join(shlex.quote(w) for w in words)}); "
         f"COMP_CWORD={len(words) - 1}; COMPREPLY=(); _gpu_agent; "
         "printf '%s ' \"${COMPREPLY[@]}\"; echo\n"
         for words in (shlex.split(line) + ([""] if line.endswith(" ") else []) for line in lines))
-    done = subprocess.run(["bash", "--norc", "--noprofile", "-c",
-                           f"source {shlex.quote(str(script))}\n{calls}"],
+    ksh = "setopt ksharrays\n" if shell == "zsh" else ""
+    done = subprocess.run([*command, f"{prelude}source {shlex.quote(str(script))}\n{ksh}{calls}"],
                           capture_output=True, text=True, timeout=30, check=True,
                           cwd=script.parent)
     assert done.stderr == ""
@@ -91,3 +99,22 @@ def test_bash_offers_every_subverb_of_every_verb(tmp_path: Path) -> None:
     for parent, got in zip(parents, offered, strict=True):
         want = [verb for p, verb in paths if p == parent]
         assert set(want) <= set(got), (parent, got)
+
+
+@pytest.mark.skipif(shutil.which("zsh") is None, reason="zsh is not installed")
+def test_zsh_completes_the_same_through_bashcompinit(tmp_path: Path) -> None:
+    """zsh matches the prefix itself (compadd), so its candidates, filtered by the word
+    typed, are bash's."""
+    script = tmp_path / "gpu-agent.zsh"
+    script.write_text(completion.zsh(parser()))
+    lines = ["gpu-agent ", "gpu-agent mig ", "gpu-agent gpus -o ", "gpu-agent gpus --to",
+             "gpu-agent --url unix:/s mig s", "gpu-agent admin resolve 0 ",
+             "gpu-agent topo slices --kubernetes 1.3", "gpu-agent claims --token-file gpu-a"]
+    bash_script = tmp_path / "gpu-agent.bash"
+    bash_script.write_text(completion.bash(parser()))
+    expected = _complete(bash_script, *lines)
+    got = _complete(script, *lines, shell="zsh")
+    assert ["gpu-agent.bash", "gpu-agent.zsh"] in map(sorted, expected)  # files, in both
+    for line, zsh_words, bash_words in zip(lines, got, expected, strict=True):
+        typed = "" if line.endswith(" ") else line.split()[-1]
+        assert sorted(w for w in zsh_words if w.startswith(typed)) == sorted(bash_words), line
