@@ -354,6 +354,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
         return 141  # 128 + SIGPIPE, as a shell reports a command killed by it
+    except KeyboardInterrupt:
+        # Ctrl-C while a verb waits on the agent: the user's own stop, not a crash to show.
+        return 130  # 128 + SIGINT, as a shell reports it
 
 
 def _main(argv: Sequence[str] | None) -> int:

@@ -6,6 +6,7 @@ status names the kind of failure (``gpu-agent --help`` lists them)."""
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -55,3 +56,29 @@ def test_each_failure_is_one_line_naming_what_to_do(guarded: AgentProcess, tmp_p
     assert "Traceback" not in done.stderr and says in done.stderr, done.stderr
     assert done.returncode == code, done.stderr
     assert done.stdout == ""
+
+
+def test_ctrl_c_while_waiting_on_the_agent_is_no_traceback(tmp_path: Path) -> None:
+    """An agent that takes the request and never answers, then Ctrl-C: exit 130 (as a shell
+    reports SIGINT), nothing on stderr."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        silent.settimeout(30)
+        port = silent.getsockname()[1]
+        cli = subprocess.Popen([sys.executable, "-m", "agent", "gpus", "--url",
+                                f"http://127.0.0.1:{port}"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+        try:
+            conn, _ = silent.accept()
+            with conn:
+                conn.settimeout(30)
+                request = b""
+                while b"\r\n\r\n" not in request:  # the whole request sent: it waits now
+                    request += conn.recv(4096)
+                cli.send_signal(signal.SIGINT)
+                out, err = cli.communicate(timeout=30)
+        finally:
+            cli.kill()
+    assert request.startswith(b"GET /v1/gpus ")
+    assert (cli.returncode, out, err) == (130, "", "")
