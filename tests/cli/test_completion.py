@@ -1,5 +1,6 @@
-"""``gpu-agent completion bash|zsh`` (issue 24): a script generated from the parser, so every
-verb, subverb, flag and choice the parser has is completed, sourced and run in a real bash."""
+"""``gpu-agent completion bash|zsh|fish`` (issue 24): a script generated from the parser, so
+every verb, subverb, flag and choice the parser has is completed; each script sourced and run
+in the real shell (zsh and fish where installed)."""
 
 from __future__ import annotations
 
@@ -118,3 +119,28 @@ def test_zsh_completes_the_same_through_bashcompinit(tmp_path: Path) -> None:
     for line, zsh_words, bash_words in zip(lines, got, expected, strict=True):
         typed = "" if line.endswith(" ") else line.split()[-1]
         assert sorted(w for w in zsh_words if w.startswith(typed)) == sorted(bash_words), line
+
+
+@pytest.mark.skipif(shutil.which("fish") is None, reason="fish is not installed")
+def test_fish_completes_what_bash_does(tmp_path: Path) -> None:
+    """fish's own completion (``complete -C``) of the generated script offers what bash's
+    does, for every verb path and for flags, choices and files."""
+    bash_script = tmp_path / "gpu-agent.bash"
+    bash_script.write_text(completion.bash(parser()))
+    script = tmp_path / "gpu-agent.fish"
+    script.write_text(completion.fish(parser()))
+    parents = sorted({parent for parent, _ in _verb_paths(parser())})
+    lines = [" ".join(["gpu-agent", *parent]) + " " for parent in parents] + [
+        "gpu-agent gpus -o ", "gpu-agent gpus --to", "gpu-agent --url unix:/s mig s",
+        "gpu-agent admin resolve 0 ", "gpu-agent topo slices --kubernetes 1.3",
+        "gpu-agent admin clear-h", "gpu-agent claims --token-file gpu-agent.b"]
+    calls = "".join(f"echo (complete -C {shlex.quote(line)} | cut -f1)\n"
+                    for line in lines)
+    done = subprocess.run(["fish", "--no-config", "-c", f"source {shlex.quote(str(script))}\n"
+                           f"{calls}"], capture_output=True, text=True, timeout=60, check=True,
+                          cwd=tmp_path)
+    assert done.stderr == ""
+    got = [line.split() for line in done.stdout.splitlines()]
+    for line, fish_words, bash_words in zip(lines, got, _complete(bash_script, *lines),
+                                            strict=True):
+        assert sorted(fish_words) == sorted(bash_words), line
