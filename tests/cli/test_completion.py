@@ -4,11 +4,13 @@ in the real shell (zsh and fish where installed)."""
 
 from __future__ import annotations
 
-import argparse
+import contextlib
+import io
+import re
 import shlex
 import shutil
 import subprocess
-from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -16,22 +18,35 @@ import pytest
 from agent.cli import completion
 from agent.cli.main import main, parser
 
+#: The verbs a parser's usage line offers: ``{show,set,apply,export} ...``.
+_VERBS_IN_USAGE = re.compile(r"\{([^{}\s]+)\}\s+\.\.\.")
 
-def _verb_paths(node: argparse.ArgumentParser, path: tuple[str, ...] = ()
-                ) -> Iterator[tuple[tuple[str, ...], str]]:
-    """Every (parent path, verb) of the parser, aliases included, read off argparse itself."""
-    for action in node._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for name, child in action._name_parser_map.items():
-                yield path, name
-                yield from _verb_paths(child, (*path, name))
+
+def _usage(path: tuple[str, ...]) -> str:
+    """The usage lines ``gpu-agent PATH --help`` prints."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        parser().parse_args([*path, "--help"])
+    return out.getvalue().split("\n\n")[0]
+
+
+@cache
+def _verb_paths(path: tuple[str, ...] = ()) -> tuple[tuple[tuple[str, ...], str], ...]:
+    """Every (parent path, verb) of the CLI, aliases included, as its own --help lists them
+    (read independently of the completion module's walk of the parser)."""
+    found: list[tuple[tuple[str, ...], str]] = []
+    listed = _VERBS_IN_USAGE.search(_usage(path))
+    for verb in listed.group(1).split(",") if listed else ():
+        if verb != "UID":  # 'claims UID' is 'claims show UID', not a verb
+            found += [(path, verb), *_verb_paths((*path, verb))]
+    return tuple(found)
 
 
 def test_every_verb_and_subverb_of_the_parser_is_in_the_script() -> None:
     script = completion.bash(parser())
     lines = {line.strip().split(")", 1)[0]: line for line in script.splitlines()
              if ") verbs=" in line}
-    paths = list(_verb_paths(parser()))
+    paths = list(_verb_paths())
     assert len(paths) > 40
     for parent, verb in paths:
         offered = lines[shlex.quote(" ".join(parent))].split("verbs=", 1)[1].split(";")[0]
@@ -80,7 +95,7 @@ def test_bash_completes_verbs_subverbs_flags_and_choices(tmp_path: Path) -> None
         "gpu-agent --url unix:/s mig s", "gpu-agent admin resolve 0 ",
         "gpu-agent topo slices --kubernetes 1.3", "gpu-agent admin clear-h",
         "gpu-agent claims --token-file gpu-agent.b")
-    assert set(top) == {verb for parent, verb in _verb_paths(parser()) if parent == ()}
+    assert set(top) == {verb for parent, verb in _verb_paths() if parent == ()}
     assert mig == ["show", "set", "apply", "export"]
     assert output == ["table", "wide", "json", "yaml"]
     assert prefix == ["--token-file"]
@@ -94,7 +109,7 @@ def test_bash_completes_verbs_subverbs_flags_and_choices(tmp_path: Path) -> None
 def test_bash_offers_every_subverb_of_every_verb(tmp_path: Path) -> None:
     script = tmp_path / "gpu-agent.bash"
     script.write_text(completion.bash(parser()))
-    paths = list(_verb_paths(parser()))
+    paths = list(_verb_paths())
     parents = sorted({parent for parent, _ in paths})
     offered = _complete(script, *(" ".join(["gpu-agent", *parent]) + " " for parent in parents))
     for parent, got in zip(parents, offered, strict=True):
@@ -129,7 +144,7 @@ def test_fish_completes_what_bash_does(tmp_path: Path) -> None:
     bash_script.write_text(completion.bash(parser()))
     script = tmp_path / "gpu-agent.fish"
     script.write_text(completion.fish(parser()))
-    parents = sorted({parent for parent, _ in _verb_paths(parser())})
+    parents = sorted({parent for parent, _ in _verb_paths()})
     lines = [" ".join(["gpu-agent", *parent]) + " " for parent in parents] + [
         "gpu-agent gpus -o ", "gpu-agent gpus --to", "gpu-agent --url unix:/s mig s",
         "gpu-agent admin resolve 0 ", "gpu-agent topo slices --kubernetes 1.3",
