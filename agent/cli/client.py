@@ -55,7 +55,8 @@ EXIT_CODES = """\
 exit status of the client verbs: 0 done; 1 the agent refused or failed the request (its
 problem, in one line); 2 the command line is wrong (usage, a malformed --url); 3 the agent
 cannot be reached (not running, wrong --url, no socket); 4 the credentials are unreadable or
-refused (--token-file, the TLS files, 401, 403). Every error is one line on stderr."""
+refused (--token-file, the TLS files, 401, 403). Each error is one line on stderr (a usage
+error adds the usage)."""
 
 
 class _UnixConnection(http.client.HTTPConnection):
