@@ -40,7 +40,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench
 
 clean:
-	rm -rf $(VENV) .gpu-agent-sim .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .gpu-agent-sim .gpu-agent-sim.run .pytest_cache .mypy_cache .ruff_cache
 
 # The gRPC stubs (kubelet plugin, PodResources client), committed; regenerate after editing
 # agent/kubeplugin/proto/*.proto or agent/podresources/proto/*.proto.

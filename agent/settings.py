@@ -221,8 +221,9 @@ def resolve(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> S
     if log_format not in ("text", "json"):
         raise InvalidRequest(f"--log-format must be text or json, not {log_format!r}",
                              [{"field": "log_format", "reason": "not text or json"}])
+    # ``.gpu-agent-sim.run`` beside ``.gpu-agent-sim`` (one leading dot, ignored by git).
     run_dir = Path(merged.get("run_dir") or (
-        state_dir.parent / f".{state_dir.name}.run" if simulate
+        state_dir.parent / f".{state_dir.name.lstrip('.')}.run" if simulate
         else Path("/run/gpu-agent"))).absolute()
     return Settings(
         simulate=simulate,

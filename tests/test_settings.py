@@ -35,6 +35,16 @@ def test_simulate_defaults_keep_everything_in_the_state_dir(tmp_path: Path) -> N
     assert s.cdi_dir == tmp_path / "cdi"
 
 
+@pytest.mark.parametrize(("state_dir", "run_dir"), [
+    (".gpu-agent-sim", ".gpu-agent-sim.run"),  # make run's: one dot, as .gitignore names it
+    ("sim-state", ".sim-state.run"),
+])
+def test_simulated_run_dir_is_a_hidden_sibling_of_the_state_dir(
+        state_dir: str, run_dir: str, tmp_path: Path) -> None:
+    s = resolve({"simulate": "dgx-h100", "state_dir": str(tmp_path / state_dir)}, env={})
+    assert s.run_dir == tmp_path / run_dir
+
+
 def test_real_node_defaults() -> None:
     s = resolve({}, env={"NODE_NAME": "worker-1"})
     assert s.simulate is None

@@ -39,6 +39,8 @@ READY_TIMEOUT_S = 5.0
 #: Concurrent connections to the agent: above the 56 MIG devices of a full node, so that no
 #: prepare queues behind another in the client.
 MAX_CONNECTIONS = 256
+#: What to do about an agent that does not answer, in its reason and its log line.
+UNREACHABLE_HINT = "start the agent, or give --agent-socket the socket it listens on"
 
 
 @dataclass(frozen=True)
@@ -152,7 +154,7 @@ class AgentClient:
     def _unreachable(self, reason: str) -> None:
         if self.reachable is not False:
             log.warning("agent unreachable", extra={"socket": str(self.socket),
-                                                    "error": reason})
+                                                    "error": reason, "hint": UNREACHABLE_HINT})
             self._away_since = time.monotonic()
         self.reachable = False
 
@@ -287,13 +289,13 @@ class AgentClient:
             status, _, answer = await self._call("GET", "/readyz", timeout_s=READY_TIMEOUT_S,
                                                  auth=False)
         except AgentUnreachable as err:
-            return reasons.AGENT_UNREACHABLE.says(err.reason)
+            return reasons.AGENT_UNREACHABLE.says(f"{err.reason}; {UNREACHABLE_HINT}")
         if self.token_problem is not None:
             # Checked again by every round while refused: a fixed token file shows at once.
             try:
                 await self.check_token()
             except AgentUnreachable as err:
-                return reasons.AGENT_UNREACHABLE.says(err.reason)
+                return reasons.AGENT_UNREACHABLE.says(f"{err.reason}; {UNREACHABLE_HINT}")
             except TokenFileError as err:
                 self.refuse_token(reasons.AGENT_TOKEN_FILE.says(str(err)))
             if self.token_problem is not None:

@@ -190,12 +190,14 @@ def segment(name: str) -> str:
 
 
 def error_for(status: int, body: Any, *, retry_after: str | None = None) -> KubeError:
-    """The exception for an HTTP error status and its ``Status`` body."""
+    """The exception for an HTTP error status and its ``Status`` body, as one line."""
     message = reason = ""
     if isinstance(body, Mapping):
-        message = str(body.get("message", ""))
-        reason = str(body.get("reason", ""))
-    text = f"{status} {reason}: {message}".strip(": ")
+        # One line: it goes into /readyz and a log field (a proxy's error page has many).
+        message = " ".join(str(body.get("message", "")).split())
+        reason = " ".join(str(body.get("reason", "")).split())
+    head = f"{status} {reason}".strip()
+    text = f"{head}: {message}" if message else head
     if status == 404:
         return KubeNotFound(text, status=status, reason=reason)
     if status == 409:

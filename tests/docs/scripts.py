@@ -64,6 +64,18 @@ def cookbook() -> str:
     return PRELUDE + "\n".join(sh_blocks(COOKBOOK))
 
 
+#: The agent's socket on a node, where docs/sharing.md's requests go.
+NODE_SOCKET = "/run/gpu-agent/agent.sock"
+
+
+def sharing_requests(socket: str) -> str:
+    """The ``sh`` blocks of docs/sharing.md that call the agent (on a node's socket) as one
+    script against ``socket``, curl failing on any error; ``TOKEN`` comes from outside."""
+    blocks = [b for b in sh_blocks(SHARING) if f"--unix-socket {NODE_SOCKET}" in b]
+    assert blocks, f"docs/sharing.md has no request to {NODE_SOCKET}"
+    return PRELUDE + FAILING_CURL + "\n".join(blocks).replace(NODE_SOCKET, socket)
+
+
 def shell_env(**extra: str) -> dict[str, str]:
     """The environment a newcomer's shell has: no ``GPU_AGENT_*`` settings of the test run,
     this interpreter's ``python3`` first on PATH."""

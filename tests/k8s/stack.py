@@ -362,11 +362,23 @@ class Stack:
         the complete pool of the generation before the change: the same device names (a
         dynamic MIG pool lists every device whatever is made) with the old content. The
         agent bumps its generation on every content change and the publisher writes at
-        least that one, so a pool below the agent's generation is not current."""
+        least that one, so a pool below the agent's generation is not current; but a
+        publisher's generation may run ahead of the agent's (each write is above the last,
+        ``resource_slice_plan``), so what tells a made MIG device from the placement it was
+        is compared too: each device's attributes and counter sets. (Not the marks the
+        publisher strips where the server drops them: shares, taints; nor capacities and
+        counter values, which the server writes back in canonical form, "40960Mi" as
+        "40Gi".)"""
         version = self.server.version
 
         def names(items: list[Json], key: str) -> set[str]:
             return {entry["name"] for item in items for entry in item["spec"].get(key, [])}
+
+        def matched_on(items: list[Json]) -> dict[str, Any]:
+            return {device["name"]: (
+                {k: v for k, v in device.get("attributes", {}).items() if k != "shareable"},
+                sorted(c["counterSet"] for c in device.get("consumesCounters", [])))
+                for item in items for device in item["spec"].get("devices", [])}
 
         def current(found: list[Json]) -> bool:
             rendered = self.agent.request(
@@ -377,7 +389,8 @@ class Stack:
             return (len(pools) == 1 and next(iter(pools))[1] == len(found)
                     and next(iter(pools))[0] >= generation
                     and names(found, "devices") == names(rendered, "devices")
-                    and names(found, "sharedCounters") == names(rendered, "sharedCounters"))
+                    and names(found, "sharedCounters") == names(rendered, "sharedCounters")
+                    and matched_on(found) == matched_on(rendered))
 
         return self.wait_slices(current, timeout)
 

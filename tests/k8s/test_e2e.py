@@ -245,7 +245,11 @@ def test_two_dynamic_mig_claims_on_one_gpu_get_disjoint_instances(
             example_claim("dynamic-mig.yaml", name), on_gpu_4))
     for name in ("dyn-a", "dyn-b"):
         answer = allocate(running, name)
-        assert answer.allocated, answer.reason
+        # What the scheduler met on GPU 4, should it find no fit.
+        assert answer.allocated, (answer.reason, [
+            (d["name"], d["attributes"].get("uuid"), d.get("taints"))
+            for item in running.resource_slices() for d in item["spec"].get("devices", [])
+            if d["attributes"].get("parentUUID", {}).get("string") == uuid])
         [device] = answer.devices()
         starts.append(int(device.split("-")[-1]))
         prepare_and_inject(running, name)

@@ -71,16 +71,24 @@ def test_each_share_of_a_gpu_is_attributed_to_its_pod_with_its_own_memory(
             "mps_pipe_directory": claim["mps"]["pipe_directory"]})
         assert added.status in (200, 201), added.body
 
-    def per_pod() -> dict[str, tuple[float, str, str]] | None:
+    expected = {name: (used[name], claim_uid(running, name), "main") for name in names}
+    seen: list[object] = []
+
+    def per_pod() -> bool:
+        # The series converge as the collector meets each process and its pod (a scrape
+        # between two collections may show one attributed and one not yet).
         found = fb_used(running.agent, uuid)
         shown = {labels.get("pod", ""): (value, labels.get("claim_uid", ""),
                                          labels.get("container", ""))
                  for labels, value in found}
-        return shown if len(found) == 2 and set(shown) == set(names) \
-            and all(v for v, _, _ in shown.values()) else None
+        seen[:] = [found]
+        return len(found) == 2 and shown == expected
 
-    shown = wait_for("GPU 0's framebuffer per pod", per_pod, 30, log=running.agent.log)
-    assert shown == {name: (used[name], claim_uid(running, name), "main") for name in names}
+    try:
+        wait_for(f"GPU 0's framebuffer per pod: {expected}", per_pod, 30)
+    except AssertionError as err:
+        raise AssertionError(f"{err}\nlast seen: {seen}\n{running.agent.log()[-4000:]}") \
+            from None
 
     for name in names:
         unprepare(running, name)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -93,20 +94,35 @@ def start_plugin(root: Path, *, socket: Path, token_file: Path, kubeconfig: Path
     environment = {**os.environ, **(env or {})}
     if real_kubernetes:
         environment["PLUGIN_MAIN_CLAIMS"] = "kubeconfig"
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=environment)
+    return follow(subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True, env=environment))
+
+
+def _started(line: str) -> str | None:
+    """The health address of a "started" log line, JSON or text (``health=HOST:PORT``)."""
+    if line.startswith("{"):
+        doc = json.loads(line)
+        return str(doc["health"]) if doc.get("msg") == STARTED else None
+    found = re.search(r"\bhealth=(\S+)", line) if f'msg="{STARTED}"' in line else None
+    return found[1] if found else None
+
+
+def follow(proc: subprocess.Popen[str]) -> PluginRun:
+    """``proc`` (a plugin, stdout and stderr piped together) with its output collected as it
+    comes, once it logged that it started; stopped if it exits first."""
     run = PluginRun(proc)
     assert proc.stdout is not None
     out = proc.stdout
     threading.Thread(target=lambda: run.raw.extend(out), daemon=True).start()
     try:
-        started = wait_for(lambda: next(iter(run.logged(STARTED)), None) or proc.poll(),
-                           "the plugin to start", 60)
-        assert isinstance(started, dict), f"the plugin exited {started}: {run.output()}"
+        health = wait_for(lambda: next((h for line in list(run.raw)
+                                        if (h := _started(line))), None) or proc.poll(),
+                          "the plugin to start", 60)
+        assert isinstance(health, str), f"the plugin exited {health}: {run.output()}"
     except BaseException:
         run.stop()
         raise
-    run.health = f"http://{started['health']}"
+    run.health = f"http://{health}"
     return run
 
 

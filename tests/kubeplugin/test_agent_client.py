@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from agent.kubeplugin.agent_client import AgentClient
+from agent.kubeplugin.agent_client import UNREACHABLE_HINT, AgentClient
 from agent.kubeplugin.errors import AgentRefused, AgentUnreachable
 from tests.kubeplugin.conftest import NODE, Agent
 
@@ -31,13 +31,14 @@ async def test_slices_readiness_and_refusals(agent: Agent) -> None:
 
 async def test_a_stopped_agent_is_unreachable_and_not_ready(agent: Agent) -> None:
     """With nothing on the socket, calls raise AgentUnreachable naming it and ready() is
-    False with the reason."""
+    False with the reason, which says what to do."""
     client = AgentClient(agent.process.socket_path, agent.token_file)
     agent.process.stop(signal.SIGKILL)
     try:
         with pytest.raises(AgentUnreachable, match=str(agent.process.socket_path)):
             await client.unprepare("c-1", 5)
         assert await client.ready() is False
-        assert (await client.readiness() or "").startswith("agent unreachable")
+        said = await client.readiness() or ""
+        assert said.startswith("agent unreachable") and said.endswith(UNREACHABLE_HINT), said
     finally:
         await client.close()

@@ -42,6 +42,15 @@ def test_status_maps_to_error(status: int, error: type[KubeError]) -> None:
     assert type(raised) is error and raised.status == status and raised.reason == "R"
 
 
+def test_an_error_page_in_place_of_a_status_is_one_line() -> None:
+    """A proxy's HTML error page where a ``Status`` belongs (``_open`` passes its start as
+    the message) becomes a one-line error: it is shown in ``/readyz`` and in a log field."""
+    page = "<!DOCTYPE HTML>\n<html>\n    <body>\n        <h1>Bad Gateway</h1>\n"
+    raised = error_for(502, {"message": page})
+    assert str(raised) == "502: <!DOCTYPE HTML> <html> <body> <h1>Bad Gateway</h1>"
+    assert str(error_for(404, {"reason": "NotFound", "message": "x\ny"})) == "404 NotFound: x y"
+
+
 @pytest.mark.parametrize(("doc", "version"), [
     ({"major": "1", "minor": "35"}, (1, 35)), ({"major": "1", "minor": "34+"}, (1, 34)),
     ({"major": "", "minor": "", "gitVersion": "v1.37.2"}, (1, 37))])

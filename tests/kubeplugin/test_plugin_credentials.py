@@ -137,6 +137,7 @@ def test_a_refused_api_credential_is_its_own_reason_until_fixed(
             stand_in.node = {"apiVersion": "v1", "kind": "Node",
                              "metadata": {"name": NODE, "uid": "uid-1"}}
         run.wait_check("api_server", "ok")
+        run.wait_logged("api server accepts the credential again")
         assert run.count("api server accepts the credential again") == 1, run.output()
         assert stand_in.token not in run.output()
     finally:
@@ -193,6 +194,7 @@ def test_a_dead_node_bound_credential_names_the_renewal(short_dir: Path, stand_i
                          "metadata": {"name": NODE, "uid": "uid-new"}}
         kubeconfig(config, stand_in.url, renewed)
         run.wait_check("api_server", "ok")
+        run.wait_logged("api server accepts the credential again")
         assert run.count("api server accepts the credential again") == 1, run.output()
     finally:
         run.stop()
@@ -228,6 +230,7 @@ def test_a_refused_agent_token_is_its_own_reason_until_fixed(short_dir: Path, ca
 
         write_private(token_file, good + "\n")
         run.wait_check("agent", "ok")
+        run.wait_logged("agent accepts the token again")  # read from its output by a thread
         assert run.count("agent accepts the token again") == 1, run.output()
         assert good not in run.output()
     finally:
@@ -266,6 +269,7 @@ def test_the_agent_going_and_coming_back_is_one_line_each(short_dir: Path,
 
         agent = agent_with_tokens(state, lines)
         run.wait_check("agent", "ok")
+        run.wait_logged("agent reachable again")
         assert run.count("agent reachable again") == 1, run.output()
         assert run.count("agent token refused") == 0
 
