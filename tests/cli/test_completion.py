@@ -8,7 +8,6 @@ import contextlib
 import io
 import re
 import shlex
-import shutil
 import subprocess
 from functools import cache
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 
 from agent.cli import completion
 from agent.cli.main import main, parser
+from tests.tools import require_tool
 
 #: The verbs a parser's usage line offers: ``{show,set,apply,export} ...``.
 _VERBS_IN_USAGE = re.compile(r"\{([^{}\s]+)\}\s+\.\.\.")
@@ -117,10 +117,10 @@ def test_bash_offers_every_subverb_of_every_verb(tmp_path: Path) -> None:
         assert set(want) <= set(got), (parent, got)
 
 
-@pytest.mark.skipif(shutil.which("zsh") is None, reason="zsh is not installed")
 def test_zsh_completes_the_same_through_bashcompinit(tmp_path: Path) -> None:
     """zsh matches the prefix itself (compadd), so its candidates, filtered by the word
     typed, are bash's."""
+    require_tool("zsh", "apt-get install zsh")
     script = tmp_path / "gpu-agent.zsh"
     script.write_text(completion.zsh(parser()))
     lines = ["gpu-agent ", "gpu-agent mig ", "gpu-agent gpus -o ", "gpu-agent gpus --to",
@@ -136,10 +136,10 @@ def test_zsh_completes_the_same_through_bashcompinit(tmp_path: Path) -> None:
         assert sorted(w for w in zsh_words if w.startswith(typed)) == sorted(bash_words), line
 
 
-@pytest.mark.skipif(shutil.which("fish") is None, reason="fish is not installed")
 def test_fish_completes_what_bash_does(tmp_path: Path) -> None:
     """fish's own completion (``complete -C``) of the generated script offers what bash's
     does, for every verb path and for flags, choices and files."""
+    require_tool("fish", "apt-get install fish")
     bash_script = tmp_path / "gpu-agent.bash"
     bash_script.write_text(completion.bash(parser()))
     script = tmp_path / "gpu-agent.fish"
