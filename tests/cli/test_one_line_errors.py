@@ -66,9 +66,16 @@ def test_ctrl_c_while_waiting_on_the_agent_is_no_traceback(tmp_path: Path) -> No
         silent.listen()
         silent.settimeout(30)
         port = silent.getsockname()[1]
-        cli = subprocess.Popen([sys.executable, "-m", "agent", "gpus", "--url",
-                                f"http://127.0.0.1:{port}"], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+        # As a terminal's shell starts it: SIGINT not ignored. A child inherits an ignored
+        # SIGINT (the tests run as a background job of a non-interactive shell, say), and
+        # Python then never raises KeyboardInterrupt; a handled one is default after exec.
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            cli = subprocess.Popen([sys.executable, "-m", "agent", "gpus", "--url",
+                                    f"http://127.0.0.1:{port}"], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+        finally:
+            signal.signal(signal.SIGINT, previous)
         try:
             conn, _ = silent.accept()
             with conn:
@@ -80,5 +87,6 @@ def test_ctrl_c_while_waiting_on_the_agent_is_no_traceback(tmp_path: Path) -> No
                 out, err = cli.communicate(timeout=30)
         finally:
             cli.kill()
+            cli.wait()
     assert request.startswith(b"GET /v1/gpus ")
     assert (cli.returncode, out, err) == (130, "", "")
