@@ -152,6 +152,19 @@ class MigNotEnabled(Conflict):
         return {**super()._fields(), "profile": self.profile, "mig_off": list(self.mig_off)}
 
 
+class MigModeNeedsExplicit(Conflict):
+    """The change would switch MIG mode on a GPU whose mode changes only with a reset
+    (Ampere), and the request did not ask for the mode: ``mig_enabled`` is the mode to ask
+    for explicitly."""
+
+    def __init__(self, detail: str, *, mig_enabled: bool, gpu: str | None = None) -> None:
+        super().__init__(detail, gpu=gpu)
+        self.mig_enabled = mig_enabled
+
+    def _fields(self) -> dict[str, Any]:
+        return {**super()._fields(), "mig_enabled": self.mig_enabled}
+
+
 class NoSliceRoom(Conflict):
     """Every MIG-enabled GPU a slice may go on is full for it (no free placement, or the
     profile's instance limit): ``profile`` and ``start`` are what was asked, ``gpus`` the

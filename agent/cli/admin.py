@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import agent
-from agent.cli.client import AgentClient, ClientError
+from agent.cli import options
+from agent.cli.client import AgentClient, ClientError, UsageError
 
 _BEARER = re.compile(r"(?i)(bearer\s+)[A-Za-z0-9._~+/=-]+")
 _SECRET_FIELD = re.compile(r'(?i)("?[a-z_]*(?:token|secret|password|authorization)[a-z_]*"?\s*'
@@ -22,39 +23,49 @@ _SECRET_FIELD = re.compile(r'(?i)("?[a-z_]*(?:token|secret|password|authorizatio
 _LOG_LINES = 2000
 
 
-def add_parsers(sub: Any, client_opts: argparse.ArgumentParser) -> None:
-    admin = sub.add_parser("admin", help="remediation for operators (admin scope)")
+#: What ``support-bundle -o FILE`` prints: ``-o`` means the output format everywhere else.
+BUNDLE_OUTPUT_DEPRECATED = ("gpu-agent: support-bundle -o FILE is deprecated; use -f/--file "
+                            "FILE")
+
+
+def add_parsers(sub: Any) -> None:
+    out = [options.OUTPUT]
+    admin = sub.add_parser("admin", parents=out, help="remediation for operators (admin scope)")
     verbs = admin.add_subparsers(dest="admin_verb", required=True)
-    clear = verbs.add_parser("clear-quarantine", parents=[client_opts],
+    clear = verbs.add_parser("clear-quarantine", parents=out,
                              help="lift a GPU's quarantine once its layout was fixed by hand")
     clear.add_argument("gpu", help="GPU index or UUID")
-    health = verbs.add_parser("clear-xid", aliases=["clear-health"], parents=[client_opts],
+    health = verbs.add_parser("clear-xid", aliases=["clear-health"], parents=out,
                               help="lift a GPU's XID (and lost) marks after resetting it by "
                                    "hand")
     health.add_argument("gpu", help="GPU index or UUID")
-    drain = verbs.add_parser("drain", parents=[client_opts],
+    drain = verbs.add_parser("drain", parents=out,
                              help="keep new claims off a GPU (a NoSchedule drain taint with "
                                   "the reason); claims it holds stay")
     drain.add_argument("gpu", help="GPU index or UUID")
     drain.add_argument("--reason", required=True, help="why, for the cluster to see (1 to 256 "
                                                        "characters)")
-    undrain = verbs.add_parser("undrain", parents=[client_opts],
+    undrain = verbs.add_parser("undrain", parents=out,
                                help="lift an operator's drain of a GPU")
     undrain.add_argument("gpu", help="GPU index or UUID")
-    resolve = verbs.add_parser("resolve", parents=[client_opts],
+    resolve = verbs.add_parser("resolve", parents=out,
                                help="resolve a GPU's open MIG journal entry by hand")
     resolve.add_argument("gpu", help="GPU index or UUID")
     resolve.add_argument("action", choices=("roll-back", "finish"))
-    checkpoint = verbs.add_parser("checkpoint", parents=[client_opts],
+    checkpoint = verbs.add_parser("checkpoint", parents=out,
                                   help="the claims checkpoint: status, restore FILE, "
                                        "accept-empty")
     checkpoint.add_argument("action", nargs="?", default="status",
                             choices=("status", "restore", "accept-empty"))
     checkpoint.add_argument("file", nargs="?", help="kept-aside file to restore")
-    bundle = sub.add_parser("support-bundle", parents=[client_opts],
+    # No -o/--output format here: the verb writes an archive and prints its path.
+    bundle = sub.add_parser("support-bundle",
                             help="collect what support needs into one tar.gz (no secrets)")
-    bundle.add_argument("-o", "--output", help="archive path (default "
-                                               "gpu-agent-support-<node>-<time>.tar.gz)")
+    path = bundle.add_mutually_exclusive_group()
+    path.add_argument("-f", "--file", metavar="FILE",
+                      help="archive path (default gpu-agent-support-<node>-<time>.tar.gz)")
+    path.add_argument("-o", "--output", dest="old_file", metavar="FILE",
+                      help="deprecated spelling of -f/--file (removed in the next release)")
     bundle.add_argument("--log-file", help="the agent's log file, if it logs to one "
                                            "(its last lines are included, redacted)")
 
@@ -87,14 +98,14 @@ def _admin(args: argparse.Namespace, client: AgentClient) -> int:
         body = client.request("GET", "/v1/admin/claims-checkpoint").body
     elif args.action == "restore":
         if not args.file:
-            raise ClientError("restore needs the kept-aside file's name (see "
-                              "'gpu-agent admin checkpoint')")
+            raise UsageError("restore needs the kept-aside file's name (see "
+                             "'gpu-agent admin checkpoint')")
         body = client.request("POST", "/v1/admin/claims-checkpoint",
                               {"action": "restore", "file": args.file}).body
     else:
         body = client.request("POST", "/v1/admin/claims-checkpoint",
                               {"action": "accept-empty"}).body
-    print(json.dumps(body, indent=2))
+    options.emit(args, body)
     return 0
 
 
@@ -104,7 +115,7 @@ def _collect(client: AgentClient) -> dict[str, Any]:
 
     def get(name: str, path: str) -> Any:
         try:
-            found[name] = client.request("GET", path).body
+            found[name] = client.request("GET", path, text=name.endswith(".txt")).body
         except ClientError as err:
             found[name] = {"error": str(err)}
         return found[name]
@@ -129,11 +140,14 @@ def _collect(client: AgentClient) -> dict[str, Any]:
 
 
 def _support_bundle(args: argparse.Namespace, client: AgentClient) -> int:
+    if args.old_file is not None:
+        print(BUNDLE_OUTPUT_DEPRECATED, file=sys.stderr)
     found = _collect(client)
     node = found.get("node.json")
     name = node.get("hostname") if isinstance(node, dict) else None
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    output = Path(args.output or f"gpu-agent-support-{name or 'node'}-{stamp}.tar.gz")
+    output = Path(args.file or args.old_file
+                  or f"gpu-agent-support-{name or 'node'}-{stamp}.tar.gz")
     if args.log_file:
         try:
             lines = Path(args.log_file).read_text(errors="replace").splitlines()[-_LOG_LINES:]

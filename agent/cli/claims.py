@@ -13,9 +13,11 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
-from agent.cli.client import AgentClient, ClientError
-from agent.cli.tables import table
+from agent.cli import options
+from agent.cli.client import AgentClient, UsageError
+from agent.cli.tables import key_values, table
 from agent.device_names import ascii_integer, parse_device_name
 
 if TYPE_CHECKING:
@@ -67,32 +69,21 @@ class _VerbOrUid(_SubParsers):
         super().__call__(parser, namespace, values, option_string)
 
 
-def _client_options() -> argparse.ArgumentParser:
-    """``--json``, left out of the namespace unless given, so it may come before or
-    after the verb (``claims --json UID`` and ``claims UID --json``). A fresh parser per use:
-    parents share their action objects, and ``set_defaults`` changes those."""
-    opts = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
-    opts.add_argument("--json", action="store_true", help="print JSON")
-    return opts
-
-
-def add_parsers(sub: Any, client_opts: argparse.ArgumentParser) -> None:
-    """Register ``claims`` and ``cdi``; ``client_opts`` is the shared --url/--token-file/--json
-    parent of the other verbs (``cdi list`` uses it as is)."""
+def add_parsers(sub: Any) -> None:
+    """Register ``claims`` and ``cdi``."""
+    out = [options.OUTPUT]
     claims = sub.add_parser(
-        "claims", parents=[_client_options()], help="prepared resource claims, or one of them",
+        "claims", parents=out, help="prepared resource claims, or one of them",
         description="List the claims prepared on this node (no arguments), show one "
                     "(claims UID), prepare or unprepare one.")
     # Set here only: leaf verbs leave unset options out, so these survive them.
-    claims.set_defaults(json=False, claims_verb=None, uid=None)
+    claims.set_defaults(claims_verb=None, uid=None)
     verbs = claims.add_subparsers(dest="claims_verb", action=_VerbOrUid,
                                   metavar="{UID,show,prepare,unprepare}")
-    show = verbs.add_parser("show", parents=[_client_options()],
-                            help="one claim (same as 'claims UID')")
+    show = verbs.add_parser("show", parents=out, help="one claim (same as 'claims UID')")
     show.add_argument("uid", help="claim UID")
     prepare = verbs.add_parser(
-        "prepare", parents=[_client_options()],
-        help="prepare a claim (as kubelet's DRA plugin would)",
+        "prepare", parents=out, help="prepare a claim (as kubelet's DRA plugin would)",
         epilog=_PREPARE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     prepare.add_argument("uid", help="claim UID")
     prepare.add_argument("--gpu", action="append", default=[], metavar="DEVICE", dest="gpus",
@@ -104,13 +95,13 @@ def add_parsers(sub: Any, client_opts: argparse.ArgumentParser) -> None:
     prepare.add_argument("--name", help="claim name (metadata)")
     prepare.add_argument("--pod", help="pod name (metadata)")
     prepare.add_argument("--container", help="container name (metadata)")
-    unprepare = verbs.add_parser("unprepare", parents=[_client_options()],
+    unprepare = verbs.add_parser("unprepare", parents=out,
                                  help="unprepare a claim (success if it is not prepared)")
     unprepare.add_argument("uid", help="claim UID")
 
     cdi = sub.add_parser("cdi", help="CDI specs")
     cdi_verbs = cdi.add_subparsers(dest="cdi_verb", required=True)
-    cdi_verbs.add_parser("list", parents=[client_opts],
+    cdi_verbs.add_parser("list", parents=out,
                          help="the spec files a running agent maintains")
     generate = cdi_verbs.add_parser(
         "generate", help="write the node-wide spec from NVML, without an agent",
@@ -195,7 +186,14 @@ def _notes(claim: dict[str, Any]) -> str:
     return "; ".join(notes) or "-"
 
 
-def _devices_table(devices: Sequence[dict[str, Any]]) -> str:
+def devices_table(devices: Sequence[dict[str, Any]], width: int | None = None) -> str:
+    """A claim's devices, a row each: what each request got, its sharing and share, and the
+    CDI device name a container asks for; ``-o wide`` (``width`` None) adds the kind, the
+    UUID and whether it was made on demand."""
+    if width is not None:
+        return table(["REQUEST", "DEVICE", "SHARING", "SHARE", "CDI DEVICE"], [
+            [d["request"], d["device_name"], sharing_text(d), share_text(d),
+             ",".join(d["cdi_devices"])] for d in devices], width)
     return table(["REQUEST", "KIND", "DEVICE", "UUID", "ON DEMAND", "SHARING", "SHARE",
                   "CDI DEVICE"], [
         [d["request"], d["kind"], d["device_name"], d["uuid"] or "-",
@@ -203,25 +201,22 @@ def _devices_table(devices: Sequence[dict[str, Any]]) -> str:
          ",".join(d["cdi_devices"])] for d in devices])
 
 
-def _list(args: argparse.Namespace, client: AgentClient) -> int:
-    claims = client.request("GET", "/v1/claims").body["claims"]
-    if args.json:
-        print(json.dumps(claims, indent=2))
-        return 0
+def claims_table(body: dict[str, Any], width: int | None = None) -> str:
+    """``claims``: a row per prepared claim."""
+    claims = body["claims"]
     if not claims:
-        print("no claims prepared on this node")
-        return 0
+        return "no claims prepared on this node"
     now = time.time()
-    print(table(["UID", "STATE", "DEVICES", "SHARING", "SHARE", "MPS", "POD", "AGE", "NOTES"], [
+    return table(["UID", "STATE", "DEVICES", "SHARING", "SHARE", "MPS", "POD", "AGE", "NOTES"], [
         [c["uid"], c["state"], ",".join(d["device_name"] for d in c["devices"]) or "-",
          _joined([sharing_text(d) for d in c["devices"]]),
          _joined([share_text(d) for d in c["devices"]]), mps_text(c),
          _pod(c["metadata"]), _age(c["created_at"], now), _notes(c)]
-        for c in claims]))
-    return 0
+        for c in claims], width)
 
 
-def _claim_lines(claim: dict[str, Any]) -> list[str]:
+def claim_text(claim: dict[str, Any], width: int | None = None) -> str:
+    """``claims UID``: the claim as ``key  value`` lines, then its devices."""
     rows = [("uid", claim["uid"]), ("state", claim["state"]),
             ("created", time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(
                 claim["created_at"]))),
@@ -233,18 +228,16 @@ def _claim_lines(claim: dict[str, Any]) -> list[str]:
     if mps:
         rows.append(("mps", mps["state"] + (f": {mps['reason']}" if mps.get("reason") else "")))
         rows.append(("mps pipe", mps["pipe_directory"]))
-    width = max(len(k) for k, _ in rows)
-    return [f"{k.ljust(width)}  {v}" for k, v in rows]
+    return "\n".join(key_values(rows, width)) + "\n\n" + devices_table(claim["devices"], width)
+
+
+def _list(args: argparse.Namespace, client: AgentClient) -> int:
+    options.emit(args, client.request("GET", "/v1/claims").body, claims_table)
+    return 0
 
 
 def _show(args: argparse.Namespace, client: AgentClient) -> int:
-    claim = client.request("GET", f"/v1/claims/{args.uid}").body
-    if args.json:
-        print(json.dumps(claim, indent=2))
-        return 0
-    print("\n".join(_claim_lines(claim)))
-    print()
-    print(_devices_table(claim["devices"]))
+    options.emit(args, client.request("GET", f"/v1/claims/{_path(args.uid)}").body, claim_text)
     return 0
 
 
@@ -257,15 +250,15 @@ def parse_slice(text: str) -> dict[str, Any]:
     rest, colon, start = text.rpartition(":")
     if colon:
         if ascii_integer(start) is None:
-            raise ClientError(f"--slice {text!r}: START must be a memory slice number "
-                              "(PROFILE[@GPU][:START])")
+            raise UsageError(f"--slice {text!r}: START must be a memory slice number "
+                             "(PROFILE[@GPU][:START])")
         request["placement"] = {"start": int(start)}
     else:
         rest = text
     profile, at, gpu = rest.partition("@")
     if not profile or (at and not gpu):
-        raise ClientError(f"--slice {text!r}: expected PROFILE[@GPU][:START], "
-                          "e.g. 1g.10gb, 3g.40gb@2 or 1g.10gb@0:4")
+        raise UsageError(f"--slice {text!r}: expected PROFILE[@GPU][:START], "
+                         "e.g. 1g.10gb, 3g.40gb@2 or 1g.10gb@0:4")
     request["profile"] = profile
     if gpu:
         request["gpu"] = gpu
@@ -277,7 +270,7 @@ def prepare_body(args: argparse.Namespace) -> dict[str, Any]:
     devices: list[dict[str, Any]] = [{"kind": "gpu", "device": d} for d in args.gpus]
     devices += [parse_slice(s) for s in args.slices]
     if not devices:
-        raise ClientError("claims prepare: give at least one --gpu DEVICE or --slice PROFILE")
+        raise UsageError("claims prepare: give at least one --gpu DEVICE or --slice PROFILE")
     body: dict[str, Any] = {"devices": devices}
     metadata = {key: getattr(args, key) for key in ("namespace", "name", "pod", "container")
                 if getattr(args, key) is not None}
@@ -287,36 +280,38 @@ def prepare_body(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _prepare(args: argparse.Namespace, client: AgentClient) -> int:
-    claim = client.request("PUT", f"/v1/claims/{args.uid}", prepare_body(args)).body
-    if args.json:
-        print(json.dumps(claim, indent=2))
-        return 0
-    print(f"claim {claim['uid']} prepared; CDI spec {claim['cdi_spec']}")
-    print(_devices_table(claim["devices"]))
+    claim = client.request("PUT", f"/v1/claims/{_path(args.uid)}", prepare_body(args)).body
+    options.emit(args, claim, lambda body, width: (
+        f"claim {body['uid']} prepared; CDI spec {body['cdi_spec']}\n"
+        + devices_table(body["devices"], width)))
     return 0
 
 
 def _unprepare(args: argparse.Namespace, client: AgentClient) -> int:
-    client.request("DELETE", f"/v1/claims/{args.uid}")
-    if args.json:
-        print(json.dumps({"uid": args.uid, "unprepared": True}, indent=2))
-    else:
-        print(f"claim {args.uid} unprepared")
+    client.request("DELETE", f"/v1/claims/{_path(args.uid)}")
+    options.emit(args, {"uid": args.uid, "unprepared": True},
+                 lambda body, _: f"claim {body['uid']} unprepared")
     return 0
+
+
+def _path(uid: str) -> str:
+    """A claim UID as one path segment (whatever characters it holds)."""
+    return quote(uid, safe="")
 
 
 # -- cdi ----------------------------------------------------------------------------------
 
 
+def specs_table(body: dict[str, Any], width: int | None = None) -> str:
+    """``cdi list``: the spec directory, then a row per spec file."""
+    return f"spec directory {body['spec_dir']}\n" + table(
+        ["FILE", "KIND", "CDI VERSION", "DEVICES"],
+        [[Path(s["path"]).name, s["kind"], s["cdi_version"], str(len(s["devices"]))]
+         for s in body["specs"]], width)
+
+
 def _cdi_list(args: argparse.Namespace, client: AgentClient) -> int:
-    body = client.request("GET", "/v1/cdi").body
-    if args.json:
-        print(json.dumps(body, indent=2))
-        return 0
-    print(f"spec directory {body['spec_dir']}")
-    print(table(["FILE", "KIND", "CDI VERSION", "DEVICES"], [
-        [Path(s["path"]).name, s["kind"], s["cdi_version"], str(len(s["devices"]))]
-        for s in body["specs"]]))
+    options.emit(args, client.request("GET", "/v1/cdi").body, specs_table)
     return 0
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 from collections.abc import Callable, Collection, Sequence
@@ -12,8 +11,8 @@ from typing import Any
 from urllib.parse import quote
 
 import agent
-from agent.cli import admin, claims, kubelet_plugin, mig, mps_host, options, topo
-from agent.cli.client import AgentClient, ClientError, discover, tls_context
+from agent.cli import admin, claims, completion, kubelet_plugin, mig, mps_host, options, topo
+from agent.cli.client import EXIT_CODES, AgentClient, ClientError, UsageError, discover, tls_context
 from agent.cli.tables import gpu_detail, gpu_table, node_lines
 from agent.errors import AgentError
 
@@ -21,8 +20,10 @@ Command = Callable[[argparse.Namespace, AgentClient], int]
 
 #: ``gpu-agent --help``'s text: plain words (the module docstring is reST for the code's readers).
 DESCRIPTION = ("Run the GPU node agent (serve), kubelet's DRA plugin (kubelet-plugin) or the MPS "
-               "host (mps-host), or talk to a running agent (every other verb). The connection "
-               "flags (--url, --token-file, --cacert, --cert, --key) may go anywhere on the line.")
+               "host (mps-host), print a shell completion script (completion), or talk to a "
+               "running agent (every other verb). The connection flags (--url, --token-file, "
+               "--cacert, --cert, --key) may go anywhere on the line; every verb that prints "
+               "an answer takes -o table|wide|json|yaml.")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -65,10 +66,6 @@ def _serve(args: argparse.Namespace) -> int:
         return 130
 
 
-def _print(args: argparse.Namespace, body: Any) -> None:
-    print(json.dumps(body, indent=2))
-
-
 def _node(args: argparse.Namespace, client: AgentClient) -> int:
     body = client.request("GET", "/v1/node").body
     options.emit(args, body, lambda node, width: "\n".join(node_lines(node, width)))
@@ -108,11 +105,11 @@ def _sim(args: argparse.Namespace, client: AgentClient) -> int:
         for item in args.latencies:
             name, sep, seconds = item.partition("=")
             if not sep:
-                raise ClientError(f"latency {item!r}: expected FUNCTION=SECONDS")
+                raise UsageError(f"latency {item!r}: expected FUNCTION=SECONDS")
             try:
                 table[name] = float(seconds)
             except ValueError as err:
-                raise ClientError(f"latency {item!r}: {seconds!r} is not a number") from err
+                raise UsageError(f"latency {item!r}: {seconds!r} is not a number") from err
         response = client.request("PUT", "/v1/sim/latency", table).body["latencies"]
     elif verb == "xid":
         xid_body = {"gpu": args.gpu, "xid": args.xid,
@@ -131,7 +128,7 @@ def _sim(args: argparse.Namespace, client: AgentClient) -> int:
     else:
         client.request("POST", "/v1/sim/reload-driver")
         response = {"reloaded": True}
-    _print(args, response)
+    options.emit(args, response)
     return 0
 
 
@@ -273,53 +270,53 @@ def serve_flag_table() -> str:
 
 
 def _add_sim(sub: Any) -> None:
-    sim = sub.add_parser("sim", help="control a simulated agent")
+    out = [options.OUTPUT]  # every sim verb prints JSON, or YAML with -o yaml
+    sim = sub.add_parser("sim", parents=out, help="control a simulated agent")
     verbs = sim.add_subparsers(dest="sim_verb", required=True)
-    verbs.add_parser("show", help="presets, processes, faults, latencies, call counters")
-    process = verbs.add_parser("process", help="attach or end a fake GPU process")
+    verbs.add_parser("show", parents=out,
+                     help="presets, processes, faults, latencies, call counters")
+    process = verbs.add_parser("process", parents=out, help="attach or end a fake GPU process")
     actions = process.add_subparsers(dest="action", required=True)
-    add = actions.add_parser("add")
+    add = actions.add_parser("add", parents=out)
     add.add_argument("device", help="GPU or MIG device: UUID, GPU index or <gpu>:<mig>")
     add.add_argument("--pid", type=int)
     add.add_argument("--memory-mib", type=int)
-    remove = actions.add_parser("rm")
+    remove = actions.add_parser("rm", parents=out)
     remove.add_argument("pid", type=int)
-    fault = verbs.add_parser("fault", help="make NVML calls fail")
+    fault = verbs.add_parser("fault", parents=out, help="make NVML calls fail")
     actions = fault.add_subparsers(dest="action", required=True)
-    add = actions.add_parser("add")
+    add = actions.add_parser("add", parents=out)
     add.add_argument("function",
                      help="NVML function, e.g. nvmlDeviceCreateGpuInstanceWithPlacement")
     add.add_argument("error", help="NVML_ERROR_* name, or CRASH")
     add.add_argument("--gpu", help="only calls on this GPU (index or UUID)")
     add.add_argument("--skip", type=int, default=0, help="let this many matching calls pass")
     add.add_argument("--times", type=int, default=1, help="fail this many calls")
-    actions.add_parser("clear")
-    latency = verbs.add_parser("latency", help="seconds added to NVML calls")
+    actions.add_parser("clear", parents=out)
+    latency = verbs.add_parser("latency", parents=out, help="seconds added to NVML calls")
     latency.add_argument("latencies", nargs="*", metavar="FUNCTION=SECONDS")
-    xid = verbs.add_parser("xid", help="raise an XID event")
+    xid = verbs.add_parser("xid", parents=out, help="raise an XID event")
     xid.add_argument("gpu", help="GPU or MIG device: UUID, GPU index or <gpu>:<mig>")
     xid.add_argument("xid", type=int)
     xid.add_argument("--recovery-action",
                      choices=("none", "reset", "reboot", "drain-p2p", "drain-and-reset"),
                      help="the GPU's NVML recovery action after it (default: what the "
                           "simulated driver sets for this XID)")
-    fabric = verbs.add_parser("fabric", help="set what a GPU's NVLink fabric reports")
+    fabric = verbs.add_parser("fabric", parents=out,
+                              help="set what a GPU's NVLink fabric reports")
     fabric.add_argument("gpu", help="GPU index or UUID")
     fabric.add_argument("condition",
                         choices=("completed", "not-started", "in-progress", "failed", "degraded"))
     fabric.add_argument("--status", help="failed only: the NVML error it reports (default "
                                          "NVML_ERROR_INSUFFICIENT_RESOURCES)")
-    reset = verbs.add_parser("reset", help="reset a GPU as nvidia-smi -r does")
+    reset = verbs.add_parser("reset", parents=out, help="reset a GPU as nvidia-smi -r does")
     reset.add_argument("gpu", help="GPU index or UUID")
-    verbs.add_parser("reload-driver", help="reload the simulated driver")
+    verbs.add_parser("reload-driver", parents=out, help="reload the simulated driver")
 
 
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="gpu-agent", description=DESCRIPTION)
+    top = argparse.ArgumentParser(prog="gpu-agent", description=DESCRIPTION, epilog=EXIT_CODES)
     top.add_argument("--version", action="version", version=f"gpu-agent {agent.__version__}")
-    # --json only: the connection flags are given to every client parser below.
-    client_opts = argparse.ArgumentParser(add_help=False)
-    client_opts.add_argument("--json", action="store_true", help="print JSON")
     sub = top.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     kubelet_plugin.add_parser(sub)
@@ -330,12 +327,17 @@ def parser() -> argparse.ArgumentParser:
                                "or one of them")
     gpus.add_argument("gpu", nargs="?", help="one GPU, by index or UUID (default: every GPU)")
     _add_sim(sub)
-    mig.add_parsers(sub, client_opts)
-    claims.add_parsers(sub, client_opts)
-    topo.add_parsers(sub, client_opts)
-    admin.add_parsers(sub, client_opts)
-    _share_connection(top, seen=set(), skip={"serve", "kubelet-plugin", "mps-host"})
+    mig.add_parsers(sub)
+    claims.add_parsers(sub)
+    topo.add_parsers(sub)
+    admin.add_parsers(sub)
+    completion.add_parser(sub)
+    _share_connection(top, seen=set(), skip=OWN_FLAGS)
     return top
+
+
+#: The verbs that talk to no agent, with flags of their own.
+OWN_FLAGS = frozenset({"serve", "kubelet-plugin", "mps-host", "completion"})
 
 
 def _share_connection(node: argparse.ArgumentParser, seen: set[int],
@@ -372,10 +374,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
         return 141  # 128 + SIGPIPE, as a shell reports a command killed by it
+    except KeyboardInterrupt:
+        # Ctrl-C while a verb waits on the agent: the user's own stop, not a crash to show.
+        return 130  # 128 + SIGINT, as a shell reports it
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    args = parser().parse_args(argv)
+    top = parser()
+    args = top.parse_args(argv)
+    if args.command == "completion":
+        return completion.run(args, top)
     if args.command == "serve":
         return _serve(args)
     if args.command == "kubelet-plugin":
@@ -391,7 +399,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return COMMANDS[args.command](args, AgentClient(url, token, tls=tls))
     except ClientError as err:
         print(f"gpu-agent: {err}", file=sys.stderr)
-        return 1
+        return err.exit_code
 
 
 if __name__ == "__main__":

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -11,20 +10,23 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
+from urllib.parse import quote
 
-from agent.cli.client import AgentClient, ClientError
+from agent.cli import options
+from agent.cli.client import AgentClient, ClientError, UsageError
 from agent.cli.tables import table
 
 #: How often ``--wait`` asks for the state of what it follows.
 POLL_S = 0.2
 
 
-def add_parsers(sub: Any, client_opts: argparse.ArgumentParser) -> None:
-    mig = sub.add_parser("mig", help="MIG geometry")
+def add_parsers(sub: Any) -> None:
+    out = [options.OUTPUT]
+    mig = sub.add_parser("mig", parents=out, help="MIG geometry")
     verbs = mig.add_subparsers(dest="mig_verb", required=True)
-    show = verbs.add_parser("show", parents=[client_opts], help="current geometry")
+    show = verbs.add_parser("show", parents=out, help="current geometry")
     show.add_argument("gpu", nargs="?", help="GPU index or UUID (default: every MIG GPU)")
-    change = verbs.add_parser("set", parents=[client_opts], help="change a GPU's geometry")
+    change = verbs.add_parser("set", parents=out, help="change a GPU's geometry")
     change.add_argument("gpu", help="GPU index or UUID")
     change.add_argument("profiles", nargs="*", help="profiles, one per instance (1g.10gb ...)")
     change.add_argument("--disable", action="store_true", help="MIG off")
@@ -37,8 +39,7 @@ def add_parsers(sub: Any, client_opts: argparse.ArgumentParser) -> None:
                         help="let the agent reset the idle GPU if the mode change is pending")
     change.add_argument("--wait", action="store_true",
                         help="follow the transition; exit non-zero unless it succeeded")
-    apply = verbs.add_parser("apply", parents=[client_opts],
-                             help="apply a mig-parted config by label")
+    apply = verbs.add_parser("apply", parents=out, help="apply a mig-parted config by label")
     apply.add_argument("-f", "--file", required=True, help="mig-parted v1 config (YAML/JSON)")
     apply.add_argument("-c", "--config", required=True, dest="label", help="label to apply")
     apply.add_argument("--drain", choices=("fail", "wait"), default="fail")
@@ -50,9 +51,10 @@ def add_parsers(sub: Any, client_opts: argparse.ArgumentParser) -> None:
                             "(Ampere), with its --gpu-reset-command")
     apply.add_argument("--wait", action="store_true",
                        help="follow every GPU's transition; exit non-zero unless all succeeded")
-    verbs.add_parser("export", parents=[client_opts],
-                     help="the current layout as a mig-parted config (every GPU)")
-    transitions = sub.add_parser("transitions", parents=[client_opts],
+    verbs.add_parser("export", parents=out,
+                     help="the current layout as a mig-parted config (every GPU; YAML unless "
+                          "-o json)")
+    transitions = sub.add_parser("transitions", parents=out,
                                  help="MIG transitions, or one of them")
     transitions.add_argument("id", nargs="?")
 
@@ -61,16 +63,8 @@ def _placement(p: dict[str, int]) -> str:
     return f"{p['start']}:{p['size']}"
 
 
-def _show(args: argparse.Namespace, client: AgentClient) -> int:
-    if args.gpu is not None:
-        refs = [args.gpu]
-    else:
-        refs = [str(g["index"]) for g in client.request("GET", "/v1/gpus").body["gpus"]
-                if g["mig_capable"]]
-    docs = [client.request("GET", f"/v1/gpus/{ref}/mig").body for ref in refs]
-    if args.json:
-        print(json.dumps(docs if args.gpu is None else docs[0], indent=2))
-        return 0
+def geometry_table(docs: Sequence[dict[str, Any]], width: int | None = None) -> str:
+    """``mig show``: a row per GPU (mode, instances, quarantine, drift, transition)."""
     rows = []
     for doc in docs:
         mode = doc["mig_mode"]
@@ -86,7 +80,19 @@ def _show(args: argparse.Namespace, client: AgentClient) -> int:
                                                              else "")
             for i in doc["instances"]) or "-"
         rows.append([str(doc["index"]), state, instances, notes or "-"])
-    print(table(["GPU", "MIG", "INSTANCES (profile@start:size)", "NOTES"], rows))
+    return table(["GPU", "MIG", "INSTANCES (profile@start:size)", "NOTES"], rows, width)
+
+
+def _show(args: argparse.Namespace, client: AgentClient) -> int:
+    if args.gpu is not None:
+        refs = [args.gpu]
+    else:
+        refs = [str(g["index"]) for g in client.request("GET", "/v1/gpus").body["gpus"]
+                if g["mig_capable"]]
+    docs = [client.request("GET", f"/v1/gpus/{quote(ref, safe='')}/mig").body for ref in refs]
+    # One GPU: its answer as the agent gave it; every GPU: the list of their answers.
+    options.emit(args, docs if args.gpu is None else docs[0],
+                 lambda _, width: geometry_table(docs, width))
     return 0
 
 
@@ -182,26 +188,46 @@ def _follow(client: AgentClient, location: str,
 # --- the verbs ----------------------------------------------------------------------------------
 
 
+#: The problem type the agent answers a MIG mode change it was not asked for explicitly with.
+MODE_NEEDS_EXPLICIT = "mig-mode-needs-explicit"
+
+
+def _mode_flag_refusal(err: ClientError, gpu: str) -> ClientError:
+    """The Ampere 409 in the CLI's words: the flag to pass, not the API's body field."""
+    problem = err.problem
+    if not str(problem.get("type", "")).endswith("/" + MODE_NEEDS_EXPLICIT) \
+            or not isinstance(problem.get("mig_enabled"), bool):
+        return err
+    flag = "--enable" if problem["mig_enabled"] else "--disable"
+    return ClientError(f"{err.status} {problem.get('title', 'Conflict')}: GPU {gpu} changes its "
+                       "MIG mode only when asked explicitly (the change needs a GPU reset): "
+                       f"add {flag} to 'gpu-agent mig set'", status=err.status, problem=problem)
+
+
 def _set(args: argparse.Namespace, client: AgentClient) -> int:
     body: dict[str, Any] = {"drain": {"policy": args.drain, "timeout_s": args.timeout},
                             "allow_reset": args.allow_reset}
     if args.disable:
         if args.profiles or args.enable:
-            raise ClientError("--disable takes no profiles and no --enable")
+            raise UsageError("--disable takes no profiles and no --enable")
         body["mig_enabled"] = False
     else:
         body["profiles"] = args.profiles
         if args.enable:
             body["mig_enabled"] = True
     query = "?dry_run=true" if args.dry_run else ""
-    answer = client.request("PUT", f"/v1/gpus/{args.gpu}/mig{query}", body).body
+    try:
+        answer = client.request("PUT", f"/v1/gpus/{quote(args.gpu, safe='')}/mig{query}",
+                                body).body
+    except ClientError as err:
+        raise _mode_flag_refusal(err, args.gpu) from err
     transition = answer["transition"]
-    if args.json:  # JSON only: the answer, or with --wait the finished transition
+    if options.structured(args):  # the answer, or with --wait the finished transition
         if not args.wait or transition is None:
-            print(json.dumps(answer, indent=2))
+            options.emit(args, answer)
             return 0
         done = _follow(client, f"/v1/transitions/{transition['id']}")
-        print(json.dumps(done, indent=2))
+        options.emit(args, done)
         return 0 if done["state"] == "succeeded" else 1
     print(("plan (dry run): " if args.dry_run else "plan: ") + answer["plan"]["summary"])
     if transition is None:
@@ -219,37 +245,36 @@ def _set(args: argparse.Namespace, client: AgentClient) -> int:
     return 0 if done["state"] == "succeeded" else 1
 
 
-def _print_apply(answer: dict[str, Any]) -> None:
-    if answer["dry_run"]:
-        print(f"apply of {answer['label']} (dry run, nothing changed):")
-    else:
-        print(f"apply {answer['apply_id']} ({answer['label']}): {answer['state']}")
+def apply_text(answer: dict[str, Any], width: int | None = None) -> str:
+    """``mig apply``: the apply's state, a row per GPU, then what stopped or skipped each."""
+    lines = [f"apply of {answer['label']} (dry run, nothing changed):" if answer["dry_run"]
+             else f"apply {answer['apply_id']} ({answer['label']}): {answer['state']}"]
     rows = answer["transitions"]
     if rows:
-        print(table(["GPU", "TRANSITION", "STATE", "PLAN"], [
+        lines.append(table(["GPU", "TRANSITION", "STATE", "PLAN"], [
             [str(t["index"]), t["id"] or "-", t["state"],
-             t["plan"]["summary"] if t["plan"] else "-"] for t in rows]))
+             t["plan"]["summary"] if t["plan"] else "-"] for t in rows], width))
     for t in rows:
         if t["error"]:
-            print(f"GPU {t['index']}: {t['error']}")
+            lines.append(f"GPU {t['index']}: {t['error']}")
         elif answer["dry_run"] and t["blockers"]:
-            print(f"GPU {t['index']}: in use now by " + ", ".join(
+            lines.append(f"GPU {t['index']}: in use now by " + ", ".join(
                 f"{b['kind']} {b['id']} on {b['instance']}" for b in t["blockers"]))
-    for s in answer["skipped"]:
-        print(f"GPU {s['index']} skipped: {s['reason']}")
+    lines += [f"GPU {s['index']} skipped: {s['reason']}" for s in answer["skipped"]]
     if answer["missing_indices"]:
         missing = answer["missing_indices"]
-        print(f"{'GPU' if len(missing) == 1 else 'GPUs'} {', '.join(map(str, missing))} "
-              "not on this node: ignored")
+        lines.append(f"{'GPU' if len(missing) == 1 else 'GPUs'} "
+                     f"{', '.join(map(str, missing))} not on this node: ignored")
     if not rows and not answer["skipped"]:
-        print("the label selects no GPU of this node")
+        lines.append("the label selects no GPU of this node")
+    return "\n".join(lines)
 
 
 def _apply(args: argparse.Namespace, client: AgentClient) -> int:
     try:
         text = Path(args.file).read_text()
     except OSError as err:
-        raise ClientError(f"cannot read {args.file}: {err.strerror}") from err
+        raise UsageError(f"cannot read {args.file}: {err.strerror}") from err
     query = "?dry_run=true" if args.dry_run else ""
     answer = client.request("POST", f"/v1/mig/apply{query}", {
         "config": text, "label": args.label, "allow_reset": args.allow_reset,
@@ -257,47 +282,50 @@ def _apply(args: argparse.Namespace, client: AgentClient) -> int:
     waited = args.wait and not args.dry_run
     if waited:
         progress = Progress(sys.stdout)
-        answer = _follow(client, f"/v1/mig/apply/{answer['apply_id']}", None if args.json
+        answer = _follow(client, f"/v1/mig/apply/{answer['apply_id']}",
+                         None if options.structured(args)
                          else lambda body: progress.show(
                              f"apply {body['apply_id']} ({body['label']})", _apply_lines(body)))
-    if args.json:
-        print(json.dumps(answer, indent=2))
-    else:
-        _print_apply(answer)
+    options.emit(args, answer, apply_text)
     return 0 if not waited or answer["state"] == "succeeded" else 1
 
 
 def _export(args: argparse.Namespace, client: AgentClient) -> int:
     config = client.request("GET", "/v1/mig/export").body
-    import yaml  # noqa: PLC0415 - only this verb writes YAML
-
-    sys.stdout.write(json.dumps(config, indent=2) + "\n" if args.json
-                     else yaml.safe_dump(config, sort_keys=False))
+    # A mig-parted config reads as YAML: that is its text form (-o json for JSON).
+    options.emit(args, config, lambda body, _: options.dump(body, "yaml"))
     return 0
+
+
+def transition_text(body: dict[str, Any], width: int | None = None) -> str:
+    """``transitions ID``: what was asked, the plan, the error, then each step."""
+    lines = [f"transition {body['id']} on GPU {body['gpu_index']}: {body['state']}",
+             f"requested: {body['requested']}", f"plan: {body['plan']['summary']}"]
+    if body["error"]:
+        lines.append(f"error: {body['error']}")
+    lines = [options.cut(line, width) for line in lines]
+    lines.append(table(["STEP", "SECONDS", "RESULT"], [
+        [s["name"], "-" if s["duration_s"] is None else f"{s['duration_s']:.3f}",
+         s["error"] or s["result"] or "-"] for s in body["steps"]], width))
+    return "\n".join(lines)
+
+
+def transitions_table(body: dict[str, Any], width: int | None = None) -> str:
+    """``transitions``: a row per transition the agent remembers."""
+    if not body["transitions"]:
+        return "no MIG transitions on this node"
+    return table(["ID", "GPU", "STATE", "SECONDS", "PLAN"], [
+        [t["id"], str(t["gpu_index"]), t["state"],
+         "-" if t["duration_s"] is None else f"{t['duration_s']:.2f}", t["plan"]["summary"]]
+        for t in body["transitions"]], width)
 
 
 def _transitions(args: argparse.Namespace, client: AgentClient) -> int:
     if args.id:
-        body = client.request("GET", f"/v1/transitions/{args.id}").body
-        if args.json:
-            print(json.dumps(body, indent=2))
-            return 0
-        print(f"transition {body['id']} on GPU {body['gpu_index']}: {body['state']}")
-        print(f"requested: {body['requested']}\nplan: {body['plan']['summary']}")
-        if body["error"]:
-            print(f"error: {body['error']}")
-        print(table(["STEP", "SECONDS", "RESULT"], [
-            [s["name"], "-" if s["duration_s"] is None else f"{s['duration_s']:.3f}",
-             s["error"] or s["result"] or "-"] for s in body["steps"]]))
-        return 0
-    items = client.request("GET", "/v1/transitions").body["transitions"]
-    if args.json:
-        print(json.dumps(items, indent=2))
-        return 0
-    print(table(["ID", "GPU", "STATE", "SECONDS", "PLAN"], [
-        [t["id"], str(t["gpu_index"]), t["state"],
-         "-" if t["duration_s"] is None else f"{t['duration_s']:.2f}", t["plan"]["summary"]]
-        for t in items]))
+        body = client.request("GET", f"/v1/transitions/{quote(args.id, safe='')}").body
+        options.emit(args, body, transition_text)
+    else:
+        options.emit(args, client.request("GET", "/v1/transitions").body, transitions_table)
     return 0
 
 

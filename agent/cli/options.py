@@ -79,6 +79,11 @@ def wide(args: argparse.Namespace) -> bool:
     return output_format(args) == "wide"
 
 
+def structured(args: argparse.Namespace) -> bool:
+    """Whether ``-o`` asks for the agent's answer itself (json or yaml) rather than text."""
+    return output_format(args) in ("json", "yaml")
+
+
 def width(args: argparse.Namespace) -> int | None:
     """The width a table is cut to: :data:`TABLE_WIDTH`, or None (no limit) with ``-o wide``."""
     return None if wide(args) else TABLE_WIDTH

@@ -23,7 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.errors import CheckpointUnusable, Conflict, GeometryNotPlaceable, NotFound
+from agent.errors import (
+    CheckpointUnusable,
+    Conflict,
+    GeometryNotPlaceable,
+    MigModeNeedsExplicit,
+    NotFound,
+)
 from agent.events import EventLog, Severity
 from agent.gpu.inventory import GpuInventory
 from agent.gpu.types import Gpu, GpuProcess, Placement
@@ -185,11 +191,11 @@ class MigService:
             plan = self._plan(gpu, current, desired)
             if plan.mode_change and gpu.static.architecture in _RESET_TO_CHANGE_MODE \
                     and not explicit_mode:
-                raise Conflict(
+                raise MigModeNeedsExplicit(
                     f"GPU {gpu.index} is {gpu.static.architecture.capitalize()}: its MIG mode "
                     "changes only when asked explicitly, since the change needs a GPU reset; "
                     f"send \"mig_enabled\": {str(plan.mig_enabled_after).lower()}",
-                    gpu=gpu.uuid)
+                    mig_enabled=plan.mig_enabled_after, gpu=gpu.uuid)
             blockers = self._blockers(gpu, plan, processes)
             if dry_run or plan.empty:
                 if plan.empty and not dry_run:

@@ -304,7 +304,8 @@ def test_a_newcomers_first_day_has_no_traceback_and_one_line_errors(
         gone = subprocess.run([".venv/bin/gpu-agent", "gpus"], cwd=day.clone, env=day.env,
                               capture_output=True, text=True, timeout=60, check=False)
         day.seen["the CLI with the agent down"] = gone.stdout + gone.stderr
-        assert (gone.returncode, gone.stdout, len(gone.stderr.splitlines())) == (1, "", 1), \
+        # Exit 3: the agent cannot be reached (docs/operations.md, "The CLI").
+        assert (gone.returncode, gone.stdout, len(gone.stderr.splitlines())) == (3, "", 1), \
             gone.stderr
         assert gone.stderr.startswith("gpu-agent: ") and "--url" in gone.stderr, gone.stderr
         down = running_plugin(day, unit_command(

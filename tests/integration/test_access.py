@@ -186,10 +186,10 @@ def test_tls_requires_a_client_certificate(tmp_path: Path, pki: Path) -> None:
                "GPU_AGENT_KEY": str(pki / "client.key")}
         assert cli("gpus", "--url", agent.url, env=env).returncode == 0
         refused = cli("node", "--url", agent.url, "--cacert", str(pki / "ca.pem"))
-        assert refused.returncode == 1
+        assert refused.returncode == 3
         assert refused.stderr.startswith("gpu-agent: cannot reach the agent")
         missing = cli("node", "--url", agent.url, "--cacert", str(pki / "nope.pem"))
-        assert missing.returncode == 1 and "cannot load the TLS files" in missing.stderr
+        assert missing.returncode == 4 and "cannot load the TLS files" in missing.stderr
         # The Unix socket is unaffected by TLS.
         assert agent.request("GET", "/healthz", unix=True, token=None).status == 200
     finally:

@@ -153,8 +153,9 @@ def test_support_bundle_has_everything_and_no_secret(tmp_path: Path) -> None:
         log_file.write_text(f"level=info msg=x\nAuthorization: Bearer {agent.token}\n"
                             "token=abc123 other=1\n")
         out = tmp_path / "bundle.tar.gz"
-        done = _cli(agent, "support-bundle", "-o", str(out), "--log-file", str(log_file))
+        done = _cli(agent, "support-bundle", "-f", str(out), "--log-file", str(log_file))
         assert done.returncode == 0, done.stderr
+        assert "deprecated" not in done.stderr
         with tarfile.open(out) as archive:
             names = set(archive.getnames())
             texts = {m.name: archive.extractfile(m).read().decode()  # type: ignore[union-attr]
@@ -171,3 +172,19 @@ def test_support_bundle_has_everything_and_no_secret(tmp_path: Path) -> None:
         assert "Authorization: <redacted>" in texts["gpu-agent-support/agent.log"]
     finally:
         agent.stop(signal.SIGKILL)
+
+
+def test_support_bundle_dash_o_still_writes_the_archive_and_says_it_is_deprecated(
+        h100: AgentProcess, tmp_path: Path) -> None:
+    """``support-bundle -o FILE`` (before ``-f/--file``) works for one more release: the same
+    archive, and one line on stderr naming the new flag."""
+    out = tmp_path / "old.tar.gz"
+    done = _cli(h100, "support-bundle", "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(out)
+    with tarfile.open(out) as archive:
+        assert "gpu-agent-support/node.json" in archive.getnames()
+    warned = [line for line in done.stderr.splitlines() if "deprecated" in line]
+    assert warned == ["gpu-agent: support-bundle -o FILE is deprecated; use -f/--file FILE"]
+    both = _cli(h100, "support-bundle", "-o", str(out), "-f", str(out))
+    assert both.returncode == 2 and "not allowed with" in both.stderr

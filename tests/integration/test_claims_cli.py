@@ -128,10 +128,10 @@ def test_a_malformed_slice_is_one_line_before_any_request(tmp_path: Path) -> Non
     nowhere = ["--url", f"unix:{tmp_path / 'nothing.sock'}"]
     for bad in ("1g.10gb:x", "1g.10gb@", "@3"):
         out = cli("claims", "prepare", "u", "--slice", bad, *nowhere)
-        assert out.returncode == 1 and out.stderr.count("\n") == 1
+        assert out.returncode == 2 and out.stderr.count("\n") == 1
         assert "PROFILE[@GPU][:START]" in out.stderr, out.stderr
     empty = cli("claims", "prepare", "u", *nowhere)
-    assert empty.returncode == 1 and "--gpu" in empty.stderr
+    assert empty.returncode == 2 and "--gpu" in empty.stderr
 
 
 def _generate(tmp_path: Path, *extra: str) -> dict[str, Any]:

@@ -50,7 +50,7 @@ def test_sim_verbs_use_the_token_file(h100: AgentProcess) -> None:
     assert cli("sim", "--url", h100.url, "--token-file", tokens, "process", "rm",
                "777").returncode == 0
     no_token = cli("sim", "--url", h100.url, "process", "rm", "777")
-    assert no_token.returncode == 1
+    assert no_token.returncode == 4  # the credentials kind
     assert "401" in no_token.stderr
 
 
@@ -71,11 +71,11 @@ def test_sim_xid_takes_a_recovery_action(h100: AgentProcess) -> None:
 
 def test_unreachable_agent_is_one_clear_line(tmp_path: Path) -> None:
     out = cli("gpus", "--url", f"unix:{tmp_path / 'nothing.sock'}")
-    assert out.returncode == 1
+    assert out.returncode == 3  # the unreachable kind
     assert out.stderr.count("\n") == 1
     assert out.stderr.startswith("gpu-agent: cannot reach the agent at unix:")
     out = cli("node", "--url", "http://127.0.0.1:1")
-    assert out.returncode == 1 and "cannot reach the agent" in out.stderr
+    assert out.returncode == 3 and "cannot reach the agent" in out.stderr
 
 
 def test_cli_finds_a_simulated_agent_started_from_the_same_directory(

@@ -98,7 +98,8 @@ def test_claims_show_sharing_share_and_mps_state(l40s: AgentProcess) -> None:
     os.kill(daemon["pid"], signal.SIGKILL)
     wait_for(lambda: _rows(cli("claims", *_opts(l40s)).stdout)["mps"]["MPS"] == "failed",
              "the dead daemon shown failed", 30, every_s=0.5)
-    failed = _rows(cli("claims", *_opts(l40s)).stdout)["mps"]
+    # The default table fits 120 columns (NOTES cut); -o wide shows the whole note.
+    failed = _rows(cli("claims", "-o", "wide", *_opts(l40s)).stdout)["mps"]
     assert "MPS: its MPS control daemon stopped answering" in failed["NOTES"]
     shown = cli("claims", "mps", *_opts(l40s))
     assert shown.returncode == 0, shown.stderr

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.errors import Conflict, GeometryNotPlaceable
+from agent.errors import Conflict, GeometryNotPlaceable, MigModeNeedsExplicit
 from agent.events import EventLog
 from agent.gpu.inventory import GpuInventory
 from agent.gpu.session import NvmlSession
@@ -229,8 +229,9 @@ async def test_ampere_needs_explicit_mode_and_reports_pending_reset(tmp_path: Pa
     node = await _open(tmp_path, "dgx-a100")
     try:
         trap = DesiredProfiles.of(["1g.5gb", "1g.5gb", "2g.10gb", "3g.20gb"])
-        with pytest.raises(Conflict, match="asked explicitly"):
+        with pytest.raises(MigModeNeedsExplicit, match="asked explicitly") as refused:
             await node.change(trap)
+        assert refused.value.mig_enabled is True
         assert await node.change(trap, explicit_mode=True) == TransitionState.PENDING_RESET
         gpu = await node.gpu()
         assert gpu.mig_mode is not None and gpu.mig_mode.pending and not gpu.mig_mode.current
