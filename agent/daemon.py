@@ -37,7 +37,9 @@ log = logging.getLogger("agent.daemon")
 def open_backend(settings: Settings) -> Backend:
     """The NVML implementation the settings ask for."""
     return gpu_backend.open_backend(simulate=settings.simulate, state_dir=settings.state_dir,
-                                    proc_root=settings.proc_root)
+                                    proc_root=settings.proc_root,
+                                    sim_cluster_uuid=settings.sim_cluster_uuid,
+                                    sim_clique_id=settings.sim_clique_id)
 
 
 def load_tokens(settings: Settings) -> TokenStore:

@@ -112,6 +112,10 @@ class Settings:
     #: "reboot the node"), ``NoExecute`` instead of ``NoSchedule``: Kubernetes then evicts
     #: the pods using them (docs/health.md).
     no_execute_taints: bool = False
+    #: With --simulate: the NVLink domain the simulated node's GPUs report (cluster UUID,
+    #: clique id); agents given the same pair form one domain. None: the preset's own.
+    sim_cluster_uuid: str | None = None
+    sim_clique_id: int | None = None
 
 
 # Flags the environment and the config file may set, with their parsers.
@@ -125,7 +129,7 @@ _FLAG_TYPES: dict[str, str] = {
     "tls_client_ca": "path", "socket_group": "str", "run_dir": "path", "dev_root": "path",
     "device_node_wait_s": "float", "pod_resources_socket": "path", "mps_root": "path",
     "mps_control": "path", "nvidia_smi": "path", "mps_host_socket": "path", "gpu_shares": "bool",
-    "no_execute_taints": "bool",
+    "no_execute_taints": "bool", "sim_cluster_uuid": "str", "sim_clique_id": "int",
 }
 
 
@@ -147,6 +151,12 @@ def _coerce(name: str, value: Any) -> Any:
         return [str(v) for v in value]
     if kind == "path":
         return Path(str(value))
+    if kind == "int":
+        whole = None if isinstance(value, bool) else ascii_integer(str(value).strip(), digits=10)
+        if whole is None:
+            raise InvalidRequest(f"{name}: {value!r} is not a non-negative integer",
+                                 [{"field": name, "reason": "not a non-negative integer"}])
+        return whole
     if kind == "float":
         try:
             number = float(value)
@@ -218,6 +228,11 @@ def resolve(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> S
         raise InvalidRequest("--gpu-shares cannot be combined with --dynamic-mig: shares are "
                              "enforced with MPS, which dynamic MIG does not support",
                              [{"field": "gpu_shares", "reason": "conflicts with dynamic_mig"}])
+    given_sim = [n for n in ("sim_cluster_uuid", "sim_clique_id") if merged.get(n) is not None]
+    if given_sim and not simulate:
+        raise InvalidRequest("--sim-cluster-uuid and --sim-clique-id need --simulate (a real "
+                             "node's GPUs report their own NVLink domain)",
+                             [{"field": given_sim[0], "reason": "needs simulate"}])
     if log_format not in ("text", "json"):
         raise InvalidRequest(f"--log-format must be text or json, not {log_format!r}",
                              [{"field": "log_format", "reason": "not text or json"}])
@@ -255,6 +270,9 @@ def resolve(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> S
         mps_host_socket=merged.get("mps_host_socket"),
         gpu_shares=bool(merged.get("gpu_shares", False)),
         no_execute_taints=bool(merged.get("no_execute_taints", False)),
+        sim_cluster_uuid=merged.get("sim_cluster_uuid"),
+        sim_clique_id=None if merged.get("sim_clique_id") is None
+        else _coerce("sim_clique_id", merged["sim_clique_id"]),
         **metrics,
         **_tls_settings(merged),
     )

@@ -96,3 +96,36 @@ def test_path_flags_are_paths_whatever_their_source(name: str, tmp_path: Path) -
     from_env = resolve({**extra}, env={f"GPU_AGENT_{name.upper()}": "/some/where"})
     assert getattr(from_flag, name) == getattr(from_env, name)
     assert isinstance(getattr(from_flag, name), Path)
+
+
+@pytest.mark.parametrize(("flags", "env", "config", "expected"), [
+    ({"sim_clique_id": "7"}, {}, None, 7),
+    ({}, {"GPU_AGENT_SIM_CLIQUE_ID": "7"}, None, 7),
+    ({}, {}, "sim-clique-id = 7\n", 7),
+    ({}, {}, None, None),
+])
+def test_the_simulated_clique_id_is_an_integer_from_any_source(
+        tmp_path: Path, flags: dict[str, str], env: dict[str, str], config: str | None,
+        expected: int | None) -> None:
+    if config is not None:
+        (tmp_path / "agent.toml").write_text(config)
+        env = {**env, "GPU_AGENT_CONFIG": str(tmp_path / "agent.toml")}
+    settings = resolve({"simulate": "gb200-nvl72", "state_dir": str(tmp_path / "s"), **flags},
+                       env=env)
+    assert settings.sim_clique_id == expected
+
+
+@pytest.mark.parametrize(("flags", "field", "message"), [
+    ({"simulate": "gb200-nvl72", "sim_clique_id": "seven"}, "sim_clique_id",
+     "not a non-negative integer"),
+    ({"simulate": "gb200-nvl72", "sim_clique_id": "-1"}, "sim_clique_id",
+     "not a non-negative integer"),
+    ({"sim_cluster_uuid": "9c6f5af3-0b6d-4c1e-8f43-6a2d51f0c7e2"}, "sim_cluster_uuid",
+     "need --simulate"),
+    ({"sim_clique_id": "3"}, "sim_clique_id", "need --simulate"),
+])
+def test_bad_domain_flags_name_the_field(flags: dict[str, str], field: str,
+                                         message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message) as info:
+        resolve(flags, env={})
+    assert info.value.errors[0]["field"] == field

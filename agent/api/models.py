@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, GetCoreSchemaHandler, RootMod
 from pydantic_core import CoreSchema
 
 from agent.events import Event
-from agent.gpu.types import DriverInfo, Gpu, MigDevice
+from agent.gpu.types import DriverInfo, Fabric, Gpu, MigDevice
 from agent.health.taints import Taint
 from agent.ledger.ledger import Availability, Hold, NodeLedger
 from agent.logs import iso_time
@@ -74,6 +74,34 @@ class MigModeModel(BaseModel):
 class HealthModel(BaseModel):
     healthy: bool
     reasons: list[str]
+
+
+class FabricModel(BaseModel):
+    """The GPU's multi-node NVLink fabric (``nvmlDeviceGetGpuFabricInfoV``)."""
+
+    state: str = Field(description="not_started, in_progress or completed: the fabric "
+                       "manager's registration of the GPU")
+    status: str = Field(description="NVML_SUCCESS, or the NVML error registration ended with "
+                        "(meaningful once completed)")
+    cluster_uuid: str | None = Field(description="The NVLink domain's cluster UUID; null "
+                                     "while it is all zeros (no multi-node NVLink)")
+    clique_id: int | None = Field(description="The clique within the cluster; null with no "
+                                  "cluster UUID")
+    clique: str | None = Field(description="<cluster_uuid>.<clique_id> when the fabric is "
+                               "usable (completed, NVML_SUCCESS, a cluster UUID); else null")
+    health_mask: int | None = Field(description="NVML's raw fabric health mask; null where "
+                                    "the driver reports none")
+    health: list[str] = Field(description="What the health mask flags: degraded_bandwidth, "
+                              "route_recovery, route_unhealthy, access_timeout_recovery, "
+                              "incorrect_configuration")
+
+    @classmethod
+    def of(cls, fabric: Fabric) -> FabricModel:
+        zero = set(fabric.cluster_uuid) <= {"0", "-"}
+        return cls(state=fabric.state_name, status=fabric.status_name,
+                   cluster_uuid=None if zero else fabric.cluster_uuid,
+                   clique_id=None if zero else fabric.clique_id, clique=fabric.clique,
+                   health_mask=fabric.health_mask, health=list(fabric.health))
 
 
 class TaintModel(BaseModel):
@@ -209,6 +237,8 @@ class GpuModel(BaseModel):
     transition: str | None = Field(description="The MIG transition owning the GPU, if any")
     shares: GpuSharesModel | None = Field(default=None, description="The claims sharing the "
                                           "GPU (MPS, memory shares) and what is left")
+    fabric: FabricModel | None = Field(default=None, description="Multi-node NVLink: null "
+                                       "where the GPU has no fabric (NVML NOT_SUPPORTED)")
 
     @classmethod
     def of(cls, gpu: Gpu, ledger: NodeLedger) -> GpuModel:
@@ -234,6 +264,7 @@ class GpuModel(BaseModel):
             availability=AvailabilityModel.of(ledger.availability(gpu)),
             holds=[HoldModel.of(h) for h in ledger.holds(gpu.uuid)],
             transition=ledger.busy(gpu.uuid),
+            fabric=FabricModel.of(gpu.fabric) if gpu.fabric else None,
         )
 
 
@@ -343,6 +374,17 @@ class SimXidRequest(Strict):
         = Field(default=None, description="the GPU's NVML recovery action after the XID "
                 "(default: what the simulated driver sets for this XID; a preset whose "
                 "driver reports none refuses it)")
+
+
+class SimFabricRequest(Strict):
+    gpu: str = Field(min_length=1, max_length=96, description="GPU UUID or index")
+    condition: Literal["completed", "not-started", "in-progress", "failed", "degraded"] = Field(
+        description="what the GPU's fabric reports from now on: completed (healthy), "
+        "not-started / in-progress (registration not done: no cluster, no clique), failed "
+        "(completed with an error status), degraded (completed, degraded bandwidth in the "
+        "health mask)")
+    status: str | None = Field(default=None, max_length=64, description="failed only: the "
+                               "NVML error it reports (default NVML_ERROR_INSUFFICIENT_RESOURCES)")
 
 
 class SimState(BaseModel):

@@ -10,6 +10,7 @@ from aiohttp import web
 from agent.api.body import parse_body
 from agent.api.context import AGENT
 from agent.api.models import (
+    SimFabricRequest,
     SimFault,
     SimFaultRequest,
     SimGpuRequest,
@@ -99,6 +100,13 @@ async def inject_xid(request: web.Request) -> web.Response:
     await asyncio.to_thread(_sim(request).inject_xid, _uuid(request, body.gpu, "gpu"),
                             body.xid, body.recovery_action)
     return web.Response(status=202)
+
+
+async def set_fabric(request: web.Request) -> web.Response:
+    body = await parse_body(request, SimFabricRequest)
+    await asyncio.to_thread(_sim(request).set_fabric, _uuid(request, body.gpu, "gpu"),
+                            body.condition, body.status)
+    return web.Response(status=204)
 
 
 async def reset_gpu(request: web.Request) -> web.Response:

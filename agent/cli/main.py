@@ -53,6 +53,7 @@ def _serve(args: argparse.Namespace) -> int:
             "nvidia_smi": args.nvidia_smi, "mps_host_socket": args.mps_host_socket,
             "gpu_shares": True if args.gpu_shares else None,
             "no_execute_taints": True if args.no_execute_taints else None,
+            "sim_cluster_uuid": args.sim_cluster_uuid, "sim_clique_id": args.sim_clique_id,
         })
         systemd.check_environment()  # Type=notify without systemd-python: refuse to start
         logs.configure(settings.log_format, settings.log_level)
@@ -116,6 +117,11 @@ def _sim(args: argparse.Namespace, client: AgentClient) -> int:
                        else {})}
         client.request("POST", "/v1/sim/xid", xid_body)
         response = xid_body
+    elif verb == "fabric":
+        fabric_body = {"gpu": args.gpu, "condition": args.condition,
+                       **({"status": args.status} if args.status else {})}
+        client.request("POST", "/v1/sim/fabric", fabric_body)
+        response = fabric_body
     elif verb == "reset":
         client.request("POST", "/v1/sim/reset", {"gpu": args.gpu})
         response = {"reset": args.gpu}
@@ -133,8 +139,15 @@ def _add_serve(sub: Any) -> None:
     # The README's flag table is generated from these (serve_flag_table): say each default.
     serve.add_argument("--simulate", metavar="PRESET",
                        help="run on a simulated node: dgx-h100, dgx-a100, hgx-h200, "
-                            "a100-pcie-bridged, l40s, dgx-a100-r535 (an older driver) "
-                            "(default: the real NVML)")
+                            "a100-pcie-bridged, l40s, dgx-a100-r535 (an older driver), "
+                            "gb200-nvl72 (one tray of a rack) (default: the real NVML)")
+    serve.add_argument("--sim-cluster-uuid", metavar="UUID",
+                       help="with --simulate: the NVLink fabric cluster UUID the GPUs report; "
+                            "agents given the same UUID and clique id form one NVLink domain "
+                            "(default: the preset's, one rack for gb200-nvl72)")
+    serve.add_argument("--sim-clique-id", metavar="N",
+                       help="with --simulate: the NVLink fabric clique id the GPUs report "
+                            "(default: the preset's, 1 for gb200-nvl72)")
     serve.add_argument("--state-dir", metavar="DIR",
                        help="state directory, one agent each (a lock) (default "
                             "/var/lib/gpu-agent; ./.gpu-agent-sim with --simulate)")
@@ -289,6 +302,13 @@ def _add_sim(sub: Any) -> None:
                      choices=("none", "reset", "reboot", "drain-p2p", "drain-and-reset"),
                      help="the GPU's NVML recovery action after it (default: what the "
                           "simulated driver sets for this XID)")
+    fabric = verbs.add_parser("fabric", parents=out,
+                              help="set what a GPU's NVLink fabric reports")
+    fabric.add_argument("gpu", help="GPU index or UUID")
+    fabric.add_argument("condition",
+                        choices=("completed", "not-started", "in-progress", "failed", "degraded"))
+    fabric.add_argument("--status", help="failed only: the NVML error it reports (default "
+                                         "NVML_ERROR_INSUFFICIENT_RESOURCES)")
     reset = verbs.add_parser("reset", parents=out, help="reset a GPU as nvidia-smi -r does")
     reset.add_argument("gpu", help="GPU index or UUID")
     verbs.add_parser("reload-driver", parents=out, help="reload the simulated driver")

@@ -140,6 +140,22 @@ def _health(gpu: dict[str, Any], wide: bool) -> str:
     return "UNHEALTHY: " + "; ".join(gpu["health"]["reasons"]) if wide else "UNHEALTHY"
 
 
+def fabric_text(gpu: dict[str, Any]) -> str:
+    """``completed``, ``in_progress``, ``completed (NVML_ERROR_...)``, ``completed,
+    degraded_bandwidth``; ``-`` for a GPU without an NVLink fabric."""
+    fabric = gpu.get("fabric")
+    if not fabric:
+        return "-"
+    text = fabric["state"]
+    if fabric["status"] != "NVML_SUCCESS":
+        text += f" ({fabric['status']})"
+    return ",".join([text, *fabric.get("health", [])])
+
+
+def _clique(gpu: dict[str, Any]) -> str:
+    return (gpu.get("fabric") or {}).get("clique") or "-"
+
+
 def _gpu_row(g: dict[str, Any], wide: bool) -> list[str]:
     if not wide:
         return [str(g["index"]), _short_name(g["name"]), str(g["memory_total_mib"]), _mig(g),
@@ -147,14 +163,14 @@ def _gpu_row(g: dict[str, Any], wide: bool) -> list[str]:
     return [str(g["index"]), g["name"], g["uuid"], g["pci_bus_id"], str(g["memory_total_mib"]),
             "-" if g["numa_node"] is None else str(g["numa_node"]), _mig(g),
             ",".join(d["profile"] for d in g["mig_devices"]) or "-", _health(g, wide),
-            _taints(g), available_text(g), holders_text(g)]
+            _taints(g), fabric_text(g), _clique(g), available_text(g), holders_text(g)]
 
 
 #: The ``gpus`` columns: the default fits 120 columns (taints are listed under the table);
-#: ``-o wide`` adds identity, placement and every MIG device and taint.
+#: ``-o wide`` adds identity, placement, every MIG device and taint, and the NVLink fabric.
 GPU_COLUMNS = ["IDX", "NAME", "MEMORY MiB", "MIG", "HEALTH", "AVAILABLE", "HELD BY"]
 GPU_WIDE_COLUMNS = ["IDX", "NAME", "UUID", "BUS ID", "MEMORY MiB", "NUMA", "MIG", "MIG DEVICES",
-                    "HEALTH", "TAINTS", "AVAILABLE", "HELD BY"]
+                    "HEALTH", "TAINTS", "FABRIC", "CLIQUE", "AVAILABLE", "HELD BY"]
 
 
 def gpu_table(gpus: Sequence[dict[str, Any]], width: int | None = None) -> str:
@@ -181,7 +197,8 @@ def gpu_detail(gpu: dict[str, Any], width: int | None = None) -> str:
             ("memory", f"{gpu['memory_total_mib']} MiB"),
             ("numa node", "-" if gpu["numa_node"] is None else str(gpu["numa_node"])),
             ("cpu affinity", gpu.get("cpu_affinity") or "-"), ("mig", _mig(gpu)),
-            ("health", _health(gpu, True)), ("drained", gpu.get("drained") or "-"),
+            ("health", _health(gpu, True)), ("fabric", fabric_text(gpu)),
+            ("clique", _clique(gpu)), ("drained", gpu.get("drained") or "-"),
             ("available", available_text(gpu)), ("held by", holders_text(gpu))]
     text = "\n".join(key_values(rows, width))
     devices = gpu.get("mig_devices") or []

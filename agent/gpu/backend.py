@@ -42,12 +42,16 @@ class Backend:
     dev_root: Path | None = None
 
 
-def open_backend(*, simulate: str | None, state_dir: Path, proc_root: Path) -> Backend:
-    """The simulated node of preset ``simulate`` (state under ``state_dir``), or real NVML."""
+def open_backend(*, simulate: str | None, state_dir: Path, proc_root: Path,
+                 sim_cluster_uuid: str | None = None,
+                 sim_clique_id: int | None = None) -> Backend:
+    """The simulated node of preset ``simulate`` (state under ``state_dir``, in the NVLink
+    domain the ``sim_*`` arguments name), or real NVML."""
     if simulate:
         from agent.gpu.sim.node import SimulatedNode  # noqa: PLC0415 - only when simulating
 
-        node = SimulatedNode(simulate, state_dir, proc_root)
+        node = SimulatedNode(simulate, state_dir, proc_root, cluster_uuid=sim_cluster_uuid,
+                             clique_id=sim_clique_id)
         # Faults armed before NVML is first touched (e.g. nvmlInit failing as if the driver
         # were not loaded yet); later ones come through /v1/sim/faults.
         for fault in json.loads(os.environ.get("GPU_AGENT_SIM_FAULTS", "[]")):

@@ -1,7 +1,8 @@
 """Reading the node's GPUs from NVML into immutable values, and keeping the latest snapshot.
 
-Static attributes are read once; MIG mode, MIG devices and health are re-read on refresh,
-because other tools (``nvidia-smi mig``, mig-parted) can change them behind the agent's back.
+Static attributes are read once; MIG mode, MIG devices, the NVLink fabric and health are
+re-read on refresh, because other tools (``nvidia-smi mig``, mig-parted) and the fabric
+manager can change them behind the agent's back.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from typing import Any
 
 from agent.device_names import ascii_integer
 from agent.errors import GpuLost, NotFound, NvmlError
+from agent.gpu.fabric import read_fabric
 from agent.gpu.mig import mig_device_handles, read_instances, still_there
 from agent.gpu.naming import mig_profile_name
 from agent.gpu.session import NvmlSession
 from agent.gpu.types import (
     DriverInfo,
+    Fabric,
     GiProfile,
     Gpu,
     GpuStatic,
@@ -189,12 +192,26 @@ def read_mig_devices(session: NvmlSession, handle: Any, uuid: str,
     return tuple(devices)
 
 
+def _read_fabric(session: NvmlSession, handle: Any, uuid: str) -> Fabric | None:
+    """The GPU's fabric, or None; a failed read is logged, not a health problem of the GPU
+    (a lost GPU is: that propagates)."""
+    try:
+        return read_fabric(session, handle, uuid)
+    except GpuLost:
+        raise
+    except NvmlError as err:
+        log.warning("fabric info unreadable", extra={"gpu": uuid, "error": err.detail})
+        return None
+
+
 def read_gpu(session: NvmlSession, static: GpuStatic,
              profiles: tuple[GiProfile, ...]) -> Gpu:
-    """MIG mode, MIG devices and health of one GPU; a lost GPU keeps its static attributes."""
+    """MIG mode, MIG devices, NVLink fabric and health of one GPU; a lost GPU keeps its
+    static attributes."""
     reasons: list[str] = []
     mig_mode: MigMode | None = None
     devices: tuple[MigDevice, ...] = ()
+    fabric: Fabric | None = None
     try:
         if static.minor < 0:
             raise GpuLost(function="nvmlDeviceGetHandleByIndex", code=15,
@@ -207,13 +224,15 @@ def read_gpu(session: NvmlSession, static: GpuStatic,
                 profiles = read_gi_profiles(session, handle, static)
             if mig_mode.current:
                 devices = read_mig_devices(session, handle, static.uuid, profiles)
+        fabric = _read_fabric(session, handle, static.uuid)
     except NvmlError as err:
         reasons.append(err.detail)
     lost = session.lost_reason(static.uuid)
     if lost is not None and lost not in reasons:
         reasons.insert(0, f"GPU is lost: {lost}")
     return Gpu(static=static, mig_mode=mig_mode, mig_devices=devices,
-               health=Health(healthy=not reasons, reasons=tuple(reasons)), profiles=profiles)
+               health=Health(healthy=not reasons, reasons=tuple(reasons)), profiles=profiles,
+               fabric=fabric)
 
 
 class GpuInventory:

@@ -14,7 +14,6 @@ into bandwidths, the matrix and islands.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 from collections.abc import Sequence
@@ -23,8 +22,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from agent.errors import GpuLost, NvmlError
+from agent.gpu.fabric import read_fabric
 from agent.gpu.session import NvmlSession
-from agent.gpu.types import GpuStatic
+from agent.gpu.types import Fabric, GpuStatic
 
 log = logging.getLogger("agent.gpu.topology")
 
@@ -35,8 +35,6 @@ _ABSENT = frozenset({"NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_INVALID_ARGUMENT",
                      "NVML_ERROR_FUNCTION_NOT_FOUND", "NVML_ERROR_NOT_FOUND"})
 _FEATURE_ENABLED = 1
 _NVLINK_CAP_P2P_SUPPORTED = 0
-_FABRIC_STATE_COMPLETED = 3
-_NVML_SUCCESS = 0
 
 
 @dataclass(frozen=True)
@@ -51,25 +49,6 @@ class NvLink:
     remote_type: RemoteType
     remote_bus_id: str
     """The remote end's PCI bus id in NVML's form, or "" (NVSwitches are not asked)."""
-
-
-@dataclass(frozen=True)
-class Fabric:
-    """``nvmlGpuFabricInfo``: the multi-node NVLink domain this GPU belongs to."""
-
-    cluster_uuid: str
-    clique_id: int
-    state: int
-    status: int
-
-    @property
-    def clique(self) -> str | None:
-        """``"<cluster UUID>.<clique id>"`` when the fabric is usable: state COMPLETED, status
-        SUCCESS and a non-zero cluster UUID (the NVIDIA DRA driver's rule); None otherwise."""
-        if (self.state != _FABRIC_STATE_COMPLETED or self.status != _NVML_SUCCESS
-                or set(self.cluster_uuid) <= {"0", "-"}):
-            return None
-        return f"{self.cluster_uuid}.{self.clique_id}"
 
 
 @dataclass(frozen=True)
@@ -185,25 +164,13 @@ class _GpuWalk:
                       remote_type=remote_type, remote_bus_id=bus)
 
     def fabric(self) -> Fabric | None:
-        nvml = self.session.nvml
         try:
-            info = nvml.c_nvmlGpuFabricInfoV_t()
-            self._call("nvmlDeviceGetGpuFabricInfoV", ctypes.byref(info))
+            return read_fabric(self.session, self.handle, self.static.uuid)
         except GpuLost:
             raise
         except NvmlError as err:
-            if err.name != "NVML_ERROR_FUNCTION_NOT_FOUND":
-                if err.name not in _ABSENT:
-                    self.problems.append(f"GPU {self.static.index}: {err.detail}")
-                return None
-            info = nvml.c_nvmlGpuFabricInfo_t()  # drivers before the versioned call
-            if self.optional("nvmlDeviceGetGpuFabricInfo", ctypes.byref(info)) is None:
-                return None
-        raw = bytes(info.clusterUuid)
-        text = raw.hex()
-        uuid = f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
-        return Fabric(cluster_uuid=uuid, clique_id=int(info.cliqueId), state=int(info.state),
-                      status=int(info.status))
+            self.problems.append(f"GPU {self.static.index}: {err.detail}")
+            return None
 
 
 def read_gpu_links(session: NvmlSession, static: GpuStatic, gpu_buses: set[str], *,

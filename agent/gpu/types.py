@@ -86,15 +86,52 @@ class GpuStatic:
     mig_capable: bool
 
 
+# nvmlGpuFabricState_t values (0, NOT_SUPPORTED, is never kept: the GPU has no fabric then).
+FABRIC_STATES = {1: "not_started", 2: "in_progress", 3: "completed"}
+_FABRIC_COMPLETED = 3
+_NVML_SUCCESS = 0
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """``nvmlGpuFabricInfo(V)``: the multi-node NVLink domain a GPU belongs to, as last read."""
+
+    cluster_uuid: str
+    clique_id: int
+    state: int
+    status: int
+    """The NVML return code of the GPU's fabric registration (valid once COMPLETED)."""
+    status_name: str = "NVML_SUCCESS"
+    health_mask: int | None = None
+    """The raw health mask; None where only the unversioned call (no mask) answered."""
+    health: tuple[str, ...] = ()
+    """What the health mask flags (``degraded_bandwidth``, ``route_unhealthy``, ...)."""
+
+    @property
+    def state_name(self) -> str:
+        return FABRIC_STATES.get(self.state, f"unknown({self.state})")
+
+    @property
+    def clique(self) -> str | None:
+        """``"<cluster UUID>.<clique id>"`` when the fabric is usable: state COMPLETED, status
+        SUCCESS and a non-zero cluster UUID (the NVIDIA DRA driver's rule); None otherwise."""
+        if (self.state != _FABRIC_COMPLETED or self.status != _NVML_SUCCESS
+                or set(self.cluster_uuid) <= {"0", "-"}):
+            return None
+        return f"{self.cluster_uuid}.{self.clique_id}"
+
+
 @dataclass(frozen=True)
 class Gpu:
-    """A GPU as last read: static attributes plus MIG state and health."""
+    """A GPU as last read: static attributes plus MIG state, health and NVLink fabric."""
 
     static: GpuStatic
     mig_mode: MigMode | None
     mig_devices: tuple[MigDevice, ...]
     health: Health
     profiles: tuple[GiProfile, ...] = field(default=())
+    fabric: Fabric | None = None
+    """None where NVML answers NOT_SUPPORTED (no NVLink fabric), or the read failed."""
 
     @property
     def uuid(self) -> str:

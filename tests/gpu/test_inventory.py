@@ -35,8 +35,11 @@ async def test_inventory_equals_the_preset(open_session: SessionFactory, preset:
         assert s.pci_bus_id == f"00000000:{spec.bus_numbers[i]:02X}:00.0"
         assert s.numa_node == spec.numa_nodes[i]
         cpus = spec.cpus.numa_cpus(spec.numa_nodes[i])
-        assert s.cpu_affinity == f"{cpus[0]}-{cpus[len(cpus) // 2 - 1]}," \
-                                 f"{cpus[len(cpus) // 2]}-{cpus[-1]}"
+        # One run of cores per hardware thread: two with SMT (0-55,112-167), one without.
+        runs = spec.cpus.threads_per_core
+        step = len(cpus) // runs
+        assert s.cpu_affinity == ",".join(f"{cpus[r * step]}-{cpus[r * step + step - 1]}"
+                                          for r in range(runs))
         assert s.architecture == spec.gpu.architecture
         assert s.cuda_compute_capability == "{}.{}".format(*spec.gpu.cuda_capability)
         assert s.mig_capable == spec.gpu.mig_capable

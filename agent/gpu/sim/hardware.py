@@ -561,6 +561,7 @@ class SimulatedHardware:
             if self.preset.driver.recovery_action else None,
             "compute_mode": COMPUTE_MODE_NAMES.get(g.compute_mode, str(g.compute_mode)),
             "timeslice": g.timeslice,
+            "fabric": g.fabric if self.preset.fabric_capable else None,
             "mig_devices": [{"uuid": ci.uuid, "gi_id": gi.id, "ci_id": ci.id,
                              "compute_mode": COMPUTE_MODE_NAMES.get(
                                  self.compute_mode(g, ci), "DEFAULT"),

@@ -83,3 +83,69 @@ def p2p_status(preset: Preset, a: int, b: int, index: int) -> int:
     if common_ancestor(preset, a, b) >= pynvml.NVML_TOPOLOGY_SYSTEM:
         return int(pynvml.NVML_P2P_STATUS_CHIPSET_NOT_SUPPORTED)
     return int(pynvml.NVML_P2P_STATUS_OK)
+
+
+#: What the fabric fault control can make a GPU's fabric report: ``completed`` (healthy),
+#: ``not-started`` and ``in-progress`` (the fabric manager has not finished registering the
+#: GPU), ``failed`` (registration completed with an error status) and ``degraded``
+#: (completed, with degraded bandwidth in the health mask).
+FABRIC_CONDITIONS = ("completed", "not-started", "in-progress", "failed", "degraded")
+#: The status a ``failed`` fabric reports unless told otherwise (a broken GB200 node in the
+#: field: ``Status: Insufficient Resources``, clique 0, zero UUID; topology.md 2.5).
+DEFAULT_FABRIC_FAILURE = int(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
+# The 2-bit health fields answer FALSE where the GPU can tell (Blackwell), NOT_SUPPORTED (0)
+# on Hopper; the incorrect-configuration field answers NONE.
+_HEALTHY_MASK = (
+    pynvml.NVML_GPU_FABRIC_HEALTH_MASK_DEGRADED_BW_FALSE
+    << pynvml.NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_DEGRADED_BW
+    | pynvml.NVML_GPU_FABRIC_HEALTH_MASK_ROUTE_RECOVERY_FALSE
+    << pynvml.NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_ROUTE_RECOVERY
+    | pynvml.NVML_GPU_FABRIC_HEALTH_MASK_ROUTE_UNHEALTHY_FALSE
+    << pynvml.NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_ROUTE_UNHEALTHY
+    | pynvml.NVML_GPU_FABRIC_HEALTH_MASK_ACCESS_TIMEOUT_RECOVERY_FALSE
+    << pynvml.NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_ACCESS_TIMEOUT_RECOVERY
+    | pynvml.NVML_GPU_FABRIC_HEALTH_MASK_INCORRECT_CONFIGURATION_NONE
+    << pynvml.NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_INCORRECT_CONFIGURATION)
+_DEGRADED_BW_FIELD = pynvml.NVML_GPU_FABRIC_HEALTH_MASK_WIDTH_DEGRADED_BW \
+    << pynvml.NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_DEGRADED_BW
+_DEGRADED_BW_TRUE = pynvml.NVML_GPU_FABRIC_HEALTH_MASK_DEGRADED_BW_TRUE \
+    << pynvml.NVML_GPU_FABRIC_HEALTH_MASK_SHIFT_DEGRADED_BW
+
+
+@dataclass(frozen=True)
+class FabricAnswer:
+    """What ``nvmlDeviceGetGpuFabricInfo(V)`` fills in for one GPU."""
+
+    cluster_uuid: str | None
+    """None: the zero UUID (no multi-node NVLink, or registration not done)."""
+    clique_id: int
+    state: int
+    status: int
+    health_mask: int
+    health_summary: int
+
+
+def fabric_answer(preset: Preset, condition: str, failure: int) -> FabricAnswer:
+    """The fabric info of a GPU of a fabric-capable preset in the given condition. Until the
+    fabric manager has registered the GPU (or when registration failed) the driver knows no
+    cluster or clique: zero UUID, clique 0."""
+    blackwell = preset.gpu.architecture == "blackwell"
+    healthy = _HEALTHY_MASK if blackwell else 0
+    degraded = (healthy & ~_DEGRADED_BW_FIELD) | _DEGRADED_BW_TRUE
+    summary = (pynvml.NVML_GPU_FABRIC_HEALTH_SUMMARY_HEALTHY if blackwell
+               else pynvml.NVML_GPU_FABRIC_HEALTH_SUMMARY_NOT_SUPPORTED)
+    uuid, clique = preset.fabric if preset.fabric else (None, 0)
+    if condition in ("not-started", "in-progress"):
+        state = (pynvml.NVML_GPU_FABRIC_STATE_NOT_STARTED if condition == "not-started"
+                 else pynvml.NVML_GPU_FABRIC_STATE_IN_PROGRESS)
+        return FabricAnswer(None, 0, int(state), int(pynvml.NVML_SUCCESS), healthy,
+                            int(summary))
+    completed = int(pynvml.NVML_GPU_FABRIC_STATE_COMPLETED)
+    if condition == "failed":
+        return FabricAnswer(None, 0, completed, failure, healthy,
+                            int(pynvml.NVML_GPU_FABRIC_HEALTH_SUMMARY_UNHEALTHY))
+    if condition == "degraded":
+        return FabricAnswer(uuid, clique, completed, int(pynvml.NVML_SUCCESS),
+                            degraded,
+                            int(pynvml.NVML_GPU_FABRIC_HEALTH_SUMMARY_LIMITED_CAPACITY))
+    return FabricAnswer(uuid, clique, completed, int(pynvml.NVML_SUCCESS), healthy, int(summary))

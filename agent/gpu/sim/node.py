@@ -8,10 +8,12 @@ its lock), kept in one class so the routes and the tests find every control in o
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shlex
 import stat
 import sys
+import uuid
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -21,9 +23,9 @@ import pynvml
 import agent
 from agent.durable import ExclusiveLock
 from agent.errors import Conflict, InvalidRequest, NotFound, ProcessesRunning
-from agent.gpu.sim import devfs, procfs, sysfs, wire
+from agent.gpu.sim import devfs, links, procfs, sysfs, wire
 from agent.gpu.sim.driver import DriverSocket, raise_reply
-from agent.gpu.sim.faults import TOOL_FUNCTIONS, check_function
+from agent.gpu.sim.faults import ERROR_CODES, TOOL_FUNCTIONS, check_function
 from agent.gpu.sim.hardware import (
     COMPUTE_MODE_NAMES,
     FIRST_AUTO_PID,
@@ -75,12 +77,43 @@ def _positive_int(value: object, field: str, *, minimum: int) -> int:
     return value
 
 
+def _with_fabric(preset: Preset, cluster_uuid: str | None, clique_id: int | None) -> Preset:
+    """The preset with the NVLink domain a node's flags put it in: nodes given the same
+    cluster UUID and clique id form one domain. Refused where the GPUs have no fabric."""
+    if cluster_uuid is None and clique_id is None:
+        return preset
+    if not preset.fabric_capable:
+        field = "sim_cluster_uuid" if cluster_uuid is not None else "sim_clique_id"
+        raise _field_error(field, f"preset {preset.name!r} has no NVLink fabric (its GPUs "
+                           "answer NOT_SUPPORTED); use a preset on NVSwitch such as "
+                           "gb200-nvl72")
+    default_uuid, default_clique = preset.fabric or (None, 0)
+    if cluster_uuid is not None:
+        try:
+            parsed = uuid.UUID(cluster_uuid)
+        except ValueError:
+            parsed = None
+        if parsed is None or parsed.int == 0 or len(cluster_uuid) != 36:
+            raise _field_error("sim_cluster_uuid", f"{cluster_uuid[:60]!r} is not a non-zero "
+                               "UUID (e.g. 9c6f5af3-0b6d-4c1e-8f43-6a2d51f0c7e2)")
+        default_uuid = str(parsed)
+    if default_uuid is None:
+        raise _field_error("sim_clique_id", f"preset {preset.name!r} has no cluster UUID: "
+                           "give --sim-cluster-uuid too")
+    if clique_id is not None and (isinstance(clique_id, bool) or not isinstance(clique_id, int)
+                                  or not 0 <= clique_id < 1 << 32):
+        raise _field_error("sim_clique_id", "must be an integer from 0 to 4294967295")
+    return dataclasses.replace(preset, fabric=(
+        default_uuid, clique_id if clique_id is not None else default_clique))
+
+
 class SimulatedNode:
     """One simulated node, owning ``<state_dir>/sim`` (locked for its lifetime) and the
     driver's files under ``proc_root``. ``nvml`` is the object the hardware layer calls."""
 
-    def __init__(self, preset: str, state_dir: Path, proc_root: Path) -> None:
-        self.preset: Preset = get_preset(preset)
+    def __init__(self, preset: str, state_dir: Path, proc_root: Path, *,
+                 cluster_uuid: str | None = None, clique_id: int | None = None) -> None:
+        self.preset: Preset = _with_fabric(get_preset(preset), cluster_uuid, clique_id)
         self.state_dir = Path(state_dir)
         self.proc_root = Path(proc_root)
         sim_dir = self.state_dir / "sim"
@@ -372,6 +405,34 @@ class SimulatedNode:
             table[name] = float(seconds)
         with self.hardware.lock:
             self.hardware.latencies = table
+
+    # -- the NVLink fabric ------------------------------------------------------------------
+
+    def set_fabric(self, gpu_uuid: str, condition: str, status: str | None = None) -> None:
+        """What a GPU's fabric reports from now on (one of
+        :data:`~agent.gpu.sim.links.FABRIC_CONDITIONS`); ``status`` is the NVML error a
+        ``failed`` fabric reports (default NVML_ERROR_INSUFFICIENT_RESOURCES)."""
+        if condition not in links.FABRIC_CONDITIONS:
+            raise _field_error("condition", f"{condition!r} is not one of "
+                               f"{', '.join(links.FABRIC_CONDITIONS)}")
+        if status is not None and condition != "failed":
+            raise _field_error("status", "only a failed fabric reports an error status")
+        code = links.DEFAULT_FABRIC_FAILURE
+        if status is not None:
+            name = status if status.startswith("NVML_ERROR_") else f"NVML_ERROR_{status}"
+            if name not in ERROR_CODES or ERROR_CODES[name] == pynvml.NVML_SUCCESS:
+                raise _field_error("status", f"{status!r} is not an NVML error name (e.g. "
+                                   "NVML_ERROR_INSUFFICIENT_RESOURCES)")
+            code = ERROR_CODES[name]
+        if not self.preset.fabric_capable:
+            raise Conflict(f"preset {self.preset.name!r} has no NVLink fabric (its GPUs "
+                           "answer NOT_SUPPORTED)")
+        hw = self.hardware
+        with hw.lock:
+            gpu = self._whole_gpu(gpu_uuid)
+            gpu.fabric = condition
+            gpu.fabric_status = code if condition == "failed" else 0
+            hw.commit()
 
     # -- XIDs, resets ----------------------------------------------------------------------
 

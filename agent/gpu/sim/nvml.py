@@ -50,7 +50,8 @@ _FIRST_ADDRESS = 0x7F3A_5000_0000
 _ADDRESS_STEP = 0x40
 _PRUNE_AT = 4096  # handles kept before those of destroyed instances are forgotten
 _ARCHITECTURES = {"ampere": pynvml.NVML_DEVICE_ARCH_AMPERE,
-                  "hopper": pynvml.NVML_DEVICE_ARCH_HOPPER, "ada": pynvml.NVML_DEVICE_ARCH_ADA}
+                  "hopper": pynvml.NVML_DEVICE_ARCH_HOPPER, "ada": pynvml.NVML_DEVICE_ARCH_ADA,
+                  "blackwell": pynvml.NVML_DEVICE_ARCH_BLACKWELL}
 _HANDLE_TYPES = {"gpu": pynvml.c_nvmlDevice_t, "mig": pynvml.c_nvmlDevice_t,
                  "gi": pynvml.c_nvmlGpuInstance_t, "ci": pynvml.c_nvmlComputeInstance_t,
                  "event_set": pynvml.c_nvmlEventSet_t, "gpm_sample": pynvml.c_nvmlGpmSample_t}
@@ -585,8 +586,11 @@ class SimulatedNvml:
         return links.p2p_status(self._hw.preset, a.index, b.index, int(p2pIndex))
 
     def _fabric(self, device: Any, info: Any, *, versioned: bool) -> int:
-        self._whole_gpu(device, mig_handle_error=pynvml.NVML_ERROR_NOT_SUPPORTED)
-        if self._hw.model.architecture not in ("hopper",):
+        # nvml.h: Hopper and newer, for GPUs the fabric manager registers. HGX/DGX H100 on
+        # NVSwitch answer (COMPLETED, zero cluster UUID: no multi-node NVLink); Ampere, Ada
+        # and GPUs without NVSwitch answer NOT_SUPPORTED (topology.md 2.5).
+        gpu = self._whole_gpu(device, mig_handle_error=pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if not self._hw.preset.fabric_capable:
             fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
         target = info._obj if hasattr(info, "_obj") else info
         if isinstance(target, ctypes._Pointer):
@@ -596,17 +600,17 @@ class SimulatedNvml:
         if versioned and int(getattr(target, "version", 0)) not in (
                 pynvml.nvmlGpuFabricInfo_v2, pynvml.nvmlGpuFabricInfo_v3):
             fail(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
-        fabric = self._hw.preset.fabric
-        raw = uuid_bytes(fabric[0]) if fabric else bytes(16)
+        answer = links.fabric_answer(self._hw.preset, gpu.fabric, gpu.fabric_status)
+        raw = uuid_bytes(answer.cluster_uuid) if answer.cluster_uuid else bytes(16)
         for i, byte in enumerate(raw):
             target.clusterUuid[i] = byte
-        target.status = pynvml.NVML_SUCCESS
-        target.cliqueId = fabric[1] if fabric else 0
-        target.state = pynvml.NVML_GPU_FABRIC_STATE_COMPLETED
+        target.status = answer.status
+        target.cliqueId = answer.clique_id
+        target.state = answer.state
         if hasattr(target, "healthMask"):
-            target.healthMask = 0
+            target.healthMask = answer.health_mask
         if hasattr(target, "healthSummary"):
-            target.healthSummary = pynvml.NVML_GPU_FABRIC_HEALTH_SUMMARY_HEALTHY
+            target.healthSummary = answer.health_summary
         return int(pynvml.NVML_SUCCESS)
 
     @_nvml
@@ -1015,7 +1019,7 @@ class SimulatedNvml:
                 else pynvml.c_nvmlGpuInstanceProfileInfo_t())
         model = self._hw.model
         info.id = profile.id
-        info.isP2pSupported = int(model.architecture == "hopper")
+        info.isP2pSupported = int(model.architecture in ("hopper", "blackwell"))
         info.sliceCount = profile.slices
         info.instanceCount = profile.instance_count
         info.multiprocessorCount = profile.multiprocessors

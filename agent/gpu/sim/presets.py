@@ -12,7 +12,7 @@ from agent.errors import InvalidRequest
 from agent.gpu.naming import mig_profile_name
 from agent.gpu.sim.naming import compute_instance_name
 
-Architecture = Literal["ampere", "hopper", "ada"]
+Architecture = Literal["ampere", "hopper", "ada", "blackwell"]
 
 # NVML_COMPUTE_INSTANCE_PROFILE_* constants by CI slice count, and the REV1 one.
 CI_PROFILE_BY_SLICES = {1: 0x0, 2: 0x1, 3: 0x2, 4: 0x3, 7: 0x4}
@@ -117,7 +117,7 @@ class GpuModel:
     @property
     def gpm(self) -> bool:
         """GPU performance monitoring (``nvmlGpm*``): Hopper and later only."""
-        return self.architecture == "hopper"
+        return self.architecture in ("hopper", "blackwell")
 
     @property
     def mig_capable(self) -> bool:
@@ -259,13 +259,21 @@ class Preset:
     """PCIe switch of each GPU; GPUs sharing one meet below the host bridge (PXB). Empty:
     every GPU has its own."""
     fabric: tuple[str, int] | None = None
-    """Multi-node NVLink (cluster UUID, clique id) every GPU reports; None: Hopper reports a
-    completed fabric with a zero UUID (no multi-node NVLink), older GPUs NOT_SUPPORTED."""
+    """Multi-node NVLink (cluster UUID, clique id) every GPU reports when its fabric is
+    healthy (``--sim-cluster-uuid``/``--sim-clique-id`` replace it); None: no multi-node
+    NVLink, where Hopper on NVSwitch reports a completed fabric with a zero UUID."""
     driver: Driver = R570
 
     @property
     def gpu_count(self) -> int:
         return len(self.bus_numbers)
+
+    @property
+    def fabric_capable(self) -> bool:
+        """Whether NVML answers ``nvmlDeviceGetGpuFabricInfo(V)``: nvml.h says Hopper and
+        newer, and only GPUs the fabric manager registers, i.e. on NVSwitch (a lone or
+        PCIe-bridged GPU answers NOT_SUPPORTED, ``reference/topology.md`` 2.5)."""
+        return self.nvswitch and self.gpu.architecture in ("hopper", "blackwell")
 
 
 def _gi(profile_id: int, index: int, slices: int, *, mib: int, sms: int, engines: Engines,
@@ -322,6 +330,23 @@ def _hopper_profiles(one: int, two: int, four: int, seven: int) -> tuple[GiProfi
     )
 
 
+def _blackwell_profiles(one: int, two: int, four: int, seven: int) -> tuple[GiProfile, ...]:
+    """GB200 rows: the 1g/1g+me/1g.47gb/2g SMs and engines of the published B200/GB200
+    captures (``reference/mig.md`` 1.5: 1g 18 SM, 1g.47gb 32 SM, 2g.47gb 38 SM, two copy
+    engines from 1g up); the 3g/4g/7g SMs and the copy engines past 2g (the MIG guide's
+    B200 column: 6, 8, 16) are cut off in every capture found, so are assumed: verify on
+    hardware."""
+    return (
+        _gi(19, 0x0, 1, mib=one, sms=18, engines=Engines(2, 1, 0, 1, 0)),
+        _gi(20, 0x7, 1, mib=one, sms=18, engines=Engines(2, 1, 0, 1, 1), me=True),
+        _gi(15, 0x9, 1, mib=two, sms=32, engines=Engines(2, 1, 0, 1, 0)),
+        _gi(14, 0x1, 2, mib=two, sms=38, engines=Engines(4, 2, 0, 2, 0)),
+        _gi(9, 0x2, 3, mib=four, sms=72, engines=Engines(6, 3, 0, 3, 0)),
+        _gi(5, 0x3, 4, mib=four, sms=76, engines=Engines(8, 4, 0, 4, 0)),
+        _gi(0, 0x4, 7, mib=seven, sms=152, engines=Engines(16, 7, 0, 7, 1)),
+    )
+
+
 def _gib(shown: float) -> int:
     """MiB from the GiB ``nvidia-smi mig -lgip`` shows: sizes are whole eighths of a GiB
     printed with two decimals, so 19.62 means 19.625 GiB = 20096 MiB."""
@@ -371,6 +396,22 @@ H200 = GpuModel(
     gi_profiles=_hopper_profiles(_gib(16.00), _gib(32.50), _gib(69.75), _gib(140.00)),
 )
 
+# One GPU of a GB200 superchip. The MIG names (1g.23gb, 1g.47gb, 2g.47gb, 3g.93gb, 4g.93gb,
+# 7g.186gb) are the ones NVIDIA's tools use for GB200; the total (189471 MiB, which names 7g as
+# 186gb), the per-profile MiB, the SM count and the clocks are not from a published capture:
+# verify on hardware. Placements are the 8-slice table of every 7-slice GPU (mig.md 1.2 says
+# the same for B200). NVLink 5 (nvmlNvlinkVersion_t 7), 18 links, all to the rack's switch
+# trays.
+GB200 = GpuModel(
+    name="NVIDIA GB200", architecture="blackwell", cuda_capability=(10, 0),
+    memory_mib=189471, multiprocessors=152, pci_device_id=0x294110DE,
+    pci_subsystem_id=0x199910DE, idle_power_w=160, tdp_w=1200, sm_clock_idle_mhz=345,
+    sm_clock_max_mhz=1965, mem_clock_mhz=3996, idle_temp_c=30, load_temp_c=68,
+    sm_per_slice=18, rev1_ci_multiprocessors=32, nvlinks=18, nvlink_version=7,
+    pcie_generation=5, decoders=7,
+    gi_profiles=_blackwell_profiles(_gib(23.00), _gib(46.00), _gib(92.25), _gib(184.50)),
+)
+
 L40S = GpuModel(
     name="NVIDIA L40S", architecture="ada", cuda_capability=(8, 9),
     memory_mib=46068, multiprocessors=142, pci_device_id=0x26B910DE,
@@ -387,6 +428,17 @@ _A100_SWITCH_BUSES = (0xC4, 0xC5, 0xC6, 0xC7, 0xC8, 0xC9)
 # 12,13,16,17 reach them (nvidia-smi nvlink -R, reference topology.md 2.3).
 _HOPPER_SWITCH_OF_LINK = (0, 0, 1, 1, 0, 0, 1, 1, 2, 2, 0, 1, 3, 3, 2, 2, 3, 3)
 _HOPPER_SWITCH_BUSES = (0x07, 0x06, 0x05, 0x08)
+
+# GB200 NVL72: 18 compute trays of two Grace CPUs (72 cores each, no SMT) and four GPUs, two
+# per Grace; every GPU link goes to one of the 18 NVSwitch chips of the 9 switch trays, which
+# have no PCI address on the host (topology.md 2.3: NCCL sees fffffff:ff:ff.0). Real trays put
+# each GPU in a PCI domain of its own (0008:01:00.0, 0009:01:00.0, ...); the simulator keeps
+# domain 0 with one bus per GPU. The default fabric is one healthy rack: every agent started
+# without --sim-cluster-uuid/--sim-clique-id is in the same clique.
+_NVL72_SWITCH_OF_LINK = tuple(range(18))
+_NVL72_SWITCH_BUSES = (0xFF,) * 18
+NVL72_CLUSTER_UUID = "6e766c37-3200-4000-8000-000000000001"
+NVL72_CLIQUE_ID = 1
 
 _DGX_A100 = Preset(
     name="dgx-a100", description="DGX A100: 8x A100-SXM4-40GB on NVSwitch (NV12)",
@@ -418,6 +470,14 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            bus_numbers=(0x17, 0x31, 0x4B, 0x65, 0x98, 0xB1, 0xCA, 0xE3),
            numa_nodes=_DGX_NUMA, cpus=CpuLayout(sockets=2, cores_per_socket=32),
            nvlink_bridges=((0, 2), (1, 3), (4, 5), (6, 7))),
+    Preset(name="gb200-nvl72",
+           description="GB200 NVL72 compute tray: 4x GB200 (NV18 to the rack's NVSwitch "
+                       "trays), multi-node NVLink fabric",
+           gpu=GB200, bus_numbers=(0x01, 0x02, 0x11, 0x12), numa_nodes=(0, 0, 1, 1),
+           cpus=CpuLayout(sockets=2, cores_per_socket=72, threads_per_core=1),
+           nvswitch=True, switch_of_link=_NVL72_SWITCH_OF_LINK,
+           switch_bus_numbers=_NVL72_SWITCH_BUSES,
+           fabric=(NVL72_CLUSTER_UUID, NVL72_CLIQUE_ID)),
     Preset(name="l40s", description="4x L40S, no MIG, no NVLink", gpu=L40S,
            bus_numbers=(0x17, 0x31, 0xB1, 0xCA), numa_nodes=(0, 0, 1, 1),
            cpus=CpuLayout(sockets=2, cores_per_socket=32)),

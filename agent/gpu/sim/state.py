@@ -99,6 +99,11 @@ class GpuState:
     recovery_action: int = 0
     """NVML's recovery action (``nvmlDeviceGpuRecoveryAction_t``), kept by the driver: it
     outlives the agent, and a GPU reset or driver reload sets NONE."""
+    fabric: str = "completed"
+    """The GPU's multi-node NVLink condition (:data:`agent.gpu.sim.links.FABRIC_CONDITIONS`),
+    set by the fabric fault control; it stays until set again."""
+    fabric_status: int = 0
+    """The NVML return code a ``failed`` fabric reports as its status."""
 
 
 @dataclass(eq=False)
@@ -180,6 +185,7 @@ class HardwareState:
                 "timeslice": g.timeslice,
                 "mig_compute_modes": dict(g.mig_compute_modes),
                 "recovery_action": g.recovery_action,
+                "fabric": {"condition": g.fabric, "status": g.fabric_status},
                 "gpu_instances": [{
                     "id": gi.id, "profile_id": gi.profile_id, "start": gi.start,
                     "size": gi.size,
@@ -225,6 +231,8 @@ class HardwareState:
             mig_compute_modes={str(k): int(v)
                                for k, v in dict(g.get("mig_compute_modes", {})).items()},
             recovery_action=int(g.get("recovery_action", 0)),
+            fabric=str(g.get("fabric", {}).get("condition", "completed")),
+            fabric_status=int(g.get("fabric", {}).get("status", 0)),
             gpu_instances=[GiState(
                 id=int(gi["id"]), profile_id=int(gi["profile_id"]), start=int(gi["start"]),
                 size=int(gi["size"]),

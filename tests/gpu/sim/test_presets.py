@@ -39,7 +39,18 @@ H100_80GB = [
     (0x3, 5, "4g.40gb", 40448, 64, (4, 4, 0, 4, 0), 1, [(0, 4)]),
     (0x4, 0, "7g.80gb", 81152, 132, (8, 7, 0, 7, 1), 1, [(0, 8)]),
 ]
-TABLES = {"dgx-a100": A100_40GB, "dgx-h100": H100_80GB}
+# GB200: the names NVIDIA's tools use; MiB, the SMs past 2g and the engines past 2g are the
+# preset's assumptions (verify on hardware), pinned here so a change is deliberate.
+GB200 = [
+    (0x0, 19, "1g.23gb", 23552, 18, (2, 1, 0, 1, 0), 7, [(s, 1) for s in range(7)]),
+    (0x7, 20, "1g.23gb+me", 23552, 18, (2, 1, 0, 1, 1), 1, [(s, 1) for s in range(7)]),
+    (0x9, 15, "1g.47gb", 47104, 32, (2, 1, 0, 1, 0), 4, [(0, 2), (2, 2), (4, 2), (6, 2)]),
+    (0x1, 14, "2g.47gb", 47104, 38, (4, 2, 0, 2, 0), 3, [(0, 2), (2, 2), (4, 2)]),
+    (0x2, 9, "3g.93gb", 94464, 72, (6, 3, 0, 3, 0), 2, [(0, 4), (4, 4)]),
+    (0x3, 5, "4g.93gb", 94464, 76, (8, 4, 0, 4, 0), 1, [(0, 4)]),
+    (0x4, 0, "7g.186gb", 188928, 152, (16, 7, 0, 7, 1), 1, [(0, 8)]),
+]
+TABLES = {"dgx-a100": A100_40GB, "dgx-h100": H100_80GB, "gb200-nvl72": GB200}
 ROWS = [(preset, row) for preset, rows in TABLES.items() for row in rows]
 
 
@@ -124,6 +135,8 @@ def test_index_constants_the_sku_lacks_are_not_supported(h100: SimulatedNode) ->
                   "7g.141gb"]),
     ("a100-pcie-bridged", ["1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb",
                            "4g.40gb", "7g.80gb"]),
+    ("gb200-nvl72", ["1g.23gb", "1g.23gb+me", "1g.47gb", "2g.47gb", "3g.93gb", "4g.93gb",
+                     "7g.186gb"]),
 ])
 def test_profile_names_derive_from_memory_like_go_nvlib(preset: str, names: list[str]) -> None:
     """Names come from per-profile MiB and the GPU total through go-nvlib's formula."""
@@ -147,6 +160,8 @@ def test_naming_rounds_half_away_from_zero() -> None:
     ("a100-pcie-bridged", (8, "NVIDIA A100 80GB PCIe", 81920, 0x20B510DE,
                            pynvml.NVML_DEVICE_ARCH_AMPERE, (8, 0))),
     ("l40s", (4, "NVIDIA L40S", 46068, 0x26B910DE, pynvml.NVML_DEVICE_ARCH_ADA, (8, 9))),
+    ("gb200-nvl72", (4, "NVIDIA GB200", 189471, 0x294110DE, pynvml.NVML_DEVICE_ARCH_BLACKWELL,
+                     (10, 0))),
 ])
 def test_preset_gpus(make_node: NodeFactory, preset: str, expected: tuple[Any, ...]) -> None:
     """Each preset has its GPU count, model name, memory, PCI device id, architecture and CC."""
@@ -190,6 +205,25 @@ def test_dgx_a100_numa_cpus() -> None:
     assert layout.numa_cpus(1) == (*range(64, 128), *range(192, 256))
 
 
+def test_gb200_tray_has_two_grace_cpus_without_smt(make_node: NodeFactory) -> None:
+    """A GB200 NVL72 tray: GPUs 0-1 on the first Grace (NUMA 0, CPUs 0-71), 2-3 on the
+    second (72-143); 18 NVLink 5 links per GPU, every one to an NVSwitch."""
+    nvml = make_node("gb200-nvl72").nvml
+    for index in range(4):
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        numa = nvml.nvmlDeviceGetNumaNodeId(handle)
+        assert numa == index // 2
+        words = nvml.nvmlDeviceGetCpuAffinity(handle, 4)
+        cpus = {w * 64 + b for w in range(4) for b in range(64) if words[w] >> b & 1}
+        assert cpus == set(range(72 * numa, 72 * numa + 72))
+        for link in range(18):
+            assert nvml.nvmlDeviceGetNvLinkVersion(handle, link) == 7  # NVLink 5.0
+            assert nvml.nvmlDeviceGetNvLinkRemoteDeviceType(handle, link) == (
+                pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH)
+        with pytest.raises(pynvml.NVMLError_NotSupported):
+            nvml.nvmlDeviceGetNvLinkState(handle, 18)
+
+
 def test_unknown_preset_names_the_known_ones() -> None:
     """An unknown preset is an InvalidRequest that lists every preset."""
     with pytest.raises(InvalidRequest) as excinfo:
@@ -197,7 +231,7 @@ def test_unknown_preset_names_the_known_ones() -> None:
     for name in preset_names():
         assert name in excinfo.value.detail
     assert set(preset_names()) == {"dgx-a100", "dgx-h100", "hgx-h200", "a100-pcie-bridged",
-                                   "l40s", "dgx-a100-r535"}
+                                   "l40s", "dgx-a100-r535", "gb200-nvl72"}
 
 
 def _ci_profiles(node: SimulatedNode, gi: Any) -> dict[int, tuple[int, int, int]]:
