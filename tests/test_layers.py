@@ -28,6 +28,7 @@ LAYER_OF = {
     "agent.events": "foundation",
     "agent.device_names": "foundation",
     "agent.quantity": "foundation",
+    "agent.token_file": "foundation",
     "agent.settings": "foundation",
     "agent.readiness": "foundation",
     "cdi": "foundation",

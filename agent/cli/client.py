@@ -13,6 +13,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from agent.settings import DEFAULT_SOCKET, SIM_STATE_DIR
+from agent.token_file import first_token
 
 
 class ClientError(Exception):
@@ -85,14 +86,9 @@ def read_token_file(path: Path) -> str:
     """The token of the first line that has one: the token alone (as the kubelet plugin's
     Secret holds it) or the agent's own ``name:token[:scopes]`` line, whose second field is the
     token. ``#`` lines are comments. A file with no token is a :class:`CredentialsRefused`."""
-    for raw in path.read_text().splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        fields = line.split(":")
-        token = fields[1].strip() if len(fields) > 1 else line
-        if token:
-            return token
+    token = first_token(path.read_text())
+    if token is not None:
+        return token
     raise CredentialsRefused(f"token file {path} holds no token: put the token alone on a "
                              "line, or a 'name:token[:scopes]' line")
 

@@ -29,6 +29,7 @@ from agent.kubeplugin.errors import (
     AgentUnreachable,
     TokenFileError,
 )
+from agent.token_file import first_token
 
 log = logging.getLogger("agent.kubeplugin.agent")
 
@@ -90,14 +91,9 @@ class TokenFile:
             text = self.path.read_text()
         except OSError as err:
             raise TokenFileError(f"token file {self.path}: {err.strerror}") from err
-        for raw in text.splitlines():
-            line = raw.strip()
-            if not line or line.startswith("#"):
-                continue
-            fields = line.split(":")
-            token = fields[1].strip() if len(fields) > 1 else line
-            if token:
-                return token
+        token = first_token(text)
+        if token is not None:
+            return token
         raise TokenFileError(f"token file {self.path} holds no token")
 
 
