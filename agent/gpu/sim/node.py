@@ -60,7 +60,9 @@ DEFAULT_THREAD_PERCENTAGE = 100
 DRIVER_ENV = "GPU_AGENT_SIM_DRIVER"
 #: ``tools_dir`` entry -> module run by its wrapper.
 TOOLS = {"nvidia-smi": "agent.gpu.sim.nvidia_smi",
-         "nvidia-cuda-mps-control": "agent.gpu.sim.mps_control"}
+         "nvidia-cuda-mps-control": "agent.gpu.sim.mps_control",
+         "nvidia-imex": "agent.gpu.sim.imex",
+         "nvidia-imex-ctl": "agent.gpu.sim.imex_ctl"}
 #: The control daemon's socket in its pipe directory.
 MPS_CONTROL_SOCKET = "control"
 MPS_TIMEOUT_S = 10.0
@@ -121,7 +123,8 @@ class SimulatedNode:
         self.sys_root = sim_dir / "sys"
         #: Where the simulated node's device nodes are (``<dev_root>/dev/nvidia0``, ...).
         self.dev_root = sim_dir / "root"
-        #: The simulated driver tools (``nvidia-smi``, ``nvidia-cuda-mps-control``).
+        #: The simulated driver tools (``nvidia-smi``, ``nvidia-cuda-mps-control``,
+        #: ``nvidia-imex``, ``nvidia-imex-ctl``).
         self.tools_dir = sim_dir / "bin"
         #: The socket those tools reach the simulated driver through.
         self.driver_socket = sim_dir / "driver.sock"
@@ -141,7 +144,9 @@ class SimulatedNode:
                                 nvswitch=self.preset.nvswitch)
             procfs.write_boot_id(self.proc_root, state.boot_id)
             sysfs.write_pci_devices(self.sys_root, self.preset)
-            devfs.write_nodes(self.dev_root, gpu_count=self.preset.gpu_count)
+            devfs.write_nodes(self.dev_root, gpu_count=self.preset.gpu_count,
+                              imex_channels=devfs.IMEX_CHANNELS if self.preset.fabric_capable
+                              else 0)
             self._write_tools()
             self._driver = DriverSocket(self.driver_socket, self._driver_request)
         except BaseException:

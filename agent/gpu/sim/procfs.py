@@ -19,7 +19,9 @@ NVIDIA_CAPS_MAJOR = 511
 NVIDIA_UVM_MAJOR = 510
 _NVIDIA_NVLINK_MAJOR = 509
 _NVIDIA_NVSWITCH_MAJOR = 508
-_NVIDIA_CAPS_IMEX_MAJOR = 507
+#: ``nvidia-caps-imex-channels``: the IMEX channel nodes' major (dynamic on a real node:
+#: read it from /proc/devices, as NVIDIA's IMEX guide says).
+NVIDIA_CAPS_IMEX_MAJOR = 507
 _GIS_PER_GPU = 15
 _CIS_PER_GI = 8
 
@@ -54,7 +56,7 @@ def devices_text(*, nvswitch: bool) -> str:
             (240, "ipmidev"), (241, "aux"), (242, "hidraw"), (243, "bsg"), (244, "watchdog"),
             (245, "ptp"), (246, "pps"), (247, "rtc"), (248, "dax"), (249, "dimmctl"),
             (250, "ndctl"), (251, "tpm"), (252, "nvme-generic"), (253, "nvme"),
-            (254, "gpiochip"), (_NVIDIA_CAPS_IMEX_MAJOR, "nvidia-caps-imex-channels"),
+            (254, "gpiochip"), (NVIDIA_CAPS_IMEX_MAJOR, "nvidia-caps-imex-channels"),
             (_NVIDIA_NVLINK_MAJOR, "nvidia-nvlink"), (NVIDIA_UVM_MAJOR, "nvidia-uvm"),
             (NVIDIA_CAPS_MAJOR, "nvidia-caps")]
     if nvswitch:
