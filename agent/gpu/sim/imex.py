@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ipaddress
 import json
 import os
 import select
@@ -294,31 +295,41 @@ class Daemon:
             conn.close()
 
 
-def _load(path: Path) -> tuple[ImexConfig, tuple[str, ...], str]:
-    """The config, the node list and this node's own entry; ConfigError otherwise."""
-    config = parse_config(path)
-    nodes = parse_nodes(config.node_config_file)
-    me = config.bind_interface_ip
-    if me and me not in nodes:
-        raise ConfigError(f"{config.path}: BIND_INTERFACE_IP={me} is not a node of "
-                          f"{config.node_config_file}")
-    return config, nodes, me
+def _addresses(entry: str) -> list[str]:
+    """The addresses a node entry stands for: itself, or what its name resolves to now."""
+    with contextlib.suppress(ValueError):
+        return [str(ipaddress.ip_address(entry))]
+    try:
+        found = socket.getaddrinfo(entry, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return []
+    return list(dict.fromkeys(str(info[4][0]) for info in found))
 
 
-def _bind(config: ImexConfig, nodes: tuple[str, ...], me: str) -> tuple[str, socket.socket]:
-    """The server socket; without BIND_INTERFACE_IP the first node entry this machine can
-    listen on (NVIDIA: the entry matching a local interface)."""
-    for candidate in [me] if me else list(nodes):
-        sock = socket.socket(socket.AF_INET6 if ":" in candidate else socket.AF_INET)
+def _bind(config: ImexConfig, nodes: tuple[str, ...]) -> tuple[str, socket.socket]:
+    """This node's entry in the list and its server socket. BIND_INTERFACE_IP must be the
+    address of an entry (a name resolving to it will do); without it, the first entry this
+    machine can listen on (NVIDIA: the entry matching a local interface)."""
+    bind_ip = config.bind_interface_ip
+    if bind_ip:
+        mine = [n for n in nodes if bind_ip in _addresses(n)]
+        if not mine:
+            raise ConfigError(f"{config.path}: BIND_INTERFACE_IP={bind_ip} is not the address "
+                              f"of a node of {config.node_config_file}")
+        candidates = [(mine[0], bind_ip)]
+    else:
+        candidates = [(n, a) for n in nodes for a in _addresses(n)[:1]]
+    for entry, address in candidates:
+        sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((candidate, config.server_port))
+            sock.bind((address, config.server_port))
             sock.listen(64)
-            return candidate, sock
+            return entry, sock
         except OSError as err:
             sock.close()
-            if me:
-                raise ConfigError(f"cannot listen on {me}:{config.server_port}: "
+            if bind_ip:
+                raise ConfigError(f"cannot listen on {bind_ip}:{config.server_port}: "
                                   f"{err.strerror or err}") from None
     raise ConfigError(f"no node of {config.node_config_file} is an address of this machine "
                       f"free on port {config.server_port}")
@@ -345,8 +356,9 @@ def run(path: Path, report: Any) -> int:
     """Become the daemon in this process; ``report('ok' | error)`` once listening."""
     signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
     try:
-        config, nodes, me = _load(path)
-        me, listener = _bind(config, nodes, me)
+        config = parse_config(path)
+        nodes = parse_nodes(config.node_config_file)
+        me, listener = _bind(config, nodes)
         commands = _command_listener(config)
     except ConfigError as err:
         report(f"error: {err}")

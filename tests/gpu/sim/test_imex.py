@@ -174,7 +174,8 @@ def test_node_config_file(tmp_path: Path, text: str, nodes: tuple[str, ...] | No
 @pytest.mark.parametrize(("setting", "stderr"), [
     ({"SERVER_PORT": "port"}, "SERVER_PORT=port: must be a TCP port"),
     ({"IMEX_NODE_CONFIG_FILE": "/nonexistent/nodes.cfg"}, "/nonexistent/nodes.cfg: cannot read"),
-    ({"BIND_INTERFACE_IP": "127.0.0.9"}, "BIND_INTERFACE_IP=127.0.0.9 is not a node of"),
+    ({"BIND_INTERFACE_IP": "127.0.0.9"},
+     "BIND_INTERFACE_IP=127.0.0.9 is not the address of a node"),
 ])
 def test_the_daemon_refuses_a_bad_config_with_one_line(domain: Domain,
                                                        setting: dict[str, str],
@@ -275,6 +276,27 @@ def test_peers_with_different_node_lists_refuse_each_other(domain: Domain) -> No
     domain.start(1, IMEX_NODE_CONFIG_FILE=str(other))
     wait_for(lambda: domain.links(0).get("127.0.0.2") == "M", "node 0 to see the mismatch")
     assert "different node map" in domain.log(0).read_text()
+
+
+def test_node_entries_may_be_names_resolved_at_each_connection(domain: Domain) -> None:
+    """A name in the node list (``localhost``) is a node: BIND_INTERFACE_IP matches the
+    address it resolves to, and the peers reach it by name."""
+    domain.nodes_file.write_text("localhost\n127.0.0.2\n")
+    domain.start(0)
+    domain.start(1)
+    wait_for(lambda: domain.status(1) == "UP", "the pair to form")
+    assert [n["host"] for n in domain.domain(1)["nodes"]] == ["localhost", "127.0.0.2"]
+
+
+def test_sigusr1_restarts_the_outgoing_connections(domain: Domain) -> None:
+    """SIGUSR1: every outgoing connection is dropped and made again; the daemon runs on."""
+    first, _ = domain.start(0), domain.start(1)
+    wait_for(lambda: domain.links(0).get("127.0.0.2") == "C", "the pair to connect")
+    first.send_signal(signal.SIGUSR1)
+    wait_for(lambda: "connection restarted (SIGUSR1)" in domain.log(0).read_text(),
+             "the connection to be restarted")
+    wait_for(lambda: domain.links(0).get("127.0.0.2") == "C", "the pair to connect again")
+    assert first.poll() is None
 
 
 def test_sigterm_exits_cleanly_and_the_peers_see_it(domain: Domain) -> None:
