@@ -4,8 +4,9 @@
 instead of the ``pynvml`` module; the node's other methods are the simulation controls.
 
 The names below load on first use: the simulated driver tools (``nvidia-smi``,
-``nvidia-cuda-mps-control``) are modules of this package and start as fresh processes, so
-importing the package must not import NVML and the node.
+``nvidia-cuda-mps-control``, ``nvidia-imex``, ``nvidia-imex-ctl``) are modules of this
+package and start as fresh processes, so importing the package must not import NVML and the
+node.
 """
 
 from __future__ import annotations
