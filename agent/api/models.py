@@ -351,7 +351,7 @@ class SimFaultRequest(Strict):
                           description="NVML function name, e.g. nvmlDeviceCreateGpuInstance"
                                       "WithPlacement, or a driver tool: nvidia-smi (its next "
                                       "call fails), nvidia-cuda-mps-control (its next -d "
-                                      "start fails)")
+                                      "start fails), nvidia-imex (its next start fails)")
     error: str = Field(min_length=1, max_length=200,
                        description="NVML_ERROR_* name, or CRASH to SIGKILL the agent at the "
                                    "call; for a tool, the message it fails with")

@@ -31,8 +31,9 @@ ERROR_CODES: dict[str, int] = {
 
 
 #: The simulated driver tools that take faults (a call of ``nvidia-smi``; a ``-d`` start of
-#: ``nvidia-cuda-mps-control``) and latencies.
-TOOL_FUNCTIONS: frozenset[str] = frozenset({"nvidia-smi", "nvidia-cuda-mps-control"})
+#: ``nvidia-cuda-mps-control``; a start of ``nvidia-imex``) and latencies.
+TOOL_FUNCTIONS: frozenset[str] = frozenset({"nvidia-smi", "nvidia-cuda-mps-control",
+                                            "nvidia-imex"})
 MAX_TOOL_MESSAGE = 200
 
 

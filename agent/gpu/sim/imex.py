@@ -444,6 +444,27 @@ def _detach(path: Path) -> int:
     return 1
 
 
+def _check_driver() -> None:
+    """The driver check IMEX makes at start, against the simulated driver where the node's
+    wrapper names one: an injected ``nvidia-imex`` fault fails the start with its message, a
+    latency delays it. Run without the wrapper, there is no driver to check."""
+    path = os.environ.get("GPU_AGENT_SIM_DRIVER")
+    if not path:
+        return
+    try:
+        reply = wire.request(Path(path), {"op": "tool", "tool": "nvidia-imex"})
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"the NVIDIA driver is not reachable ({path}: {err})") from None
+    error = reply.get("error")
+    if isinstance(error, dict):
+        raise ConfigError(str(error.get("detail")))
+    latency = float(reply.get("latency_s") or 0.0)
+    if latency > 0:
+        time.sleep(latency)
+    if reply.get("fail"):
+        raise ConfigError(str(reply["fail"]))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args in (["-h"], ["--help"]):
@@ -455,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(args[1]) if args else Path("/etc/nvidia-imex/config.cfg")
     try:
         config = parse_config(path)
+        _check_driver()
     except ConfigError as err:
         print(f"nvidia-imex: {err}", file=sys.stderr)
         return 1

@@ -189,6 +189,17 @@ def test_the_daemon_refuses_a_bad_config_with_one_line(domain: Domain,
     assert not (domain.root / "cmd-0.sock").exists()
 
 
+def test_an_injected_fault_fails_the_next_start(gb200: SimulatedNode, domain: Domain) -> None:
+    """``nvidia-imex`` is a driver tool for faults: its next start exits 1 with the message,
+    the one after starts."""
+    gb200.add_fault("nvidia-imex", "IMEX driver version check failed")
+    failed = domain.start(0)
+    _, err = failed.communicate(timeout=30)
+    assert (failed.returncode, err) == (1, "nvidia-imex: IMEX driver version check failed\n")
+    domain.start(0)
+    wait_for(lambda: domain.readiness(0) == "READY", "the second start")
+
+
 # -- the domain ------------------------------------------------------------------------
 
 
