@@ -96,6 +96,9 @@ def test_a_gpu_whose_fabric_is_not_registered_is_not_offered_until_it_is(
         assert flipped.returncode == 0, flipped.stderr
         assert _published(agent) == {**healthy, "gpu-1": {
             "clique": None, "taints": [("gpu.nodeagent.dev/fabric", "in_progress", "NoSchedule")]}}
+        topology = agent.request("GET", "/v1/topology", token=None).body["gpus"]
+        assert [g["fabric_clique"] for g in topology] == [CLIQUE, None, CLIQUE, CLIQUE]
+        assert "NVLink fabric not registered" in topology[1]["unavailable"]
         refused = prepare(agent, "on-gpu-1", gpu_request("1"))
         assert (refused.status, problem(refused)) == (409, "device-unavailable")
         assert "NVLink fabric not registered: in_progress" in refused.body["detail"]
@@ -109,6 +112,9 @@ def test_a_gpu_whose_fabric_is_not_registered_is_not_offered_until_it_is(
         back = agent.request("POST", "/v1/sim/fabric", {"gpu": "1", "condition": "completed"})
         assert back.status == 204, back.body
         assert _published(agent) == healthy
+        topology = agent.request("GET", "/v1/topology", token=None).body["gpus"]
+        assert [g["fabric_clique"] for g in topology] == [CLIQUE] * 4
+        assert topology[1]["unavailable"] is None
         wait_for(lambda: _taint_events(agent, "removed"), "the fabric taint to go")
         wait_for(lambda: _available(agent, "1") == "1", "GPU 1 to read available")
         assert prepare(agent, "on-gpu-1", gpu_request("1")).status in (200, 201)
