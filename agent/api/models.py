@@ -108,9 +108,10 @@ class TaintModel(BaseModel):
     """A device taint, as the ResourceSlices carry it (``agent/health/taints.py``), and why."""
 
     key: str = Field(description="<driver>/<kind>: xid, gpu-lost, unmonitored, quarantined, "
-                                 "drain")
+                                 "drain, fabric, fabric-health")
     value: str | None = Field(description="The XID for xid taints, the reason as a label value "
-                                          "for drain; null otherwise")
+                                          "for drain, the fabric's state or status for fabric, "
+                                          "the health flag for fabric-health; null otherwise")
     effect: Literal["None", "NoSchedule", "NoExecute"] = Field(
         description="None: informational, never blocks; NoSchedule: new claims stay off; "
                     "NoExecute (--no-execute-taints): Kubernetes also evicts the pods using it")

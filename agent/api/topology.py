@@ -32,7 +32,8 @@ class TopologyGpuModel(BaseModel):
     pcie_gb_s: float = Field(description="PCIe link bandwidth, GB/s per direction")
     pcie_root: str | None
     fabric_clique: str | None = Field(
-        description="'<cluster UUID>.<clique id>' of a multi-node NVLink domain, if any")
+        description="'<cluster UUID>.<clique id>' of a multi-node NVLink domain, from the "
+                    "fabric as last read; null while it is not usable")
     unavailable: str | None = Field(description="Why it cannot be chosen now, if it cannot")
     error: str | None = Field(description="Why discovery has no data for it, if it has none")
 
@@ -98,13 +99,16 @@ def _service(ctx: AgentContext) -> TopologyService:
     return ctx.node.topology
 
 
-def topology_model(graph: TopologyGraph, unavailable: dict[int, str]) -> TopologyModel:
+def topology_model(graph: TopologyGraph, unavailable: dict[int, str],
+                   cliques: dict[int, str | None]) -> TopologyModel:
+    """The graph as the API shows it; ``cliques`` are the GPUs' fabric cliques as last read
+    (the start-up walk's go stale when a fabric changes)."""
     n = graph.size
     return TopologyModel(
         gpus=[TopologyGpuModel(
             index=g.index, uuid=g.uuid, pci_bus_id=g.pci_bus_id, numa_node=g.numa_node,
             cpu_affinity=g.cpu_affinity, nvlinks=g.nvlinks, nvlink_gb_s=g.nvlink_gb_s,
-            pcie_gb_s=g.pcie_gb_s, pcie_root=g.pcie_root, fabric_clique=g.clique,
+            pcie_gb_s=g.pcie_gb_s, pcie_root=g.pcie_root, fabric_clique=cliques.get(g.index),
             unavailable=unavailable.get(g.index), error=g.error) for g in graph.gpus],
         matrix=graph.matrix(),
         pairs=[PairModel(gpus=(a, b), link=graph.cell(a, b), nvlinks=graph.links[a][b],
@@ -118,7 +122,8 @@ async def get_topology(request: web.Request) -> web.Response:
     ctx = request.app[AGENT]
     service = _service(ctx)
     gpus = await ctx.node.inventory.refresh()
-    return json_response(topology_model(service.graph, service.unavailable(gpus)))
+    cliques = {g.index: g.fabric.clique if g.fabric else None for g in gpus}
+    return json_response(topology_model(service.graph, service.unavailable(gpus), cliques))
 
 
 def _resolve(graph: TopologyGraph, refs: list[GpuRef], field: str) -> list[int]:

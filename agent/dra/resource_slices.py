@@ -7,7 +7,8 @@ the driver name is replaced: full GPUs ``gpu-<minor>``, MIG devices ``gpu-<minor
 accepts); ``brand`` and ``architecture`` spelled as NVIDIA's go-nvlib spells them (``Nvidia``,
 ``Hopper``, ``Ada Lovelace``), mapped here only: the inventory's own values drive the agent's
 logic and ``/v1/gpus``. The project adds ``nvlinkIsland``, ``nvlinkBandwidth`` and
-``fabricClique``; NUMA, PCI bus ID and PCIe root use the standard ``resource.kubernetes.io``
+``fabricClique`` (the GPU's fabric as last read: only while it is usable, see
+``Fabric.clique``); NUMA, PCI bus ID and PCIe root use the standard ``resource.kubernetes.io``
 names. Left out: ``addressingMode`` (the inventory does not read it).
 
 Order: the allocator takes the first fit in name order of the slices, then in device order
@@ -45,7 +46,7 @@ its capacity, the agent enforces each with MPS. MIG devices stay exclusive. A GP
 2 GiB has no valid step (the server wants ``min + step <= value``) and stays exclusive.
 
 Health as device taints (KEP-5055, ``agent/health/taints.py``): devices of a GPU with faults
-(XIDs, lost, unmonitored, quarantined, drained by an operator) stay published and carry
+(XIDs, lost, unmonitored, fabric, quarantined, drained by an operator) stay published and carry
 ``taints`` (``key``, ``value`` when there is one, ``effect``, ``timeAdded`` in RFC 3339 UTC
 seconds): a MIG device its GPU's and its own instance's, a placement without an instance, a
 share and a full GPU the GPU's. Kubernetes 1.34 has no ``None`` effect: informational taints
@@ -120,7 +121,6 @@ class GpuFacts:
     """What is wrong with the GPU (the ledger's faults): its devices' taints."""
     nvlink_island: str | None = None
     nvlink_gb_s: int = 0
-    clique: str | None = None
     pcie_root: str | None = None
 
 
@@ -224,8 +224,11 @@ def _gpu_attributes(facts: GpuFacts, driver: DriverInfo) -> Json:
     if facts.nvlink_island:
         attrs["nvlinkIsland"] = _attr(facts.nvlink_island)
     attrs["nvlinkBandwidth"] = _attr(facts.nvlink_gb_s)
-    if facts.clique:
-        attrs["fabricClique"] = _attr(facts.clique[:64])
+    # The fabric as last read, not as at start-up: a GPU whose registration is not done (or
+    # failed) has no clique, so no claim matching on one can land on it.
+    clique = facts.gpu.fabric.clique if facts.gpu.fabric else None
+    if clique:
+        attrs["fabricClique"] = _attr(clique[:64])
     return attrs
 
 

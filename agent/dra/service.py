@@ -9,7 +9,8 @@ a geometry change (it then re-reads the inventory); holds, drain marks and every
 faults (XIDs, lost, unmonitored, quarantine, an operator's drain: the devices' taints) are
 in-memory state it compares every ``poll_s`` (no NVML call, a few GpuFacts compared), so a
 taint appears and goes within the 2 s republish goal; and it re-reads the inventory every
-``refresh_s`` for changes made behind the agent's back. Nothing runs while nobody waits."""
+``refresh_s`` for changes made behind the agent's back (the NVLink fabric's among them: its
+taints and the ``fabricClique`` attribute follow within that). Nothing runs while nobody waits."""
 
 from __future__ import annotations
 
@@ -103,7 +104,6 @@ class ResourceSliceService:
                 faults=faults,
                 nvlink_island=graph.gpus[island[0]].uuid if island else None,
                 nvlink_gb_s=round(node.nvlink_gb_s) if node else 0,
-                clique=node.clique if node else None,
                 pcie_root=node.pcie_root if node else None))
         return found
 

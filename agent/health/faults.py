@@ -18,7 +18,7 @@ from typing import Any
 
 from agent.health.taints import Fault, RecoveryAction
 
-KINDS = ("xid", "gpu-lost", "unmonitored", "quarantined", "drain")
+KINDS = ("xid", "gpu-lost", "unmonitored", "quarantined", "drain", "fabric", "fabric-health")
 #: Faults a reboot clears (a reboot resets the GPUs).
 RESET_BY_REBOOT = frozenset({"xid", "gpu-lost"})
 

@@ -10,13 +10,18 @@ One schema under the driver's domain, shaped like NVIDIA's DRA driver's
 | XID events cannot be registered | ``<driver>/unmonitored`` | none | ``None`` |
 | quarantined (MIG state unknown) | ``<driver>/quarantined`` | none | ``NoSchedule`` |
 | an operator drained the GPU | ``<driver>/drain`` | the reason as a label value | ``NoSchedule`` |
+| NVLink fabric not COMPLETED or failed | ``<driver>/fabric`` | state or status | ``NoSchedule`` |
+| the fabric's health mask flags a problem | ``<driver>/fabric-health`` | the flag | ``None`` |
 
 An XID's class: the driver's recovery action when it reports one (NVML field
 ``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION``: none is informational, a node or system reboot is
 reboot class, every other action keeps new claims off); otherwise the XID table: application XIDs
 are informational as NVIDIA's are, 79 (fallen off the bus) is reboot class, the rest keep new
-claims off. ``NoExecute`` is opt-in (``no_execute``) and only for a lost GPU or a reboot-class
-fault: it makes Kubernetes evict the pods using the device.
+claims off. A fabric fault (``agent/health/fabric.py``) keeps a GPU whose multi-node NVLink
+registration is not done out of every claim (it cannot join a domain, and its clique is not
+published); a flagged health mask on a registered fabric is informational. ``NoExecute`` is
+opt-in (``no_execute``) and only for a lost GPU or a reboot-class fault: it makes Kubernetes
+evict the pods using the device.
 
 One taint per key, as NVIDIA's: of several XIDs the one that weighs most wins (effect first,
 then the newest). A fault scoped to a MIG instance (GI, CI) taints that instance only; every
@@ -72,7 +77,8 @@ class Fault:
     ``reason`` is the human sentence for ``/v1/gpus``, events and the CLI.
     """
 
-    kind: Literal["xid", "gpu-lost", "unmonitored", "quarantined", "drain"]
+    kind: Literal["xid", "gpu-lost", "unmonitored", "quarantined", "drain", "fabric",
+                  "fabric-health"]
     reason: str
     since: float
     value: str | None = None
@@ -100,7 +106,7 @@ class Taint:
 
 def fault_class(fault: Fault) -> FaultClass:
     """How much a fault weighs: by the driver's recovery action, else by the XID table."""
-    if fault.kind == "unmonitored":
+    if fault.kind in ("unmonitored", "fabric-health"):
         return FaultClass.INFORMATIONAL
     if fault.kind == "gpu-lost":
         return FaultClass.REBOOT

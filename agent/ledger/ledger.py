@@ -14,10 +14,10 @@ Everything that may create, destroy or hand out a device asks here first:
   an operator's drain (durable, ``<state>/health/drain.json``; it keeps new claims off and
   leaves held ones alone);
 - **availability**: one read model. A GPU's faults (its health's: XIDs, lost, unmonitored;
-  the ledger's own: quarantine, drain) become device taints (``agent/health/taints.py``),
-  and only the *blocking* taints make a device unavailable (an informational one never
-  does); then a transition's marks, then holders. Claims, topology selection,
-  ResourceSlices, metrics and the API all consult it.
+  its NVLink fabric's as the inventory last read it; the ledger's own: quarantine, drain)
+  become device taints (``agent/health/taints.py``), and only the *blocking* taints make a
+  device unavailable (an informational one never does); then a transition's marks, then
+  holders. Claims, topology selection, ResourceSlices, metrics and the API all consult it.
 
 It holds no NVML handle and does no I/O but the quarantine and drain files; it lives on the
 event loop (its checks and takes never await, so check-then-take is atomic).
@@ -38,6 +38,7 @@ from agent.durable import DurableMap
 from agent.errors import Conflict, DeviceBusy, DeviceUnavailable
 from agent.events import EventLog, Severity
 from agent.gpu.types import Gpu, MigDevice, Placement
+from agent.health.fabric import fabric_faults
 from agent.health.taints import Fault, Taint, blocking_reasons, device_taints, label_value
 from agent.ledger.keys import DeviceKey, key_of
 
@@ -145,6 +146,8 @@ class NodeLedger:
                                  format="gpu-agent-drain")
         #: When an inventory read error was first seen on a GPU NVML does not call lost.
         self._unreadable_since: dict[str, float] = {}
+        #: When each fabric fault of a GPU was first seen, by (kind, value).
+        self._fabric_since: dict[str, dict[tuple[str, str | None], float]] = {}
         self._gpus: dict[str, GpuLedger] = {}
         self._frozen: str | None = None
         #: Called with a GPU's UUID after its instances changed (derived state is stale).
@@ -299,13 +302,19 @@ class NodeLedger:
 
     def faults(self, gpu: Gpu) -> tuple[Fault, ...]:
         """Everything wrong with the GPU: its health faults, an inventory read error on a
-        GPU NVML does not call lost (as lost: it does not answer), quarantine, drain."""
+        GPU NVML does not call lost (as lost: it does not answer), its fabric's (registration
+        not done or failed, a flagged health mask), quarantine, drain."""
         found = list(self._faults(gpu.uuid))
         if gpu.health.reasons and not any(f.kind == "gpu-lost" for f in found):
             since = self._unreadable_since.setdefault(gpu.uuid, time.time())
             found.append(Fault(kind="gpu-lost", reason=gpu.health.reasons[0], since=since))
         else:
             self._unreadable_since.pop(gpu.uuid, None)
+        fabric = fabric_faults(gpu.fabric, seen=self._fabric_since.get(gpu.uuid, {}),
+                               now=time.time())
+        # Only what is there now is remembered: a fault that went and comes back is new.
+        self._fabric_since[gpu.uuid] = {(f.kind, f.value): f.since for f in fabric}
+        found.extend(fabric)
         entry = self.gpu(gpu.uuid)
         if entry.quarantine is not None:
             found.append(Fault(kind="quarantined", reason=f"quarantined: {entry.quarantine}",

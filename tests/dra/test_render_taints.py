@@ -38,6 +38,9 @@ LOST = Fault("gpu-lost", "GPU is lost", T0)
 UNMONITORED = Fault("unmonitored", "no XID events", T0)
 QUARANTINED = Fault("quarantined", "quarantined: rollback failed", T0)
 DRAINED = Fault("drain", "drained: fan", T0, value="fan")
+FABRIC = Fault("fabric", "NVLink fabric not registered: in_progress", T0, value="in_progress")
+FABRIC_HEALTH = Fault("fabric-health", "NVLink fabric health: degraded_bandwidth", T0,
+                      value="degraded_bandwidth")
 
 
 def opts(kubernetes: tuple[int, int], *, dynamic: bool = False, shares: bool = False,
@@ -75,6 +78,9 @@ FAULT_KINDS = [
     (QUARANTINED, True, [(f"{D}/quarantined", None, "NoSchedule")],
      [(f"{D}/quarantined", None, "NoSchedule")]),
     (DRAINED, True, [(f"{D}/drain", "fan", "NoSchedule")], [(f"{D}/drain", "fan", "NoSchedule")]),
+    (FABRIC, True, [(f"{D}/fabric", "in_progress", "NoSchedule")],
+     [(f"{D}/fabric", "in_progress", "NoSchedule")]),
+    (FABRIC_HEALTH, False, [(f"{D}/fabric-health", "degraded_bandwidth", "None")], []),
 ]
 
 

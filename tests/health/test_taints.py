@@ -45,6 +45,10 @@ def xid(n: int, *, action: RecoveryAction | None = None, since: float = 1.0,
     (Fault("quarantined", "q", 1.0), True, f"{D}/quarantined", None, "NoSchedule"),
     (Fault("drain", "maintenance", 1.0, value="maintenance"), True, f"{D}/drain",
      "maintenance", "NoSchedule"),
+    (Fault("fabric", "in progress", 1.0, value="in_progress"), True, f"{D}/fabric",
+     "in_progress", "NoSchedule"),
+    (Fault("fabric-health", "degraded", 1.0, value="degraded_bandwidth"), True,
+     f"{D}/fabric-health", "degraded_bandwidth", "None"),
 ])
 def test_each_fault_has_its_taint(fault: Fault, no_execute: bool, key: str,
                                   value: str | None, effect: str) -> None:

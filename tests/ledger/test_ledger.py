@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from agent.errors import Conflict, DeviceBusy, DeviceUnavailable
 from agent.events import EventLog
-from agent.gpu.types import Gpu, GpuStatic, Health, MigDevice, MigMode, Placement
+from agent.gpu.types import Fabric, Gpu, GpuStatic, Health, MigDevice, MigMode, Placement
 from agent.health.taints import Fault
 from agent.ledger.keys import DeviceKey
 from agent.ledger.ledger import Hold, NodeLedger, Share
@@ -255,6 +255,30 @@ def test_only_blocking_taints_make_a_device_unavailable(tmp_path: Path) -> None:
     with pytest.raises(DeviceUnavailable, match="XID 48"):
         ledger.check_usable(gpu, on_gi9)
     ledger.check_usable(gpu, on_gi2)
+
+
+def test_a_fabric_not_registered_makes_the_gpu_unavailable_until_it_is(tmp_path: Path) -> None:
+    """The inventory's fabric as read is one of the GPU's faults: in progress blocks every
+    claim (the taint's time stays while it lasts), completed again clears it, degraded
+    bandwidth is informational; a GPU without fabric has no such fault."""
+    ledger = _ledger(tmp_path)
+    zero = "00000000-0000-0000-0000-000000000000"
+    stuck = dataclasses.replace(_gpu(A), fabric=Fabric(zero, 0, 2, 0))
+    (taint,) = ledger.taints(stuck)
+    assert (taint.key, taint.value, taint.effect) == (
+        "gpu.nodeagent.dev/fabric", "in_progress", "NoSchedule")
+    with pytest.raises(DeviceUnavailable, match="NVLink fabric not registered: in_progress"):
+        ledger.check_usable(stuck)
+    assert ledger.taints(stuck) == (taint,)  # read again: the same taint, the same time
+    healthy = dataclasses.replace(stuck, fabric=Fabric("9c6f5af3-0b6d", 7, 3, 0))
+    assert ledger.taints(healthy) == ()
+    ledger.check_usable(healthy)
+    degraded = dataclasses.replace(healthy, fabric=Fabric("9c6f5af3-0b6d", 7, 3, 0,
+                                                          health=("degraded_bandwidth",)))
+    assert [(t.key, t.effect) for t in ledger.taints(degraded)] == [
+        ("gpu.nodeagent.dev/fabric-health", "None")]
+    ledger.check_usable(degraded)
+    assert ledger.taints(_gpu(B, index=1)) == ()
 
 
 async def test_a_drain_keeps_new_claims_off_held_ones_stay_and_it_is_durable(
