@@ -35,9 +35,10 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from agent.gpu.sim import wire
+from agent.gpu.sim.detach import detach
 from agent.gpu.sim.imex_config import (
     ConfigError,
     ImexConfig,
@@ -408,38 +409,18 @@ def run(path: Path, report: Any) -> int:
 
 def _detach(path: Path) -> int:
     """``DAEMONIZE=1``: fork the daemon off (new session); exit once it listens."""
-    read_end, write_end = os.pipe()
-    child = os.fork()
-    if child == 0:
-        os.close(read_end)
-        os.setsid()
-        if os.fork() != 0:
-            os._exit(0)
-        os.chdir("/")
-        null = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1, 2):
-            os.dup2(null, fd)
-
+    def serve(report_fd: int) -> NoReturn:
         def report(text: str) -> None:
             with contextlib.suppress(OSError):
-                os.write(write_end, text.encode()[:4000])
-                os.close(write_end)
+                os.write(report_fd, text.encode()[:4000])
+                os.close(report_fd)
 
         os._exit(run(path, report))
-    os.close(write_end)
-    os.waitpid(child, 0)
-    text = b""
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([read_end], [], [], max(0.0, deadline - time.monotonic()))
-        chunk = os.read(read_end, 4096) if ready else b""
-        if not chunk:
-            break
-        text += chunk
-    os.close(read_end)
-    if text == b"ok":
+
+    text = detach(serve, READY_TIMEOUT_S)
+    if text == "ok":
         return 0
-    message = text.decode(errors="replace").removeprefix("error: ")
+    message = text.removeprefix("error: ")
     print(f"nvidia-imex: {message or 'the daemon did not start'}", file=sys.stderr)
     return 1
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import select
 import signal
 import socket
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from agent.gpu.sim import wire
+from agent.gpu.sim.detach import detach
 
 PID_FILE = "nvidia-cuda-mps-control.pid"
 SOCKET = "control"
@@ -273,13 +273,6 @@ def _start(ready: int | None) -> NoReturn:
     os._exit(0)
 
 
-def _quiet() -> None:
-    null = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(null, fd)
-    os.close(null)
-
-
 def daemonize() -> int:
     """``-d``: check for an injected fault, fork the daemon off, wait until it serves."""
     devices = _visible()
@@ -296,32 +289,10 @@ def daemonize() -> int:
         print(f"An error occurred while starting the daemon: {started['fail']}",
               file=sys.stderr)
         return 1
-    read_end, write_end = os.pipe()
-    child = os.fork()
-    if child == 0:  # first child: a new session, then the daemon itself as its child
-        os.close(read_end)
-        os.setsid()
-        if os.fork() != 0:
-            os._exit(0)
-        os.chdir("/")
-        _quiet()
-        _start(write_end)
-    os.close(write_end)
-    os.waitpid(child, 0)
-    text = b""
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([read_end], [], [], max(0.0, deadline - time.monotonic()))
-        if not ready:
-            break
-        chunk = os.read(read_end, 4096)
-        if not chunk:
-            break
-        text += chunk
-    os.close(read_end)
-    if text == b"ok":
+    text = detach(_start, READY_TIMEOUT_S)
+    if text == "ok":
         return 0
-    message = text.decode(errors="replace").removeprefix("error: ") or \
+    message = text.removeprefix("error: ") or \
         f"the daemon did not start within {READY_TIMEOUT_S:g} s"
     print(f"An error occurred while starting the daemon: {message}", file=sys.stderr)
     return 1
