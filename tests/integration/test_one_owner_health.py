@@ -33,12 +33,18 @@ BATCHES = {
 
 
 def _raise_xid(agent: AgentProcess, gpu: int, xid: int) -> str:
-    """Inject the XID on the GPU and wait until the GPU reads unhealthy; its UUID."""
+    """Inject the XID on the GPU and wait until the GPU reads unhealthy with the XID among
+    its taints; its UUID. (A GPU off the bus, 79, can read lost from an inventory read
+    before the XID event is handled: unhealthy alone does not say the XID is recorded.)"""
     uuid = str(agent.request("GET", f"/v1/gpus/{gpu}", token=None).body["uuid"])
     assert agent.request("POST", "/v1/sim/xid", {"gpu": uuid, "xid": xid}).status == 202
-    wait_for(lambda: not agent.request("GET", f"/v1/gpus/{gpu}", token=None)
-             .body["health"]["healthy"], f"GPU {gpu} to read unhealthy after XID {xid}",
-             every_s=0.05)
+
+    def recorded() -> bool:
+        body = agent.request("GET", f"/v1/gpus/{gpu}", token=None).body
+        return not body["health"]["healthy"] and any(
+            t["key"].endswith("/xid") and t.get("value") == str(xid) for t in body["taints"])
+
+    wait_for(recorded, f"GPU {gpu} to read unhealthy with XID {xid}", every_s=0.05)
     return uuid
 
 
