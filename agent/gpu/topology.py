@@ -1,10 +1,11 @@
 """Discovering how the node's GPUs are wired, through NVML only (never ``nvidia-smi topo``).
 
 Per GPU, each NVLink's state, version, P2P capability, remote device type and remote PCI bus
-id; the PCIe link generation and width; the fabric (multi-node NVLink) clique where the GPU
-has one; the PCIe root from sysfs. Per pair, the PCIe common-ancestor level. N x 36 link
-calls plus N^2/2 ancestor calls, done once at start-up (``topology.md`` 5: the device
-plugin's per-request link walks took 16-30 s).
+id; the PCIe link generation and width; the PCIe root from sysfs. (The fabric, multi-node
+NVLink, changes while the agent runs: the inventory reads it, ``agent/gpu/fabric.py``.)
+Per pair, the PCIe common-ancestor level. N x 36 link calls plus N^2/2 ancestor calls, done
+once at start-up (``topology.md`` 5: the device plugin's per-request link walks took
+16-30 s).
 
 Robust to what real nodes do: a link answering NOT_SUPPORTED, INVALID_ARGUMENT or
 GPU_IS_LOST is skipped; any other error on one link skips that link and is reported; a lost
@@ -22,9 +23,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from agent.errors import GpuLost, NvmlError
-from agent.gpu.fabric import read_fabric
 from agent.gpu.session import NvmlSession
-from agent.gpu.types import Fabric, GpuStatic
+from agent.gpu.types import GpuStatic
 
 log = logging.getLogger("agent.gpu.topology")
 
@@ -64,7 +64,6 @@ class GpuLinks:
     pcie_generation: int | None = None
     pcie_width: int | None = None
     pcie_root: str | None = None
-    fabric: Fabric | None = None
     error: str | None = None
 
 
@@ -163,14 +162,6 @@ class _GpuWalk:
         return NvLink(link=link, version=int(version or 0), p2p=bool(p2p),
                       remote_type=remote_type, remote_bus_id=bus)
 
-    def fabric(self) -> Fabric | None:
-        try:
-            return read_fabric(self.session, self.handle, self.static.uuid)
-        except GpuLost:
-            raise
-        except NvmlError as err:
-            self.problems.append(f"GPU {self.static.index}: {err.detail}")
-            return None
 
 
 def read_gpu_links(session: NvmlSession, static: GpuStatic, gpu_buses: set[str], *,
@@ -193,7 +184,6 @@ def read_gpu_links(session: NvmlSession, static: GpuStatic, gpu_buses: set[str],
                 found.append(nvlink)
         generation = walk.optional("nvmlDeviceGetMaxPcieLinkGeneration")
         width = walk.optional("nvmlDeviceGetMaxPcieLinkWidth")
-        fabric = walk.fabric()
     except GpuLost as err:
         return (_with(base, error=f"GPU is lost: {err.detail}"), None,
                 walk.problems if walk else [])
@@ -201,7 +191,7 @@ def read_gpu_links(session: NvmlSession, static: GpuStatic, gpu_buses: set[str],
         return _with(base, error=err.detail), None, walk.problems if walk else []
     return (_with(base, links=tuple(found),
                   pcie_generation=None if generation is None else int(generation),
-                  pcie_width=None if width is None else int(width), fabric=fabric),
+                  pcie_width=None if width is None else int(width)),
             handle, walk.problems)
 
 

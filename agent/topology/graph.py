@@ -44,7 +44,6 @@ class GpuNode:
     """Its NVLink bandwidth per direction: links x per-link bandwidth (0 without NVLink)."""
     pcie_gb_s: float
     pcie_root: str | None = None
-    clique: str | None = None
     error: str | None = None
 
 
@@ -124,7 +123,7 @@ def build_graph(node: NodeLinks) -> TopologyGraph:
             cpu_affinity=g.cpu_affinity, nvlinks=len(p2p),
             nvlink_gb_s=round(len(p2p) * per_link[g.index], 3),
             pcie_gb_s=pcie_gb_s(g.pcie_generation, g.pcie_width), pcie_root=g.pcie_root,
-            clique=g.fabric.clique if g.fabric else None, error=g.error))
+            error=g.error))
     links = [[0] * n for _ in range(n)]
     for a in range(n):
         for b in range(a + 1, n):

@@ -1,10 +1,9 @@
 """Topology discovery through NVML against the simulated presets: what each link says, the
-PCIe ancestors, fabric cliques, sysfs roots, and robustness to what real nodes do (links
+PCIe ancestors, the fabric clique rule, sysfs roots, and robustness to what real nodes do (links
 that are not there, asymmetric answers, lost GPUs)."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -13,15 +12,14 @@ import pytest
 from agent.gpu.inventory import read_static
 from agent.gpu.session import NvmlSession
 from agent.gpu.sim.node import SimulatedNode
-from agent.gpu.sim.presets import PRESETS
 from agent.gpu.topology import (
-    Fabric,
     NodeLinks,
     normalise_bus_id,
     pcie_root,
     read_node_links,
     sysfs_bus_id,
 )
+from agent.gpu.types import Fabric
 from agent.topology.graph import build_graph
 
 Discover = Callable[[SimulatedNode], NodeLinks]
@@ -63,7 +61,6 @@ def test_dgx_h100_links_reach_four_nvswitches(open_node: Callable[[str], Simulat
             ("switch", 6, True)}
         assert all(link.remote_bus_id == "" for link in gpu.links)  # switches are not asked
         assert (gpu.pcie_generation, gpu.pcie_width) == (5, 16)
-        assert gpu.fabric is not None and gpu.fabric.clique is None  # zero cluster UUID
     assert len(links.ancestors) == 28
     assert links.ancestors[(0, 1)] == 40 and links.ancestors[(0, 4)] == 50
     assert links.problems == ()
@@ -80,7 +77,6 @@ def test_bridged_a100_links_name_their_peer(open_node: Callable[[str], Simulated
             assert len(gpu.links) == 12
             assert {(link.remote_type, link.remote_bus_id) for link in gpu.links} == {
                 ("gpu", normalise_bus_id(buses[y]))}
-        assert links.gpus[a].fabric is None  # Ampere: no fabric info
 
 
 def test_l40s_has_no_nvlink(open_node: Callable[[str], SimulatedNode]) -> None:
@@ -169,18 +165,6 @@ def test_gpu_lost_mid_walk_stops_that_gpu(open_node: Callable[[str], SimulatedNo
     links = discover(node)
     assert links.gpus[5].error is not None and "lost" in links.gpus[5].error
     assert sum(1 for g in links.gpus if g.error is None and len(g.links) == 18) == 7
-
-
-def test_fabric_clique_is_reported_when_the_fabric_is_usable(
-        open_node: Callable[[str], SimulatedNode], monkeypatch: pytest.MonkeyPatch) -> None:
-    """A multi-node NVLink preset: every GPU reports '<cluster UUID>.<clique id>'."""
-    preset = dataclasses.replace(PRESETS["hgx-h200"], name="nvl-test",
-                                 fabric=("9c6f5af3-4e2b-4d1a-8c3e-0a1b2c3d4e5f", 4026))
-    monkeypatch.setitem(PRESETS, "nvl-test", preset)
-    links = discover(open_node("nvl-test"))
-    assert {g.fabric.clique for g in links.gpus if g.fabric} == {
-        "9c6f5af3-4e2b-4d1a-8c3e-0a1b2c3d4e5f.4026"}
-    assert build_graph(links).gpus[0].clique == "9c6f5af3-4e2b-4d1a-8c3e-0a1b2c3d4e5f.4026"
 
 
 @pytest.mark.parametrize(("state", "status", "uuid", "clique"), [
