@@ -227,6 +227,36 @@ class AgentClient:
         if status not in (200, 204, 404):
             self._raise(status, headers, answer)
 
+    async def imex_address(self) -> str | None:
+        """This node's IMEX address as the agent is configured (``GET /v1/node``, ``imex``);
+        None when the agent runs no IMEX."""
+        status, headers, answer = await self._call("GET", "/v1/node", timeout_s=READY_TIMEOUT_S)
+        if status != 200 or not isinstance(answer, dict):
+            self._raise(status, headers, answer)
+        imex = answer.get("imex")
+        address = imex.get("address") if isinstance(imex, dict) else None
+        return address if isinstance(address, str) and address else None
+
+    async def configure_domain(self, domain: str, peers: list[str]) -> None:
+        """``PUT /v1/domains/{domain}``: the domain's IMEX node list on this node."""
+        status, headers, answer = await self._call(
+            "PUT", f"/v1/domains/{quote(domain, safe='')}", body={"peers": peers},
+            timeout_s=self._claim_timeout_s)
+        if status not in (200, 201):
+            self._raise(status, headers, answer)
+
+    async def domain(self, domain: str) -> dict[str, Any] | None:
+        """``GET /v1/domains/{domain}``: the domain as this node's agent sees it (its IMEX
+        daemon, nodes and state); None when the agent has no such domain."""
+        status, headers, answer = await self._call(
+            "GET", f"/v1/domains/{quote(domain, safe='')}", timeout_s=READY_TIMEOUT_S)
+        if status == 404:
+            return None
+        if status != 200 or not isinstance(answer, dict):
+            self._raise(status, headers, answer)
+        result: dict[str, Any] = answer
+        return result
+
     async def claims(self) -> list[dict[str, Any]]:
         """``GET /v1/claims``: every claim the agent holds, with its state and devices."""
         status, headers, answer = await self._call("GET", "/v1/claims",

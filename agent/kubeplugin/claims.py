@@ -380,6 +380,23 @@ def agent_body(claim: KubeletClaim, obj: Mapping[str, Any], devices: Sequence[Al
         if device.sharing is not None:
             entry["sharing"] = dict(device.sharing)
         entries.append(entry)
+    return {"devices": entries, "metadata": _metadata(claim, obj),
+            "issued_at_ns": issued_at_ns, "device_names": "resourceslice"}
+
+
+def domain_body(claim: KubeletClaim, obj: Mapping[str, Any], domain: str, request: str,
+                issued_at_ns: int) -> dict[str, Any]:
+    """The ``PUT /v1/claims/{uid}`` body of a compute-domain claim on this node: the node's
+    IMEX channel for ``domain`` (the claim's UID), under the domain's request name."""
+    entry: dict[str, Any] = {"kind": "imex-channel", "domain": domain}
+    if request and len(request) <= MAX_AGENT_REQUEST_NAME:
+        entry["name"] = request
+    return {"devices": [entry], "metadata": _metadata(claim, obj),
+            "issued_at_ns": issued_at_ns}
+
+
+def _metadata(claim: KubeletClaim, obj: Mapping[str, Any]) -> dict[str, Any]:
+    """The claim's namespace, name, resourceVersion and only pod, as the agent records them."""
     meta = _object(claim, "metadata", obj.get("metadata"), "bad-claim")
     metadata = {}
     for key, field in (("namespace", "namespace"), ("name", "name"),
@@ -396,8 +413,7 @@ def agent_body(claim: KubeletClaim, obj: Mapping[str, Any], devices: Sequence[Al
             pods.append(name)
     if len(pods) == 1:  # a shared claim has many consumers: none is "the" pod
         metadata["pod"] = pods[0]
-    return {"devices": entries, "metadata": metadata, "issued_at_ns": issued_at_ns,
-            "device_names": "resourceslice"}
+    return metadata
 
 
 def kubelet_devices(claim: KubeletClaim, devices: Sequence[Allocated],
@@ -435,3 +451,19 @@ def kubelet_devices(claim: KubeletClaim, devices: Sequence[Allocated],
         out.append(KubeletDevice(device.requests, device.pool, device.device, tuple(names),
                                   share_id=share_id))
     return out
+
+
+def channel_cdi(claim: KubeletClaim, answer: Mapping[str, Any]) -> tuple[str, ...]:
+    """The CDI names of the agent's answer to :func:`domain_body` (its channel device's)."""
+    names: list[str] = []
+    for i, raw in enumerate(_array(claim, "the agent's answer: devices",
+                                   answer.get("devices"), "agent-answer")):
+        at = f"the agent's answer: devices[{i}]"
+        prepared = _object(claim, at, raw, "agent-answer")
+        listed = _array(claim, f"{at}.cdi_devices", prepared.get("cdi_devices"), "agent-answer")
+        names.extend(_name(claim, f"{at}.cdi_devices[{j}]", n, "agent-answer")
+                     for j, n in enumerate(listed))
+    if not names:
+        raise ClaimError("agent-answer", f"claim {claim}: the agent's answer has no CDI device "
+                                         "for the IMEX channel")
+    return tuple(dict.fromkeys(names))

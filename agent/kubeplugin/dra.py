@@ -40,12 +40,16 @@ from agent.kubeplugin.claims import (
     KubeletClaim,
     KubeletDevice,
     agent_body,
+    channel_cdi,
     check_names,
     check_uid,
+    domain_body,
     kubelet_devices,
     our_devices,
     with_configs,
 )
+from agent.kubeplugin.domain_members import SLOT_DEVICE, DomainClaim, domain_claim
+from agent.kubeplugin.domains import DomainMembership
 from agent.kubeplugin.errors import (
     AgentCallError,
     AgentNotReady,
@@ -54,7 +58,7 @@ from agent.kubeplugin.errors import (
     TokenFileError,
 )
 from agent.kubeplugin.kinds import DeviceKinds, is_mig_name
-from agent.kubeplugin.kube import KubeTooLarge
+from agent.kubeplugin.kube import KubeError, KubeTooLarge
 from agent.kubeplugin.metrics import PluginMetrics
 from agent.kubeplugin.protocols import ClaimReader
 
@@ -146,9 +150,11 @@ class DraService:
     def __init__(self, agent: AgentClient, claims: ClaimReader, *, driver: str,
                  node_name: str, metrics: PluginMetrics,
                  read_timeout_s: float = READ_TIMEOUT_S,
-                 status: ClaimStatusWriter | None = None) -> None:
+                 status: ClaimStatusWriter | None = None,
+                 domains: DomainMembership | None = None) -> None:
         self._agent = agent
         self._status = status
+        self._domains = domains
         self._claims = ClaimReads(claims, timeout_s=read_timeout_s)
         self.driver = driver
         self.pool = node_name  # the publisher names this node's pool after the node
@@ -250,20 +256,62 @@ class DraService:
             obj = await self._claims.read(call, claim.namespace, claim.name)
         except Exception as err:  # any client failure is this claim's error
             raise _read_error(claim, err) from err
+        domain = domain_claim(claim, obj, driver=self.driver)
+        if domain is not None:
+            return await self._prepare_domain(claim, obj, domain, issued_at_ns)
         devices = with_configs(claim, obj, our_devices(claim, obj, driver=self.driver,
                                                        pool=self.pool), driver=self.driver)
         on_demand = await self._call_agent(claim, lambda: self._kinds.on_demand(
             d.device for d in devices if is_mig_name(d.device)))
         body = agent_body(claim, obj, devices, issued_at_ns, on_demand)
+        answer = await self._agent_prepare(claim, body, issued_at_ns)
+        answered = await self._mapped(claim, issued_at_ns,
+                                      lambda: kubelet_devices(claim, devices, answer))
+        self._status_prepared(claim, devices, answer)
+        return answered
+
+    async def _prepare_domain(self, claim: KubeletClaim, obj: dict[str, Any],
+                              domain: DomainClaim, issued_at_ns: int) -> list[KubeletDevice]:
+        """A compute-domain claim on this node: join the domain, then the agent holds this
+        node's IMEX channel for it and starts IMEX with the domain's nodes. Kubelet hears of
+        one device (the first slot: a slot is a place in the domain, not this node's) with
+        the channel's CDI device; the claim's device status is left alone (every member
+        would write the same entry)."""
+        if self._domains is None:
+            raise ClaimError("domains-off", f"claim {claim}: a compute-domain claim, and this "
+                                            "kubelet plugin runs without compute domains")
         try:
-            answer = await self._agent.prepare(claim.uid, body)
+            await self._domains.join(claim, domain)
+        except (KubeError, AgentCallError) as err:
+            raise ClaimError("domain-join", f"claim {claim}: joining compute domain "
+                                            f"{domain.uid}: {err}", retryable=True) from err
+        body = domain_body(claim, obj, domain.uid, domain.requests[0], issued_at_ns)
+        answer = await self._agent_prepare(claim, body, issued_at_ns)
+        cdi = await self._mapped(claim, issued_at_ns, lambda: channel_cdi(claim, answer))
+        try:
+            await self._domains.ready(domain.uid)
+        except KubeError as err:  # the follower announces the agent's state later
+            log.warning("announcing the compute domain member ready failed",
+                        extra={"claim": claim.uid, "error": str(err)})
+        return [KubeletDevice(domain.requests, domain.pool, SLOT_DEVICE, cdi)]
+
+    async def _agent_prepare(self, claim: KubeletClaim, body: dict[str, Any],
+                             issued_at_ns: int) -> dict[str, Any]:
+        """The agent's answer to the prepare; a failure after which it may hold the claim is
+        undone there before kubelet hears of it."""
+        try:
+            return await self._agent.prepare(claim.uid, body)
         except AgentCallError as err:
             failure = _agent_error(claim, err)
             if _may_hold(err):
                 failure = await self._undo(claim, issued_at_ns, failure)
             raise failure from err
+
+    async def _mapped(self, claim: KubeletClaim, issued_at_ns: int,
+                      mapping: Callable[[], T]) -> T:
+        """``mapping()`` of the agent's answer; a failure is undone in the agent first."""
         try:
-            answered = kubelet_devices(claim, devices, answer)
+            return mapping()
         except Exception as err:  # the agent holds it: undone before kubelet hears of it
             failure = err if isinstance(err, ClaimError) else ClaimError(
                 "internal", f"claim {claim}: internal error in the kubelet plugin reading the "
@@ -271,8 +319,6 @@ class DraService:
             if failure is not err:
                 log.exception("reading the agent's answer failed", extra={"claim": claim.uid})
             raise await self._undo(claim, issued_at_ns, failure) from err
-        self._status_prepared(claim, devices, answer)
-        return answered
 
     def _status_prepared(self, claim: KubeletClaim, devices: Sequence[Allocated],
                          answer: dict[str, Any]) -> None:
@@ -351,6 +397,13 @@ class DraService:
             check_uid(claim)
             await self._call_agent(claim, lambda: self._agent.unprepare(claim.uid,
                                                                         issued_at_ns))
+            if self._domains is not None and self._domains.joined(claim.uid):
+                try:
+                    await self._domains.leave(claim.uid)
+                except KubeError as err:
+                    raise ClaimError("domain-leave", f"claim {claim}: leaving compute domain "
+                                                     f"{claim.uid}: {err}",
+                                     retryable=True) from err
         except ClaimError as err:
             self._metrics.unprepare_errors.labels(err.reason).inc()
             log.warning("unprepare failed", extra={"claim": claim.uid, "reason": err.reason,

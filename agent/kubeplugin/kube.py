@@ -132,6 +132,14 @@ class ResourceSliceList:
 
 
 @dataclass(frozen=True)
+class NodeList:
+    """The Nodes of a label selector, and the resourceVersion to watch from."""
+
+    resource_version: str
+    items: list[Json]
+
+
+@dataclass(frozen=True)
 class WatchEvent:
     """``ADDED``, ``MODIFIED``, ``DELETED`` or ``BOOKMARK``, with the object as sent."""
 
@@ -486,11 +494,15 @@ class KubeClient:
             yield event
 
     async def watch(self, path: str, field_selector: str, resource_version: str,
-                    timeout_s: int = WATCH_TIMEOUT_S) -> AsyncIterator[WatchEvent]:
-        """Events of the collection at ``path`` matching ``field_selector`` after
-        ``resource_version`` until the server ends the watch; :class:`KubeExpired` when
-        that version is too old."""
-        query = [("fieldSelector", field_selector), ("watch", "true"),
+                    timeout_s: int = WATCH_TIMEOUT_S, *,
+                    label_selector: str = "") -> AsyncIterator[WatchEvent]:
+        """Events of the collection at ``path`` matching ``field_selector`` (and
+        ``label_selector``) after ``resource_version`` until the server ends the watch;
+        :class:`KubeExpired` when that version is too old."""
+        selectors = [("fieldSelector", field_selector)] if field_selector else []
+        if label_selector:
+            selectors.append(("labelSelector", label_selector))
+        query = [*selectors, ("watch", "true"),
                  ("allowWatchBookmarks", "true"), ("resourceVersion", resource_version),
                  ("timeoutSeconds", str(timeout_s))]
         # No total limit: the server ends the watch; a silent connection ends by sock_read.
@@ -546,6 +558,37 @@ class KubeClient:
         await self._call("DELETE", f"{SLICES_PATH}/{segment(name)}", body={
             "apiVersion": "v1", "kind": "DeleteOptions",
             "preconditions": {"uid": uid, "resourceVersion": resource_version}})
+
+    # --- Nodes of a compute domain (domains.py) ----------------------------------------------
+
+    async def list_nodes(self, label_selector: str) -> NodeList:
+        """The Nodes carrying the labels of ``label_selector``, and the list's version."""
+        doc = await self._call("GET", "/api/v1/nodes", query=[("labelSelector", label_selector)],
+                               max_bytes=MAX_LIST_BYTES)
+        items = doc.get("items") or []
+        return NodeList(
+            resource_version=str(doc.get("metadata", {}).get("resourceVersion", "")),
+            items=[item for item in items if isinstance(item, dict)])
+
+    async def watch_nodes(self, label_selector: str, resource_version: str,
+                          timeout_s: int = WATCH_TIMEOUT_S) -> AsyncIterator[WatchEvent]:
+        """Events of the Nodes of ``label_selector`` after ``resource_version``."""
+        async for event in self.watch("/api/v1/nodes", "", resource_version, timeout_s,
+                                      label_selector=label_selector):
+            yield event
+
+    async def patch_node_metadata(self, name: str, *, labels: Mapping[str, str | None],
+                                  annotations: Mapping[str, str | None]) -> Json:
+        """A JSON merge patch of the Node's labels and annotations alone (None removes one):
+        no resourceVersion, so it never conflicts with kubelet's status writes."""
+        metadata: Json = {}
+        if labels:
+            metadata["labels"] = dict(labels)
+        if annotations:
+            metadata["annotations"] = dict(annotations)
+        return await self._call("PATCH", f"/api/v1/nodes/{segment(name)}",
+                                body={"metadata": metadata},
+                                content_type="application/merge-patch+json")
 
     # --- ResourceClaim device status (claim_status.py) ---------------------------------------
 

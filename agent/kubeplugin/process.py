@@ -28,6 +28,7 @@ from agent.kubeplugin.credentials import (
     follow_api_credential,
 )
 from agent.kubeplugin.device_health import DeviceHealthView
+from agent.kubeplugin.domains import DomainMembership
 from agent.kubeplugin.dra import DraService
 from agent.kubeplugin.health import HealthServer, Readiness, parse_listen
 from agent.kubeplugin.health_stream import HealthStreams
@@ -48,6 +49,9 @@ DEFAULT_HEALTH_LISTEN = "127.0.0.1:9478"
 STOP_GRACE_S = 10.0
 #: A publisher that fails is started again after this long.
 PUBLISHER_RESTART_S = 5.0
+#: Connections for compute-domain membership: one watch per domain (one at a time) and its
+#: patches.
+DOMAIN_CONNECTIONS = 4
 #: How long the stop waits for claim status writes still wanted (an unprepare's removal).
 STATUS_FLUSH_S = 2.0
 
@@ -120,6 +124,8 @@ class Wiring:
     claim_status: ClaimStatusWriter | None = None
     #: Checks the API server credential at start and while refused (None: not checked).
     credential: CredentialProbe | None = None
+    #: This node's compute-domain membership (None: compute-domain claims are refused).
+    domains: DomainMembership | None = None
 
 
 Wire = Callable[[PluginSettings, AgentClient, CollectorRegistry], Awaitable[Wiring]]
@@ -143,34 +149,31 @@ async def wire_kubernetes(settings: PluginSettings, agent: AgentClient,
     statuses = kube.sibling(connections=WRITES_AT_ONCE)
     writer = ClaimStatusWriter(statuses, publisher.device_health, driver=settings.driver,
                                pool=settings.node_name, registry=registry, agent=agent)
-    if settings.mig_config_map is None or settings.mig_token_file is None:
-
-        async def close_clients() -> None:
-            await statuses.close()
-            await claims.close()
-            await kube.close()
-
-        return Wiring(claims=claims, api=kube, publisher=publisher, close=close_clients,
-                      device_health=publisher.device_health, claim_status=writer,
-                      credential=kube)
-    try:
-        labels = await MigLabels.open(
-            kubeconfig=settings.kubeconfig, agent_socket=settings.agent_socket,
-            token_file=settings.mig_token_file, node_name=settings.node_name,
-            config_map=settings.mig_config_map, allow_reset=settings.mig_allow_reset)
-    except KubeConfigMissing as err:
-        for client in (statuses, claims, kube):
-            await client.close()
-        raise PluginStartError(str(err)) from None
+    # Its own connections too: a domain's member watch holds one while the claim is here.
+    members = kube.sibling(connections=DOMAIN_CONNECTIONS)
+    domains = DomainMembership(members, agent, node_name=settings.node_name,
+                               registry=registry)
+    labels: MigLabels | None = None
+    if settings.mig_config_map is not None and settings.mig_token_file is not None:
+        try:
+            labels = await MigLabels.open(
+                kubeconfig=settings.kubeconfig, agent_socket=settings.agent_socket,
+                token_file=settings.mig_token_file, node_name=settings.node_name,
+                config_map=settings.mig_config_map, allow_reset=settings.mig_allow_reset)
+        except KubeConfigMissing as err:
+            for client in (members, statuses, claims, kube):
+                await client.close()
+            raise PluginStartError(str(err)) from None
 
     async def close() -> None:
-        await labels.close()
-        await statuses.close()
-        await claims.close()
-        await kube.close()
+        if labels is not None:
+            await labels.close()
+        for client in (members, statuses, claims, kube):
+            await client.close()
 
     return Wiring(claims=claims, api=kube, publisher=publisher, close=close, mig_labels=labels,
-                  device_health=publisher.device_health, claim_status=writer, credential=kube)
+                  device_health=publisher.device_health, claim_status=writer, credential=kube,
+                  domains=domains)
 
 
 @dataclass
@@ -197,7 +200,8 @@ class Plugin:
         self.service = DraService(self.agent, self.wiring.claims, driver=self.settings.driver,
                                   node_name=self.settings.node_name, metrics=metrics,
                                   read_timeout_s=self.settings.claim_read_timeout_s,
-                                  status=self.wiring.claim_status)
+                                  status=self.wiring.claim_status,
+                                  domains=self.wiring.domains)
         self.servers = PluginServers(self.service, driver=self.settings.driver,
                                      registry_dir=self.settings.registry_dir,
                                      plugins_dir=self.settings.plugins_dir,
@@ -229,6 +233,24 @@ class Plugin:
         if self.wiring.claim_status is not None:
             self._status_writing = asyncio.create_task(
                 self._write_status(self.wiring.claim_status))
+        if self.wiring.domains is not None:
+            self._checking.append(asyncio.create_task(self._recover_domains(
+                self.wiring.domains)))
+
+    async def _recover_domains(self, domains: DomainMembership) -> None:
+        """Follow again the domain this node announces itself in (retried until read)."""
+        delay = 0.2
+        while True:
+            try:
+                await domains.recover()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:
+                log.warning("reading this node's compute-domain membership failed; retrying",
+                            extra={"error": str(err), "retry_in_s": delay})
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, PUBLISHER_RESTART_S)
 
     async def _publish(self, publisher: Publisher) -> None:
         while True:
@@ -277,6 +299,8 @@ class Plugin:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._checking.clear()
+        if self.wiring.domains is not None:
+            await self.wiring.domains.close()
         if self._labelling is not None:
             self._labelling.cancel()
             with contextlib.suppress(asyncio.CancelledError):
