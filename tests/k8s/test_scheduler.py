@@ -10,24 +10,22 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
+from tests.k8s import scheduling
 from tests.k8s.harness import NEWEST, ApiServer, KubeScheduler, schedulable_node
 from tests.k8s.objects import DRIVER
 from tests.k8s.published import set_mig
+from tests.k8s.scheduling import create, ensure_namespace
 from tests.k8s.stack import DEVICE_CLASSES, ROOT, Stack, apply_shipped, stack_factory
-from tests.waiting import wait_for
 
 # The shared 1.37 servers' worker (conftest.py's groups): this module's own server and
 # scheduler start once there, not once per pytest worker that gets one of its tests.
 pytestmark = pytest.mark.xdist_group(f"kube-apiserver-{NEWEST}")
 
 EXAMPLES = ROOT / "daemonset" / "examples"
-RESOURCE = "/apis/resource.k8s.io/v1"
 Json = dict[str, Any]
 
 
@@ -83,94 +81,18 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         server.stop()
 
 
-def documents(path: Path) -> list[Json]:
-    return [d for d in yaml.safe_load_all(path.read_text()) if d]
-
-
-def create(server: ApiServer, path: str, body: Json) -> Json:
-    status, made = server.request("POST", path, body)
-    assert status == 201, made
-    return dict(made)
-
-
-def ensure_namespace(server: ApiServer, namespace: str) -> None:
-    status, body = server.request("POST", "/api/v1/namespaces", {
-        "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
-    assert status in (201, 409), body
-
-
 def apply_example(server: ApiServer, example: str, namespace: str) -> list[str]:
-    """The example's objects in ``namespace``, with what kube-controller-manager's
-    resourceclaim controller (not run here) does for a pod naming a template: a claim of the
-    template's spec owned by the pod, and the pod's ``status.resourceClaimStatuses`` naming
-    it. The example's pod names."""
-    ensure_namespace(server, namespace)
-    docs = documents(EXAMPLES / example)
-    templates = {}
-    for doc in docs:
-        if doc["kind"] == "ResourceClaimTemplate":
-            templates[doc["metadata"]["name"]] = create(
-                server, f"{RESOURCE}/namespaces/{namespace}/resourceclaimtemplates", doc)
-        elif doc["kind"] == "ResourceClaim":
-            create(server, f"{RESOURCE}/namespaces/{namespace}/resourceclaims", doc)
-    pods = []
-    for doc in (d for d in docs if d["kind"] == "Pod"):
-        pod = create(server, f"/api/v1/namespaces/{namespace}/pods", doc)
-        name = pod["metadata"]["name"]
-        statuses = []
-        for entry in pod["spec"].get("resourceClaims", []):
-            template = entry.get("resourceClaimTemplateName")
-            if template is None:
-                continue
-            claim = create(server, f"{RESOURCE}/namespaces/{namespace}/resourceclaims", {
-                "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-                "metadata": {
-                    "generateName": f"{name}-{entry['name']}-",
-                    "annotations": {"resource.kubernetes.io/pod-claim-name": entry["name"]},
-                    "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": name,
-                                         "uid": pod["metadata"]["uid"], "controller": True,
-                                         "blockOwnerDeletion": True}]},
-                "spec": templates[template]["spec"]["spec"]})
-            statuses.append({"name": entry["name"],
-                             "resourceClaimName": claim["metadata"]["name"]})
-        if statuses:
-            server.kubectl("patch", "pod", "-n", namespace, name, "--subresource=status",
-                           "--type=merge", "-p",
-                           json.dumps({"status": {"resourceClaimStatuses": statuses}}))
-        pods.append(name)
-    return pods
+    """The example's objects in ``namespace`` (:func:`scheduling.create_workload`); its pods."""
+    return scheduling.create_workload(server, scheduling.documents(EXAMPLES / example),
+                                      namespace)
 
 
-def bound_node(cluster: Cluster, namespace: str, pod: str, timeout: float = 60) -> str:
-    """The node kube-scheduler bound the pod to (waits for the binding)."""
-    def node() -> str | None:
-        status, body = cluster.server.request("GET", f"/api/v1/namespaces/{namespace}/pods/{pod}")
-        assert status == 200, body
-        return body["spec"].get("nodeName") or None
-
-    try:
-        return str(wait_for(node, f"pod {namespace}/{pod} bound", timeout, every_s=0.05))
-    except AssertionError:
-        _, body = cluster.server.request("GET", f"/api/v1/namespaces/{namespace}/pods/{pod}")
-        raise AssertionError(f"{body.get('status')}\n{cluster.scheduler.log()}") from None
+def bound_node(cluster: Cluster, namespace: str, pod: str) -> str:
+    return scheduling.bound_node(cluster.server, cluster.scheduler, namespace, pod)
 
 
 def claims_of(cluster: Cluster, namespace: str, pod: str) -> list[Json]:
-    """The pod's ResourceClaims as the server holds them (allocated by the scheduler)."""
-    _, body = cluster.server.request("GET", f"/api/v1/namespaces/{namespace}/pods/{pod}")
-    names = [s["resourceClaimName"] for s in body["status"].get("resourceClaimStatuses", [])]
-    names += [c["resourceClaimName"] for c in body["spec"].get("resourceClaims", [])
-              if c.get("resourceClaimName")]
-    extended = body["status"].get("extendedResourceClaimStatus")
-    if extended:
-        names.append(extended["resourceClaimName"])
-    claims = []
-    for name in names:
-        status, claim = cluster.server.request(
-            "GET", f"{RESOURCE}/namespaces/{namespace}/resourceclaims/{name}")
-        assert status == 200, claim
-        claims.append(claim)
-    return claims
+    return scheduling.claims_of(cluster.server, namespace, pod)
 
 
 #: Each example and the node kinds it is meant for. A whole H100 and four NVLinked GPUs are
