@@ -1,0 +1,240 @@
+"""A rack-scale test bed for compute domains: a 1.37 API server, kube-scheduler and, per
+simulated GB200 NVL72 node, a real agent (with its simulated IMEX), a real kubelet plugin and
+kubelet's DRA manager; the nodes split between two NVLink cliques. Used by
+tests/k8s/test_compute_domains.py (a small bed) and bench/compute_domains.py (18 + 2 nodes,
+the issue's rack).
+
+A job is what a user applies: one ResourceClaim for the domain (``count`` slots of the
+compute-domain class, ``matchAttribute`` on the clique) shared by its pods, and per pod a
+claim of all four GPUs of a node (one pod a node). No kubelet runs pods here: a "prepare" is
+kubelet's DRA manager preparing the pod's claims through the plugin, as kubelet does before
+it starts the containers, retried as kubelet's pod sync retries it."""
+
+from __future__ import annotations
+
+import json
+import re
+import ssl
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.k8s.harness import NEWEST, ApiServer, KubeScheduler, schedulable_node
+from tests.k8s.scheduling import RESOURCE, create_workload
+from tests.k8s.stack import DEVICE_CLASSES, Stack, apply_shipped, stack_factory
+
+Json = dict[str, Any]
+DOMAIN_CLASS = "compute-domain.gpu.nodeagent.dev"
+GPU_CLASS = "gpu.nodeagent.dev"
+CLIQUE_ATTRIBUTE = "gpu.nodeagent.dev/fabricClique"
+#: Two racks: their fabric's cluster UUIDs, clique 1 each.
+RACKS = ("6c3a0d1e-0a5b-4c8e-9f1a-1b2c3d4e5f60", "7d4b1e2f-1b6c-4d9f-8a2b-2c3d4e5f6071")
+#: The simulated nodes' IMEX addresses: 127.0.<ADDRESS_BLOCK>.<n> (one bed runs at a time).
+ADDRESS_BLOCK = 90
+
+
+@dataclass(frozen=True)
+class BedSize:
+    """Nodes in the first clique and in the second."""
+
+    first: int
+    second: int
+
+
+@dataclass
+class Job:
+    """A domain job as submitted: its namespace, the domain claim and the pods."""
+
+    namespace: str
+    claim: str
+    pods: list[str]
+    uid: str = ""
+
+
+@dataclass
+class DomainBed:
+    server: ApiServer
+    scheduler: KubeScheduler
+    stacks: dict[str, Stack]
+    cliques: dict[str, str]
+    addresses: dict[str, str]
+    _close: Callable[[], None]
+    _pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(32))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._close()
+
+    # --- jobs ------------------------------------------------------------------------------
+
+    def submit(self, namespace: str, nodes: int, *, name: str = "job") -> Job:
+        """A job of ``nodes`` pods sharing one domain claim of ``nodes`` slots."""
+        claim = f"{name}-domain"
+        docs: list[Json] = [
+            {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+             "metadata": {"name": claim},
+             "spec": {"devices": {
+                 "requests": [{"name": "nodes", "exactly": {
+                     "deviceClassName": DOMAIN_CLASS, "allocationMode": "ExactCount",
+                     "count": nodes}}],
+                 "constraints": [{"requests": ["nodes"], "matchAttribute": CLIQUE_ATTRIBUTE}]}}},
+            {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+             "metadata": {"name": f"{name}-gpus"},
+             "spec": {"spec": {"devices": {"requests": [{"name": "gpus", "exactly": {
+                 "deviceClassName": GPU_CLASS, "allocationMode": "ExactCount",
+                 "count": 4}}]}}}}]
+        pods = [f"{name}-{i}" for i in range(nodes)]
+        for pod in pods:
+            docs.append({
+                "apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod,
+                                                                "labels": {"job": name}},
+                "spec": {"restartPolicy": "Never",
+                         "resourceClaims": [{"name": "domain", "resourceClaimName": claim},
+                                            {"name": "gpus",
+                                             "resourceClaimTemplateName": f"{name}-gpus"}],
+                         "containers": [{"name": "worker", "image": "registry.invalid/worker",
+                                         "resources": {"claims": [{"name": "domain"},
+                                                                  {"name": "gpus"}]}}]}})
+        create_workload(self.server, docs, namespace)
+        status, body = self.server.request(
+            "GET", f"{RESOURCE}/namespaces/{namespace}/resourceclaims/{claim}")
+        assert status == 200, body
+        return Job(namespace, claim, pods, uid=body["metadata"]["uid"])
+
+    def pod(self, job: Job, pod: str) -> Json:
+        status, body = self.server.request("GET",
+                                           f"/api/v1/namespaces/{job.namespace}/pods/{pod}")
+        assert status == 200, body
+        return dict(body)
+
+    def bound(self, job: Job) -> dict[str, str]:
+        """Pod -> node for the job's pods the scheduler has bound so far."""
+        found = {}
+        for pod in job.pods:
+            node = self.pod(job, pod)["spec"].get("nodeName")
+            if node:
+                found[pod] = node
+        return found
+
+    def prepare(self, job: Job, pod: str, node: str, *, within_s: float) -> Json:
+        """Kubelet's DRA manager on ``node`` prepares the pod's claims, again while it fails
+        (kubelet's pod sync), up to ``within_s``; the last answer."""
+        kubelet = self.stacks[node].kubelet
+        assert kubelet is not None
+        deadline = time.monotonic() + within_s
+        while True:
+            answer = kubelet.prepare(f"{job.namespace}/{pod}", timeout=within_s)
+            if answer.get("ok") or time.monotonic() > deadline:
+                return answer
+
+    def prepare_all(self, job: Job, placed: dict[str, str], *,
+                    within_s: float = 120) -> dict[str, Json]:
+        """Every pod prepared on its node at once (the kubelets of a job's nodes work in
+        parallel, and a domain forms only when its members join together)."""
+        futures = {pod: self._pool.submit(self.prepare, job, pod, node, within_s=within_s)
+                   for pod, node in placed.items()}
+        return {pod: future.result() for pod, future in futures.items()}
+
+    def unprepare_all(self, job: Job, placed: dict[str, str]) -> dict[str, Json]:
+        def unprepare(pod: str, node: str) -> Json:
+            kubelet = self.stacks[node].kubelet
+            assert kubelet is not None
+            return kubelet.unprepare(f"{job.namespace}/{pod}")
+        futures = {pod: self._pool.submit(unprepare, pod, node) for pod, node in placed.items()}
+        return {pod: future.result() for pod, future in futures.items()}
+
+    # --- what the nodes say ------------------------------------------------------------------
+
+    def domain_view(self, node: str, uid: str) -> Json | None:
+        """The node's agent's ``GET /v1/domains/{uid}`` (None: it has no such domain)."""
+        reply = self.stacks[node].agent.request("GET", f"/v1/domains/{uid}")
+        if reply.status == 404:
+            return None
+        assert reply.status == 200, reply.body
+        return dict(reply.body)
+
+    def api_writes(self) -> Counter[str]:
+        """The API server's write requests so far, by resource (its own metrics)."""
+        context = ssl.create_default_context(cafile=str(self.server.ca))
+        request = urllib.request.Request(f"{self.server.url}/metrics", headers={
+            "Authorization": f"Bearer {self.server.token}"})
+        with urllib.request.urlopen(request, context=context, timeout=30) as response:
+            text = response.read().decode()
+        writes: Counter[str] = Counter()
+        for line in text.splitlines():
+            if not line.startswith("apiserver_request_total{"):
+                continue
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            if labels.get("verb") in ("POST", "PUT", "PATCH", "DELETE", "APPLY"):
+                resource = labels.get("resource", "")
+                if labels.get("subresource"):
+                    resource += "/" + labels["subresource"]
+                writes[resource] += int(float(line.rsplit(" ", 1)[1]))
+        return writes
+
+
+def node_name(clique: int, index: int) -> str:
+    return f"nvl72-{'ab'[clique]}-{index:02d}"
+
+
+def start_bed(root: Path, size: BedSize) -> Iterator[DomainBed]:
+    """The bed (a generator: the bed, then everything stopped)."""
+    server = ApiServer.start(NEWEST, root / "apiserver")
+    stacks = stack_factory()
+    start = next(stacks)
+    scheduler: KubeScheduler | None = None
+
+    def close() -> None:
+        if scheduler is not None:
+            scheduler.close()
+        next(stacks, None)
+        server.stop()
+
+    try:
+        apply_shipped(server, DEVICE_CLASSES)
+        plan = [(node_name(c, i), c) for c, count in enumerate((size.first, size.second))
+                for i in range(count)]
+        addresses = {name: f"127.0.{ADDRESS_BLOCK}.{n + 1}" for n, (name, _) in enumerate(plan)}
+        for name, _ in plan:
+            schedulable_node(server, name)
+
+        def one(name: str, clique: int) -> Stack:
+            return start(server, "gb200-nvl72", node=name, agent_extra=(
+                "--sim-cluster-uuid", RACKS[clique], "--sim-clique-id", "1",
+                "--imex-address", addresses[name]))
+
+        with ThreadPoolExecutor(8) as pool:
+            started = dict(zip([n for n, _ in plan],
+                               pool.map(lambda p: one(*p), plan), strict=True))
+        for stack in started.values():
+            stack.wait_current()
+        scheduler = KubeScheduler(server, root=root / "scheduler")
+        cliques = {name: f"{RACKS[c]}.1" for name, c in plan}
+        bed = DomainBed(server, scheduler, started, cliques, addresses, close)
+    except BaseException:
+        close()
+        raise
+    try:
+        yield bed
+    finally:
+        bed.close()
+
+
+def nodes_of(job_nodes: dict[str, str]) -> list[str]:
+    return sorted(set(job_nodes.values()))
+
+
+def imex_nodes_config(stack: Stack) -> list[str]:
+    """The node list the agent wrote for its IMEX daemon (one address a line)."""
+    path = stack.agent_dir / "imex" / "nodes_config.cfg"
+    return [line.strip() for line in path.read_text().splitlines()
+            if line.strip() and not line.startswith("#")]
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, indent=1, sort_keys=True)[:4000]

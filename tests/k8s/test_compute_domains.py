@@ -1,0 +1,161 @@
+"""Compute domains end to end (issue 25): simulated GB200 NVL72 nodes in two NVLink cliques,
+each a real agent with its simulated IMEX, a real kubelet plugin and kubelet's DRA manager,
+under a real kube-apiserver and kube-scheduler (tests/k8s/domain_bed.py).
+
+A domain job lands on one clique only; every pod's claims are prepared with an IMEX channel
+the CDI reference library injects; every member runs IMEX with exactly the job's nodes and
+reports the domain UP; faults (an IMEX daemon, an agent, a plugin killed; a member node
+lost) recover without a stale node list or a channel held without a claim; a job larger than
+any clique stays Pending. The bed here is small (4 + 2 nodes, a 3-node domain); the 18 + 2
+rack with 16- and 18-node domains runs in ``python -m bench compute-domains``, which also
+counts the API writes."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+
+import pytest
+
+from tests.k8s.domain_bed import (
+    BedSize,
+    DomainBed,
+    Job,
+    dumps,
+    imex_nodes_config,
+    nodes_of,
+    start_bed,
+)
+from tests.k8s.harness import NEWEST
+from tests.k8s.scheduling import unschedulable
+from tests.waiting import wait_for
+
+pytestmark = pytest.mark.xdist_group(f"kube-apiserver-{NEWEST}")
+
+SIZE = BedSize(first=4, second=2)
+DOMAIN = 3
+CHANNEL = "/dev/nvidia-caps-imex-channels/channel0"
+
+
+@pytest.fixture(scope="module")
+def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DomainBed]:
+    yield from start_bed(tmp_path_factory.mktemp("domains"), SIZE)
+
+
+def placed(bed: DomainBed, job: Job) -> dict[str, str]:
+    return wait_for(lambda: (found := bed.bound(job)) and len(found) == len(job.pods)
+                    and found, f"every pod of {job.claim} bound", 60) or {}
+
+
+def domain_up(bed: DomainBed, job: Job, members: list[str]) -> bool:
+    """Every member's agent has the domain with exactly the members' addresses and reports
+    it UP (every node READY and connected, as nvidia-imex-ctl -N says)."""
+    want = sorted(bed.addresses[n] for n in members)
+    for node in members:
+        view = bed.domain_view(node, job.uid)
+        if view is None or sorted(view["peers"]) != want or view["state"] != "UP":
+            return False
+    return True
+
+
+def held_channels(bed: DomainBed, node: str) -> list[str]:
+    """The claims the node's agent holds an IMEX channel for."""
+    return [c["uid"] for c in bed.stacks[node].agent_claims()
+            if any(d.get("kind") == "imex-channel" for d in c.get("devices", []))]
+
+
+def test_a_domain_job_forms_on_one_clique_and_survives_its_faults(bed: DomainBed) -> None:
+    job = bed.submit("domain-job", DOMAIN)
+    where = placed(bed, job)
+    members = nodes_of(where)
+    # One pod a node (each takes the node's four GPUs), all on the clique that has room.
+    assert len(members) == DOMAIN, where
+    assert {bed.cliques[n] for n in members} == {bed.cliques["nvl72-a-00"]}, where
+
+    answers = bed.prepare_all(job, where)
+    for pod, answer in answers.items():
+        node = where[pod]
+        assert answer.get("ok"), f"{pod} on {node}: {answer}\n{bed.stacks[node].plugin.log()}"
+        devices = answer["containers"]["worker"]
+        injected = bed.stacks[node].kubelet.cdi_inject(  # type: ignore[union-attr]
+            devices, [bed.stacks[node].cdi_dir])
+        assert not injected.get("unresolved"), injected
+        paths = [d["path"] for d in injected["device_nodes"]]
+        assert CHANNEL in paths, dumps(injected)
+    wait_for(lambda: domain_up(bed, job, members), "the domain UP on every member", 60)
+    for node in members:
+        assert sorted(imex_nodes_config(bed.stacks[node])) == sorted(
+            bed.addresses[n] for n in members)
+        # Two writes of its own Node to join, whatever the domain's size.
+        plugin = bed.stacks[node].plugin
+        assert plugin.metric("gpu_agent_plugin_domain_node_writes_total", what="join") == 1
+        assert plugin.metric("gpu_agent_plugin_domain_node_writes_total", what="state") == 1
+
+    # One member's IMEX daemon killed: its agent starts it again, the domain comes back.
+    victim = members[0]
+    pid = bed.domain_view(victim, job.uid)["daemon"]["pid"]  # type: ignore[index]
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: (bed.domain_view(victim, job.uid) or {}).get("daemon", {}).get("pid")
+             not in (None, pid), "the IMEX daemon restarted", 60)
+    wait_for(lambda: domain_up(bed, job, members), "the domain UP after the IMEX kill", 60)
+
+    # One member's agent killed and restarted: it adopts the daemon that kept running.
+    survivor = members[1]
+    pid = bed.domain_view(survivor, job.uid)["daemon"]["pid"]  # type: ignore[index]
+    bed.stacks[survivor].restart_agent(signal.SIGKILL)
+    assert bed.domain_view(survivor, job.uid)["daemon"]["pid"] == pid  # type: ignore[index]
+    assert held_channels(bed, survivor) == [job.uid]
+    wait_for(lambda: domain_up(bed, job, members), "the domain UP after the agent kill", 60)
+
+    # One member's plugin killed and restarted: it follows the domain its Node announces.
+    bed.stacks[members[2]].restart_plugin(signal.SIGKILL)
+    bed.stacks[members[2]].plugin.wait_ready()
+
+    # A member node lost (its stack gone, its Node NotReady as the node lifecycle controller
+    # marks it): the others run IMEX with the two left, and say so; nothing stale remains.
+    lost = members[2]
+    bed.stacks[lost].close()
+    bed.server.kubectl("patch", "node", lost, "--subresource=status", "--type=merge", "-p",
+                       '{"status": {"conditions": [{"type": "Ready", "status": "Unknown", '
+                       '"reason": "NodeStatusUnknown", "message": "Kubelet stopped posting '
+                       'node status."}]}}')
+    left = members[:2]
+    wait_for(lambda: domain_up(bed, job, left), "the domain UP with the two left", 60)
+    for node in left:
+        assert sorted(imex_nodes_config(bed.stacks[node])) == sorted(
+            bed.addresses[n] for n in left)
+
+    # The job ends: every member leaves, stops IMEX and holds no channel.
+    still = {pod: node for pod, node in where.items() if node != lost}
+    for pod, answer in bed.unprepare_all(job, still).items():
+        assert answer.get("ok"), f"{pod}: {answer}"
+    for node in left:
+        assert bed.domain_view(node, job.uid) is None
+        assert held_channels(bed, node) == []
+        _, body = bed.server.request("GET", f"/api/v1/nodes/{node}")
+        assert "gpu.nodeagent.dev/compute-domain" not in body["metadata"].get("labels", {})
+
+
+def test_a_job_larger_than_any_clique_stays_pending_saying_why(bed: DomainBed) -> None:
+    """Five nodes in one clique: the first has four, the second two. The scheduler cannot
+    allocate the domain claim on any node, so every pod stays Pending with its reason."""
+    job = bed.submit("too-big", SIZE.first + 1)
+    for pod in job.pods:
+        message = wait_for(lambda pod=pod: unschedulable(bed.server, job.namespace, pod),
+                           f"{pod} unschedulable", 60)
+        assert "cannot allocate all claims" in message, message
+    assert bed.bound(job) == {}
+    status, claim = bed.server.request(
+        "GET", f"/apis/resource.k8s.io/v1/namespaces/{job.namespace}/resourceclaims/"
+               f"{job.claim}")
+    assert status == 200 and not claim.get("status", {}).get("allocation"), claim
+
+
+def test_bed_nodes_publish_their_slots(bed: DomainBed) -> None:
+    """Every node publishes one slot for its clique (the domain class's devices)."""
+    status, body = bed.server.request("GET", "/apis/resource.k8s.io/v1/resourceslices")
+    assert status == 200
+    slots = {s["spec"]["pool"]["name"].split("/")[0]: s for s in body["items"]
+             if s["spec"]["pool"]["name"].endswith("/compute-domain")}
+    assert set(slots) == set(bed.stacks), sorted(slots)
