@@ -7,6 +7,7 @@ import argparse
 from bench import (
     claim_cost,
     claims,
+    compute_domains,
     dra,
     load,
     metrics_scrape,
@@ -19,7 +20,7 @@ from bench import (
 )
 
 BENCHMARKS = ("startup", "mig-disruption", "mig-transition", "topology-select", "metrics-scrape",
-              "claims", "packing", "load", "dra", "sharing", "claim-cost")
+              "claims", "packing", "load", "dra", "sharing", "claim-cost", "compute-domains")
 
 
 def main() -> None:
@@ -73,6 +74,10 @@ def main() -> None:
         print()
     if args.only in (None, "claim-cost"):
         claim_cost.main(["--baseline", "HEAD"])  # this tree beside its last commit
+    if args.only is None:
+        print()
+    if args.only in (None, "compute-domains"):
+        compute_domains.main([])
 
 
 if __name__ == "__main__":

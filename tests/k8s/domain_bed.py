@@ -148,6 +148,29 @@ class DomainBed:
         futures = {pod: self._pool.submit(unprepare, pod, node) for pod, node in placed.items()}
         return {pod: future.result() for pod, future in futures.items()}
 
+    def release(self, job: Job) -> None:
+        """Remove the job as the controllers a real cluster runs would once its pods end:
+        the pods (no kubelet confirms their deletion), then its claims deallocated and
+        deleted (no resourceclaim controller does it here), so its nodes are free again."""
+        names = {job.claim}
+        for pod in job.pods:
+            body = self.pod(job, pod)
+            names.update(s["resourceClaimName"]
+                         for s in body["status"].get("resourceClaimStatuses", []))
+            status, answer = self.server.request(
+                "DELETE", f"/api/v1/namespaces/{job.namespace}/pods/{pod}",
+                {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0})
+            assert status in (200, 202, 404), answer
+        for name in names:
+            path = f"{RESOURCE}/namespaces/{job.namespace}/resourceclaims/{name}"
+            self.server.kubectl("patch", "resourceclaim", "-n", job.namespace, name,
+                                "--subresource=status", "--type=merge", "-p",
+                                '{"status": {"allocation": null, "reservedFor": null}}')
+            self.server.kubectl("patch", "resourceclaim", "-n", job.namespace, name,
+                                "--type=merge", "-p", '{"metadata": {"finalizers": null}}')
+            status, answer = self.server.request("DELETE", path)
+            assert status in (200, 202, 404), answer
+
     # --- what the nodes say ------------------------------------------------------------------
 
     def domain_view(self, node: str, uid: str) -> Json | None:
