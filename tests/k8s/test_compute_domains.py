@@ -31,7 +31,7 @@ from tests.k8s.harness import NEWEST
 from tests.k8s.scheduling import unschedulable
 from tests.waiting import wait_for
 
-pytestmark = pytest.mark.xdist_group(f"kube-apiserver-{NEWEST}")
+pytestmark = [pytest.mark.xdist_group(f"kube-apiserver-{NEWEST}"), pytest.mark.slow]
 
 SIZE = BedSize(first=4, second=2)
 DOMAIN = 3
