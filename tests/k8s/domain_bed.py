@@ -26,7 +26,13 @@ from typing import Any
 
 from tests.k8s.harness import NEWEST, ApiServer, KubeScheduler, schedulable_node
 from tests.k8s.scheduling import RESOURCE, create_workload
-from tests.k8s.stack import DEVICE_CLASSES, Stack, apply_shipped, stack_factory
+from tests.k8s.stack import (
+    DEVICE_CLASSES,
+    Stack,
+    apply_shipped,
+    plugin_kubeconfig,
+    stack_factory,
+)
 
 Json = dict[str, Any]
 DOMAIN_CLASS = "compute-domain.gpu.nodeagent.dev"
@@ -225,6 +231,9 @@ def start_bed(root: Path, size: BedSize) -> Iterator[DomainBed]:
         addresses = {name: f"127.0.{ADDRESS_BLOCK}.{n + 1}" for n, (name, _) in enumerate(plan)}
         for name, _ in plan:
             schedulable_node(server, name)
+        # The shipped RBAC, policy and account made once, before the nodes start together
+        # (each start applies them again, which is then a no-op, not a create race).
+        plugin_kubeconfig(server, plan[0][0], root / "first.kubeconfig")
 
         def one(name: str, clique: int) -> Stack:
             return start(server, "gb200-nvl72", node=name, agent_extra=(
