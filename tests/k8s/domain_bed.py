@@ -19,7 +19,7 @@ import time
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ from tests.k8s.stack import (
 
 Json = dict[str, Any]
 DOMAIN_CLASS = "compute-domain.gpu.nodeagent.dev"
+MEMBER_ANNOTATION = "gpu.nodeagent.dev/compute-domain-member"
 GPU_CLASS = "gpu.nodeagent.dev"
 CLIQUE_ATTRIBUTE = "gpu.nodeagent.dev/fabricClique"
 #: Two racks: their fabric's cluster UUIDs, clique 1 each.
@@ -138,11 +139,16 @@ class DomainBed:
             if answer.get("ok") or time.monotonic() > deadline:
                 return answer
 
+    def preparing(self, job: Job, pod: str, node: str, *,
+                  within_s: float = 120) -> Future[Json]:
+        """:meth:`prepare` in the background (its answer is the future's)."""
+        return self._pool.submit(self.prepare, job, pod, node, within_s=within_s)
+
     def prepare_all(self, job: Job, placed: dict[str, str], *,
                     within_s: float = 120) -> dict[str, Json]:
         """Every pod prepared on its node at once (the kubelets of a job's nodes work in
         parallel, and a domain forms only when its members join together)."""
-        futures = {pod: self._pool.submit(self.prepare, job, pod, node, within_s=within_s)
+        futures = {pod: self.preparing(job, pod, node, within_s=within_s)
                    for pod, node in placed.items()}
         return {pod: future.result() for pod, future in futures.items()}
 
@@ -178,6 +184,24 @@ class DomainBed:
             assert status in (200, 202, 404), answer
 
     # --- what the nodes say ------------------------------------------------------------------
+
+    def member(self, node: str) -> Json | None:
+        """The compute-domain member annotation of the Node (None: not a member)."""
+        _, body = self.server.request("GET", f"/api/v1/nodes/{node}")
+        raw = body["metadata"].get("annotations", {}).get(MEMBER_ANNOTATION)
+        return dict(json.loads(raw)) if raw else None
+
+    def lose(self, node: str) -> None:
+        """The node is lost: its agent, plugin and kubelet gone, and its Node marked as the
+        node lifecycle controller marks an unreachable node (Ready Unknown, the unreachable
+        taint), so nothing is scheduled there any more."""
+        self.stacks[node].close()
+        self.server.kubectl(
+            "patch", "node", node, "--subresource=status", "--type=merge", "-p", json.dumps(
+                {"status": {"conditions": [{
+                    "type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown",
+                    "message": "Kubelet stopped posting node status."}]}}))
+        self.server.kubectl("taint", "node", node, "node.kubernetes.io/unreachable:NoSchedule")
 
     def domain_view(self, node: str, uid: str) -> Json | None:
         """The node's agent's ``GET /v1/domains/{uid}`` (None: it has no such domain)."""

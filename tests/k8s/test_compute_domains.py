@@ -112,14 +112,10 @@ def test_a_domain_job_forms_on_one_clique_and_survives_its_faults(bed: DomainBed
     bed.stacks[members[2]].restart_plugin(signal.SIGKILL)
     bed.stacks[members[2]].plugin.wait_ready()
 
-    # A member node lost (its stack gone, its Node NotReady as the node lifecycle controller
-    # marks it): the others run IMEX with the two left, and say so; nothing stale remains.
+    # A member node lost (its stack gone, its Node NotReady and tainted as the node
+    # lifecycle controller marks it): the others run IMEX with the two left.
     lost = members[2]
-    bed.stacks[lost].close()
-    bed.server.kubectl("patch", "node", lost, "--subresource=status", "--type=merge", "-p",
-                       '{"status": {"conditions": [{"type": "Ready", "status": "Unknown", '
-                       '"reason": "NodeStatusUnknown", "message": "Kubelet stopped posting '
-                       'node status."}]}}')
+    bed.lose(lost)
     left = members[:2]
     wait_for(lambda: domain_up(bed, job, left), "the domain UP with the two left", 60)
     for node in left:
@@ -135,6 +131,37 @@ def test_a_domain_job_forms_on_one_clique_and_survives_its_faults(bed: DomainBed
         assert held_channels(bed, node) == []
         _, body = bed.server.request("GET", f"/api/v1/nodes/{node}")
         assert "gpu.nodeagent.dev/compute-domain" not in body["metadata"].get("labels", {})
+        assert bed.member(node) is None
+    bed.release(job)
+
+
+def test_a_domain_forms_with_a_plugin_and_an_agent_killed_while_it_forms(
+        bed: DomainBed) -> None:
+    """Two members wait for the third; meanwhile one's plugin and the other's agent are
+    killed and restarted. Kubelet's retries and the restarted plugin's recovery keep them
+    members, and when the third joins the domain forms with exactly the three."""
+    job = bed.submit("forming", DOMAIN, name="forming")
+    where = placed(bed, job)
+    first, second, last = sorted(where)
+    waiting = {pod: bed.preparing(job, pod, where[pod]) for pod in (first, second)}
+    wait_for(lambda: all((bed.member(where[p]) or {}).get("state") == "Joining"
+                         for p in (first, second)), "two members joining", 60)
+    bed.stacks[where[first]].restart_plugin(signal.SIGKILL)
+    bed.stacks[where[second]].restart_agent(signal.SIGKILL)
+    answers = {last: bed.prepare(job, last, where[last], within_s=120)}
+    answers.update({pod: future.result() for pod, future in waiting.items()})
+    for pod, answer in answers.items():
+        assert answer.get("ok"), f"{pod}: {answer}\n{bed.stacks[where[pod]].plugin.log()}"
+    members = nodes_of(where)
+    wait_for(lambda: domain_up(bed, job, members), "the domain UP on every member", 60)
+    for node in members:
+        assert sorted(imex_nodes_config(bed.stacks[node])) == sorted(
+            bed.addresses[n] for n in members)
+    for pod, answer in bed.unprepare_all(job, where).items():
+        assert answer.get("ok"), f"{pod}: {answer}"
+    for node in members:
+        assert bed.domain_view(node, job.uid) is None and held_channels(bed, node) == []
+    bed.release(job)
 
 
 def test_a_job_larger_than_any_clique_stays_pending_saying_why(bed: DomainBed) -> None:
