@@ -54,6 +54,9 @@ def _serve(args: argparse.Namespace) -> int:
             "gpu_shares": True if args.gpu_shares else None,
             "no_execute_taints": True if args.no_execute_taints else None,
             "sim_cluster_uuid": args.sim_cluster_uuid, "sim_clique_id": args.sim_clique_id,
+            "imex_address": args.imex_address, "imex_port": args.imex_port,
+            "imex_ready_timeout_s": args.imex_ready_timeout_s, "imex": args.imex,
+            "imex_ctl": args.imex_ctl,
         })
         systemd.check_environment()  # Type=notify without systemd-python: refuse to start
         logs.configure(settings.log_format, settings.log_level)
@@ -225,6 +228,22 @@ def _add_serve(sub: Any) -> None:
     serve.add_argument("--mps-control", metavar="PATH",
                        help="the nvidia-cuda-mps-control binary (default <driver-root>/usr/bin/"
                             "nvidia-cuda-mps-control; the simulator's with --simulate)")
+    serve.add_argument("--imex-address", metavar="IP",
+                       help="this node's IMEX address: the IP its IMEX daemon binds to, as "
+                            "compute domains' peer lists name it (default: none, compute "
+                            "domains refused with 409 imex-not-configured)")
+    serve.add_argument("--imex-port", metavar="PORT",
+                       help="the IMEX daemons' peer port, the same on every node of a domain "
+                            "(default 50000)")
+    serve.add_argument("--imex-ready-timeout-s", metavar="SECONDS",
+                       help="how long a prepare of an IMEX channel waits for this node's IMEX "
+                            "daemon to be READY before it fails (default 30)")
+    serve.add_argument("--imex", metavar="PATH",
+                       help="the nvidia-imex binary (default <driver-root>/usr/bin/nvidia-imex; "
+                            "the simulator's with --simulate)")
+    serve.add_argument("--imex-ctl", metavar="PATH",
+                       help="the nvidia-imex-ctl binary (default <driver-root>/usr/bin/"
+                            "nvidia-imex-ctl; the simulator's with --simulate)")
     serve.add_argument("--nvidia-smi", metavar="PATH",
                        help="the nvidia-smi binary, for compute mode and time slices (default "
                             "<driver-root>/usr/bin/nvidia-smi; the simulator's with --simulate)")
