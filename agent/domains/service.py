@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 from agent.domains.config import (
     ImexFiles,
@@ -46,7 +46,7 @@ from agent.errors import (
     StateUnreadable,
 )
 from agent.events import EventLog, Severity
-from agent.gpu.imex import ImexControl, ImexDomainView
+from agent.gpu.imex import ImexDomainView
 from agent.ledger.keys import DeviceKey
 from agent.ledger.ledger import Hold, HoldState, NodeLedger, Share
 from agent.metrics.agent import AgentMetrics
@@ -62,6 +62,34 @@ _SHARE = "imex_claims"
 _UNBOUNDED = {_SHARE: 2**62}
 _POLL_S = 0.1
 DaemonState = Literal["running", "stopped", "failed"]
+
+
+class ImexTools(Protocol):
+    """This node's IMEX binaries (:class:`agent.gpu.imex.ImexControl` on a node)."""
+
+    async def start(self, config: Path) -> None:
+        """Start a daemon with ``config``; :class:`ImexUnavailable` with why not."""
+        ...
+
+    async def state(self, config: Path) -> str | None:
+        """What ``-q`` answers, or None when no daemon does."""
+        ...
+
+    async def domain(self, config: Path) -> ImexDomainView | None:
+        """The domain as the daemon sees it (``-N -j``), or None."""
+        ...
+
+    def find(self, config: Path) -> int | None:
+        """The pid of a daemon running with ``config``."""
+        ...
+
+    def runs(self, pid: int, config: Path) -> bool:
+        """Whether ``pid`` is a daemon running with ``config``."""
+        ...
+
+    async def stop(self, pid: int, config: Path, *, timeout_s: float = 10.0) -> None:
+        """SIGTERM, a bounded wait, SIGKILL."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -103,7 +131,7 @@ class ImexSettings:
 
 
 class DomainService:
-    def __init__(self, *, settings: ImexSettings, directory: Path, control: ImexControl,
+    def __init__(self, *, settings: ImexSettings, directory: Path, control: ImexTools,
                  ledger: NodeLedger, events: EventLog, metrics: AgentMetrics) -> None:
         self.settings = settings
         self.files: ImexFiles = imex_files(directory)
@@ -409,13 +437,17 @@ class DomainService:
         """Start the daemon again for its holders, with an event and a metric; a failure is
         reported (event, daemon ``failed``) and retried by the next supervision round."""
         self._metrics.imex_daemon_restarts.inc()
+        before = self._failure
         try:
             if domain.pid is not None:
                 await self._control.stop(domain.pid, self.files.config)
             await self._start(domain, address)
         except (AgentError, OSError) as err:
             detail = err.detail if isinstance(err, AgentError) else str(err)
+            repeated = before == detail
             self._failure = detail
+            if repeated:  # retried every round: said once, while it fails the same way
+                return
             self._events.append("domain.daemon_failed", f"compute domain {domain.id}: the "
                                 f"IMEX daemon {why} and could not be restarted: {detail}",
                                 severity=Severity.ERROR, details={"domain": domain.id})

@@ -100,7 +100,7 @@ class AgentMetrics:
             "imex_daemon_up", "1 while this node's IMEX daemon runs for its compute domain",
             namespace=NAMESPACE, registry=self.registry)
         self.imex_daemon_restarts = Counter(
-            "imex_daemon_restarts", "IMEX daemons restarted because they had stopped while "
+            "imex_daemon_restarts", "IMEX daemon restarts (attempts) because it had stopped while "
             "claims held the domain's channel", namespace=NAMESPACE, registry=self.registry)
         for state in ("READY", "UNAVAILABLE", "other"):
             self.imex_domain_nodes.labels(state).set(0)

@@ -213,3 +213,58 @@ def test_without_an_imex_address_domain_calls_say_what_to_set(tmp_path: Path) ->
         assert agent.request("GET", "/v1/node").body["imex"] is None
     finally:
         agent.stop(signal.SIGKILL)
+
+
+def test_a_new_peer_list_restarts_a_running_daemon_once_with_it(tmp_path: Path) -> None:
+    me, other = _addresses(2)
+    agent = _start(tmp_path, "tray", me)
+    try:
+        assert agent.request("PUT", "/v1/domains/job", {"peers": [me]}).status == 200
+        assert agent.request("PUT", "/v1/claims/c1", _channel("job")).status == 200
+        before = wait_for(lambda: _up(agent), "a one-node domain UP", 20)
+        changed = agent.request("PUT", "/v1/domains/job", {"peers": [other, me]})
+        assert changed.status == 200, changed.body
+        assert changed.body["peers"] == [other, me]
+        assert (agent.state_dir / "imex" / "nodes_config.cfg").read_text() == f"{other}\n{me}\n"
+        after = _domain(agent)
+        assert after is not None and after["daemon"]["pid"] not in (None,
+                                                                     before["daemon"]["pid"])
+        seen = wait_for(lambda: (d := _domain(agent)) and len(d["nodes"]) == 2 and d,
+                        "the daemon to see both nodes", 20)
+        assert [(n["host"], n["status"]) for n in seen["nodes"]] == [
+            (other, "UNAVAILABLE"), (me, "READY")]
+        assert seen["state"] == "DEGRADED"
+        configured = [e for e in agent.request("GET", "/v1/events").body["events"]
+                      if e["kind"] == "domain.configured"]
+        assert [e["details"]["restarted"] for e in configured] == [False, True]
+    finally:
+        _stop_daemon(agent)
+        agent.stop(signal.SIGKILL)
+
+
+def test_unreadable_domain_state_fails_closed_until_an_operator_accepts(
+        tmp_path: Path) -> None:
+    [address] = _addresses(1)
+    state = tmp_path / "tray"
+    (state / "imex").mkdir(parents=True)
+    (state / "imex" / "domain.json").write_text("{not json")
+    agent = _start(tmp_path, "tray", address)
+    try:
+        for method, path, body in (("GET", "/v1/domains", None),
+                                   ("PUT", "/v1/domains/job", {"peers": [address]}),
+                                   ("PUT", "/v1/claims/c1", _channel("job"))):
+            refused = agent.request(method, path, body)
+            assert refused.status == 503, (path, refused.body)
+            assert refused.body["type"].endswith("/state-unreadable")
+            assert "POST /v1/admin/domain-state" in refused.body["detail"]
+        agent.stop(signal.SIGKILL)
+        agent = _start(tmp_path, "tray", address)  # a restart does not forget it
+        assert agent.request("GET", "/v1/domains").status == 503
+        accepted = agent.request("POST", "/v1/admin/domain-state")
+        assert accepted.status == 200, accepted.body
+        assert agent.request("GET", "/v1/domains").body == {"domains": []}
+        assert agent.request("PUT", "/v1/domains/job", {"peers": [address]}).status == 200
+        again = agent.request("POST", "/v1/admin/domain-state")
+        assert again.status == 409
+    finally:
+        agent.stop(signal.SIGKILL)
