@@ -11,7 +11,17 @@ from typing import Any
 from urllib.parse import quote
 
 import agent
-from agent.cli import admin, claims, completion, kubelet_plugin, mig, mps_host, options, topo
+from agent.cli import (
+    admin,
+    claims,
+    completion,
+    domains,
+    kubelet_plugin,
+    mig,
+    mps_host,
+    options,
+    topo,
+)
 from agent.cli.client import EXIT_CODES, AgentClient, ClientError, UsageError, discover, tls_context
 from agent.cli.tables import gpu_detail, gpu_table, node_lines
 from agent.errors import AgentError
@@ -349,6 +359,7 @@ def parser() -> argparse.ArgumentParser:
     mig.add_parsers(sub)
     claims.add_parsers(sub)
     topo.add_parsers(sub)
+    domains.add_parsers(sub)
     admin.add_parsers(sub)
     completion.add_parser(sub)
     _share_connection(top, seen=set(), skip=OWN_FLAGS)
@@ -378,7 +389,7 @@ def _share_connection(node: argparse.ArgumentParser, seen: set[int],
 
 COMMANDS: dict[str, Command] = {"node": _node, "gpus": _gpus, "sim": _sim, "mig": mig.run,
                                 "transitions": mig.run, "claims": claims.run, "cdi": claims.run,
-                                "topo": topo.run, **admin.COMMANDS}
+                                "topo": topo.run, "domains": domains.run, **admin.COMMANDS}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

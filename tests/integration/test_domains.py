@@ -7,6 +7,7 @@ unprepare stops it, a failing start leaves nothing held, and bad bodies change n
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import signal
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 
 from tests.agent_process import AgentProcess, start_agent
+from tests.integration.test_cli import cli
 from tests.waiting import wait_for
 
 CLUSTER = "3f1f6c1e-7a55-4c52-9d0e-1b2a3c4d5e6f"
@@ -107,9 +109,21 @@ def test_a_domain_forms_recovers_from_kills_and_stops_with_its_last_claim(pair: 
         assert [n["status"] for n in domain["nodes"]] == ["READY", "READY"]
         assert domain["daemon"]["state"] == "running"
         assert domain["holders"] == [f"claim-{agents.index(agent)}"]
+    listed = cli("domains", "--url", agents[0].url)
+    assert listed.returncode == 0, listed.stderr
+    header, row = listed.stdout.splitlines()
+    assert header.split() == ["DOMAIN", "STATE", "DAEMON", "PID", "READY", "CLAIMS", "ADDRESS"]
+    assert row.split()[:3] == ["job-1", "UP", "running"] and row.split()[4:] == [
+        "2/2", "1", peers[0]]
+    shown = cli("domains", "job-1", "-o", "json", "--url", agents[0].url)
+    assert json.loads(shown.stdout)["holders"] == ["claim-0"]
     spec = next(s for s in agents[0].request("GET", "/v1/cdi").body["specs"]
                 if "claim-0-imex-channel-0" in " ".join(s["devices"]))
     assert spec["devices"] == ["k8s.gpu.nodeagent.dev/claim=claim-0-imex-channel-0"]
+    [written] = json.loads(Path(spec["path"]).read_text())["devices"]
+    assert written["containerEdits"]["deviceNodes"] == [{
+        "path": "/dev/nvidia-caps-imex-channels/channel0", "type": "c", "major": 507,
+        "minor": 0}]
 
     # A second claim of the same domain shares the channel; another domain is refused.
     shared = agents[0].request("PUT", "/v1/claims/claim-0b", _channel("job-1"))
