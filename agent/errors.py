@@ -219,14 +219,17 @@ class ImexNotConfigured(Conflict):
 
 
 class DomainBusy(Conflict):
-    """This node is a member of another compute domain (one at a time): ``domain`` names it."""
+    """This node is a member of another compute domain (one at a time), or claims still hold
+    the domain: ``domain`` names it, ``holders`` the claims holding it here."""
 
-    def __init__(self, detail: str, *, domain: str, claim: str | None = None) -> None:
+    def __init__(self, detail: str, *, domain: str, claim: str | None = None,
+                 holders: Sequence[str] = ()) -> None:
         super().__init__(detail, claim=claim)
         self.domain = domain
+        self.holders = tuple(holders)
 
     def _fields(self) -> dict[str, Any]:
-        return {**super()._fields(), "domain": self.domain}
+        return {**super()._fields(), "domain": self.domain, "holders": list(self.holders)}
 
 
 class DomainUnknown(Conflict):

@@ -100,6 +100,11 @@ async def put_domain(request: web.Request) -> web.Response:
     return json_response(DomainModel.of(view))
 
 
+async def delete_domain(request: web.Request) -> web.Response:
+    await _service(request).leave(_domain(request))
+    return web.Response(status=204)
+
+
 async def list_domains(request: web.Request) -> web.Response:
     views = await _service(request).views()
     return json_response(DomainList(domains=[DomainModel.of(v) for v in views]))
@@ -120,6 +125,10 @@ ROUTES = [
           "Join a compute domain: its IMEX node list (idempotent; another list is stored "
           "and, when this node's IMEX daemon runs, the daemon restarted with it)", DomainModel,
           body=DomainRequest, scope="claims", tag="domains", errors=(409, 422, 503)),
+    Route("DELETE", "/v1/domains/{domain}", delete_domain,
+          "Leave a compute domain no claim holds here: its IMEX daemon stopped, its files "
+          "removed (an unknown domain is a success)", None, status=204, scope="claims",
+          tag="domains", errors=(409, 422, 503)),
     Route("GET", "/v1/domains", list_domains,
           "The compute domain this node is in (0 or 1), its IMEX daemon and nodes",
           DomainList, tag="domains", errors=(409, 503), reconciled=True, read_by=("claims",)),

@@ -227,8 +227,9 @@ class DomainService:
             current = self.domain
             if current is not None and current.id != domain_id:
                 raise DomainBusy(f"this node is in compute domain {current.id!r} (one domain "
-                                 "at a time): unprepare its claims first",
-                                 domain=current.id)
+                                 "at a time): unprepare its claims first (DELETE "
+                                 f"/v1/domains/{current.id} once none holds it)",
+                                 domain=current.id, holders=self.holders())
             wanted = tuple(peers)
             if current is not None and current.peers == wanted:
                 return await self._view(current, address), False
@@ -248,6 +249,27 @@ class DomainService:
             domain = self.domain
             assert domain is not None
             return await self._view(domain, address), True
+
+    async def leave(self, domain_id: str) -> bool:
+        """Forget a domain no claim holds here (a job that ended before any pod was prepared,
+        claims lost in a reboot): its daemon stopped, its files removed. Whether there was
+        one; :class:`DomainBusy` while claims hold its channel (unprepare them)."""
+        self.check_usable()
+        async with self._lock:
+            domain = self.domain
+            if domain is None or domain.id != domain_id:
+                return False
+            holders = self.holders()
+            if holders:
+                raise DomainBusy(f"compute domain {domain_id!r} is held by claim "
+                                 f"{', '.join(holders)} on this node: unprepare them first",
+                                 domain=domain_id, holders=holders)
+            await self._stop(domain)
+            await self._store(None)
+            self._events.append("domain.left", f"compute domain {domain_id}: removed (no "
+                                "claim held it); IMEX daemon stopped",
+                                details={"domain": domain_id})
+            return True
 
     async def _store(self, domain: Domain | None) -> None:
         if domain is None:

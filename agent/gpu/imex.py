@@ -160,11 +160,20 @@ class ImexControl:
         """SIGTERM the daemon, wait (bounded) for it to go, SIGKILL it if it stays."""
         for sig in (signal.SIGTERM, signal.SIGKILL):
             if not self.runs(pid, config):
+                _reap(pid)
                 return
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:
                 if not self.runs(pid, config):
+                    _reap(pid)
                     return
                 await asyncio.sleep(_POLL_S)
+
+
+def _reap(pid: int) -> None:
+    """Collect the daemon's exit status where it became this process's child (an agent
+    that is PID 1 of its container inherits the orphaned daemons): no zombie is left."""
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)

@@ -216,3 +216,18 @@ async def test_supervision_restarts_a_dead_daemon_and_reports_a_failing_restart_
     tools.fail = None
     await node.service.check()
     assert len(tools.running) == 1
+
+
+async def test_a_domain_no_claim_holds_can_be_left_and_one_held_cannot(
+        tmp_path: Path, tools: FakeImex) -> None:
+    node = await _member(tmp_path, tools)
+    node.service.reserve("c1", "job")
+    await node.service.ready("job")
+    with pytest.raises(DomainBusy) as held:
+        await node.service.leave("job")
+    assert held.value.holders == ("c1",) and len(tools.running) == 1
+    node.ledger.release("c1")  # say, lost in a reboot and unprepared by hand
+    assert await node.service.leave("job") is True
+    assert tools.running == {} and node.service.domain is None
+    assert await node.service.leave("job") is False
+    await node.service.configure("next-job", [ME])
