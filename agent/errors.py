@@ -206,6 +206,54 @@ class ClaimUnprepared(Conflict):
         super().__init__(detail, claim=claim)
 
 
+class ImexNotConfigured(Conflict):
+    """A compute-domain call on a node without ``--imex-address``: ``setting`` names what to
+    set."""
+
+    def __init__(self, detail: str, *, setting: str = "imex_address") -> None:
+        super().__init__(detail)
+        self.setting = setting
+
+    def _fields(self) -> dict[str, Any]:
+        return {**super()._fields(), "setting": self.setting}
+
+
+class DomainBusy(Conflict):
+    """This node is a member of another compute domain (one at a time), or claims still hold
+    the domain: ``domain`` names it, ``holders`` the claims holding it here."""
+
+    def __init__(self, detail: str, *, domain: str, claim: str | None = None,
+                 holders: Sequence[str] = ()) -> None:
+        super().__init__(detail, claim=claim)
+        self.domain = domain
+        self.holders = tuple(holders)
+
+    def _fields(self) -> dict[str, Any]:
+        return {**super()._fields(), "domain": self.domain, "holders": list(self.holders)}
+
+
+class DomainUnknown(Conflict):
+    """A channel claim names a compute domain this node was not given (PUT it first)."""
+
+    def __init__(self, detail: str, *, domain: str, claim: str | None = None) -> None:
+        super().__init__(detail, claim=claim)
+        self.domain = domain
+
+    def _fields(self) -> dict[str, Any]:
+        return {**super()._fields(), "domain": self.domain}
+
+
+class ImexChannelMissing(Conflict):
+    """The IMEX channel's device node, or its major in ``/proc/devices``, is not on the node."""
+
+    def __init__(self, detail: str, *, path: str) -> None:
+        super().__init__(detail)
+        self.path = path
+
+    def _fields(self) -> dict[str, Any]:
+        return {**super()._fields(), "path": self.path}
+
+
 class NotReady(AgentError):
     """The agent is up but cannot answer yet (NVML not initialised, recovery running); ask
     again in ``retry_after_s`` seconds."""
@@ -234,6 +282,20 @@ class SharingUnavailable(NotReady):
     def _fields(self) -> dict[str, Any]:
         return {"tool": self.tool, "reason": self.reason,
                 **({"gpu": self.gpu} if self.gpu is not None else {})}
+
+
+class ImexUnavailable(NotReady):
+    """This node's IMEX daemon could not be started, or did not become READY in time:
+    ``reason`` says which, ``detail`` carries the daemon's own message."""
+
+    def __init__(self, detail: str, *, reason: str, domain: str | None = None,
+                 retry_after_s: int = 5) -> None:
+        super().__init__(detail, retry_after_s=retry_after_s)
+        self.reason = reason
+        self.domain = domain
+
+    def _fields(self) -> dict[str, Any]:
+        return {"reason": self.reason, "domain": self.domain}
 
 
 class DeviceNodesMissing(NotReady):

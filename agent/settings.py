@@ -7,6 +7,7 @@ Precedence: command-line flag, then ``GPU_AGENT_<FLAG>`` in the environment, the
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
 import os
 import re
 import socket
@@ -116,6 +117,16 @@ class Settings:
     #: clique id); agents given the same pair form one domain. None: the preset's own.
     sim_cluster_uuid: str | None = None
     sim_clique_id: int | None = None
+    #: This node's IMEX address (the IP its IMEX daemon binds to, as the domain's peer lists
+    #: name it). None: compute domains are not configured on this node.
+    imex_address: str | None = None
+    #: The IMEX daemons' peer port (the same on every node of a domain).
+    imex_port: int = 50000
+    #: How long a prepare of an IMEX channel waits for this node's daemon to be READY.
+    imex_ready_timeout_s: float = 30.0
+    #: The ``nvidia-imex`` and ``nvidia-imex-ctl`` binaries; None: as ``mps_control``.
+    imex: Path | None = None
+    imex_ctl: Path | None = None
 
 
 # Flags the environment and the config file may set, with their parsers.
@@ -130,6 +141,8 @@ _FLAG_TYPES: dict[str, str] = {
     "device_node_wait_s": "float", "pod_resources_socket": "path", "mps_root": "path",
     "mps_control": "path", "nvidia_smi": "path", "mps_host_socket": "path", "gpu_shares": "bool",
     "no_execute_taints": "bool", "sim_cluster_uuid": "str", "sim_clique_id": "int",
+    "imex_address": "str", "imex_port": "int", "imex_ready_timeout_s": "float",
+    "imex": "path", "imex_ctl": "path",
 }
 
 
@@ -275,7 +288,36 @@ def resolve(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> S
         else _coerce("sim_clique_id", merged["sim_clique_id"]),
         **metrics,
         **_tls_settings(merged),
+        **_imex_settings(merged),
     )
+
+
+def _imex_settings(merged: Mapping[str, Any]) -> dict[str, Any]:
+    """--imex-address (an IP address), --imex-port (1-65535), --imex-ready-timeout-s
+    (above 0, at most an hour), --imex and --imex-ctl."""
+    address = merged.get("imex_address")
+    if address is not None and str(address) != "":
+        try:
+            address = str(ipaddress.ip_address(str(address)))
+        except ValueError:
+            raise InvalidRequest(f"--imex-address {str(address)[:60]!r} is not an IP address "
+                                 "(the address this node's IMEX daemon binds to)",
+                                 [{"field": "imex_address", "reason": "not an IP address"}]
+                                 ) from None
+    else:
+        address = None
+    port = merged.get("imex_port", 50000)
+    port = _coerce("imex_port", port) if not isinstance(port, int) else port
+    if isinstance(port, bool) or not 1 <= port <= 65535:
+        raise InvalidRequest(f"--imex-port must be 1-65535, not {port}",
+                             [{"field": "imex_port", "reason": "not within 1-65535"}])
+    timeout = float(_coerce("imex_ready_timeout_s", merged.get("imex_ready_timeout_s", 30.0)))
+    if not 0 < timeout <= 3600:
+        raise InvalidRequest(f"--imex-ready-timeout-s must be above 0 and at most 3600, not "
+                             f"{timeout:g}", [{"field": "imex_ready_timeout_s",
+                                               "reason": "not within (0, 3600]"}])
+    return {"imex_address": address, "imex_port": port, "imex_ready_timeout_s": timeout,
+            "imex": merged.get("imex"), "imex_ctl": merged.get("imex_ctl")}
 
 
 def _tls_settings(merged: Mapping[str, Any]) -> dict[str, Any]:

@@ -22,10 +22,12 @@ from agent.claims.checkpoint import ClaimCheckpoint
 from agent.claims.service import ClaimService
 from agent.claims.sharing_runtime import SharingRuntime
 from agent.claims.signals import ClaimSampler
+from agent.domains.service import DomainService, ImexSettings
 from agent.dra.service import ResourceSliceService
 from agent.errors import AgentError, NvmlError, StorageUnavailable
 from agent.events import EventLog, Severity
 from agent.gpu.backend import Backend
+from agent.gpu.imex import ImexControl
 from agent.gpu.inventory import GpuInventory
 from agent.gpu.mps import MpsControl, mps_processes
 from agent.gpu.nvidia_smi import NvidiaSmi
@@ -58,6 +60,9 @@ POD_RESOURCES_TIMEOUT_S = 5.0
 #: How often the claims' MPS daemons are checked: a daemon that died is reported (event,
 #: claim ``mps.state``) within this long.
 MPS_SUPERVISE_INTERVAL_S = 5.0
+#: How often this node's IMEX daemon is checked: one that died while claims hold its domain's
+#: channel is restarted within this long.
+IMEX_SUPERVISE_INTERVAL_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,8 @@ class Node:
     xids: XidWatcher
     #: Claims, shares and MPS daemons as metrics (agent/claims/signals.py).
     signals: ClaimSampler
+    #: This node's compute domain and its IMEX daemon (agent/domains/).
+    domains: DomainService
     #: Pod attribution from kubelet (--pod-resources-socket), else None.
     pods: PodResourcesPoller | None = None
     #: Set once start-up (recovery) has finished and the background work runs.
@@ -129,6 +136,7 @@ class Node:
         background = [self._publish_availability(), self._watch_drift(),
                       self.claims.node_spec.run(),
                       self.claims.supervise_daemons(MPS_SUPERVISE_INTERVAL_S),
+                      self.domains.supervise(IMEX_SUPERVISE_INTERVAL_S),
                       self.signals.run(self.settings.collect_interval_s)]
         if self.pods is not None:
             background.append(self.pods.run())
@@ -158,6 +166,8 @@ class Node:
         await self.mig.recover()
         self.readiness.set("reconciling claims and CDI specs")
         await self.claims.reconcile()
+        self.readiness.set("recovering the compute domain's IMEX daemon")
+        await self.domains.recover()
         self.readiness.set("reconciling MIG geometry")
         await self.mig.reconcile()
         # Metrics and XID health work even where claims cannot (below): they need NVML only.
@@ -313,6 +323,14 @@ def build_node(settings: Settings, backend: Backend, *,
     mig = MigService(devices=devices, inventory=inventory, events=events, metrics=metrics,
                      ledger=ledger, state_dir=state, proc_root=settings.proc_root,
                      reapply=settings.reapply_mig)
+    tools = _tools_dir(settings, backend)
+    domains = DomainService(
+        settings=ImexSettings(address=settings.imex_address, port=settings.imex_port,
+                              ready_timeout_s=settings.imex_ready_timeout_s),
+        directory=state / "imex",
+        control=ImexControl(settings.imex or tools / "nvidia-imex",
+                            settings.imex_ctl or tools / "nvidia-imex-ctl"),
+        ledger=ledger, events=events, metrics=metrics)
     claims = ClaimService(
         inventory=inventory, ledger=ledger, devices=devices, events=events,
         checkpoint=ClaimCheckpoint(state / "claims.checkpoint", boot_id(settings.proc_root),
@@ -324,7 +342,7 @@ def build_node(settings: Settings, backend: Backend, *,
         tombstone_s=settings.claim_tombstone_s, run_dir=settings.run_dir,
         device_node_wait_s=settings.device_node_wait_s,
         sharing=sharing or _sharing(settings, backend, session),
-        dynamic_mig=settings.dynamic_mig)
+        dynamic_mig=settings.dynamic_mig, channels=domains)
     topology = TopologyService(session=session, inventory=inventory, sys_root=backend.sys_root,
                                ledger=ledger)
     resource_slices = ResourceSliceService(inventory=inventory, topology=topology, ledger=ledger,
@@ -346,7 +364,14 @@ def build_node(settings: Settings, backend: Backend, *,
                 events=events, metrics=metrics, readiness=Readiness(), ledger=ledger,
                 mig=mig, claims=claims, health=health, collector=collector,
                 topology=topology, resource_slices=resource_slices, xids=xids,
-                signals=signals, pods=pods)
+                signals=signals, pods=pods, domains=domains)
+
+
+def _tools_dir(settings: Settings, backend: Backend) -> Path:
+    """Where the driver's tools are when no flag names one: the simulator's with
+    ``--simulate``, else ``<driver root or />/usr/bin``."""
+    return backend.sim.tools_dir if backend.sim is not None else \
+        (settings.driver_root or Path("/")) / "usr" / "bin"
 
 
 def _sharing(settings: Settings, backend: Backend, session: NvmlSession) -> SharingRuntime:
@@ -354,8 +379,7 @@ def _sharing(settings: Settings, backend: Backend, session: NvmlSession) -> Shar
     configured, else under ``<driver root or />/usr/bin`` (the simulator's tools with
     ``--simulate``); daemons started by the MPS host (``--mps-host-socket``) when set, else by
     the agent itself."""
-    default_dir = backend.sim.tools_dir if backend.sim is not None else \
-        (settings.driver_root or Path("/")) / "usr" / "bin"
+    default_dir = _tools_dir(settings, backend)
     launcher: MpsLauncher = HostLauncher(settings.mps_host_socket) \
         if settings.mps_host_socket is not None else DirectLauncher()
     assert settings.mps_root is not None, "resolved settings always have one"

@@ -87,6 +87,21 @@ def mig_edits(host: HostDevices, parent_minor: int, gi_id: int, ci_id: int) -> C
         _char(f"/dev/nvidia-caps/nvidia-cap{ci}", caps, ci)))
 
 
+#: The driver name of IMEX channels in ``/proc/devices``, and their directory under ``/dev``.
+IMEX_CHANNELS = "nvidia-caps-imex-channels"
+
+
+def imex_channel_path(channel: int) -> str:
+    return f"/dev/{IMEX_CHANNELS}/channel{channel}"
+
+
+def imex_channel_edits(host: HostDevices, channel: int) -> ContainerEdits:
+    """An IMEX channel: its character device (the major is dynamic: read from
+    ``/proc/devices``; the minor is the channel's number)."""
+    return ContainerEdits(device_nodes=(
+        _char(imex_channel_path(channel), host.major(IMEX_CHANNELS), channel),))
+
+
 def merge(edits: Sequence[ContainerEdits]) -> ContainerEdits:
     """The union of device nodes (by path, first wins), for the ``all`` device."""
     seen: dict[str, DeviceNode] = {}

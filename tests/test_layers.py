@@ -52,6 +52,8 @@ LAYER_OF = {
     "agent.topology": "services",
     "agent.metrics": "services",
     "agent.dra": "services",
+    # compute domains: the IMEX node list, this node's IMEX daemon, the channel claims hold
+    "agent.domains": "services",
     # kubelet's PodResources client (pod labels on metrics; grpcio only with the flag)
     "agent.podresources": "services",
     # the kubelet plugin: a process of its own that reaches the agent only over REST

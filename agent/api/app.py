@@ -8,7 +8,7 @@ from typing import Any
 from aiohttp import web
 
 import agent
-from agent.api import admin, claims, dra, gpus, identity, mig, node, sim, topology
+from agent.api import admin, claims, domains, dra, gpus, identity, mig, node, sim, topology
 from agent.api.context import AGENT, MAX_BODY_BYTES, AgentContext
 from agent.api.mig_models import (
     ApplyModel,
@@ -161,7 +161,7 @@ SIM_ROUTES = [
 
 def all_routes(*, simulated: bool) -> list[Route]:
     """Every route the agent serves (the simulation controls only when simulated)."""
-    return (CORE_ROUTES + topology.ROUTES + dra.ROUTES + admin.ROUTES
+    return (CORE_ROUTES + topology.ROUTES + dra.ROUTES + admin.ROUTES + domains.ROUTES
             + (SIM_ROUTES if simulated else []))
 
 

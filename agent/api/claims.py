@@ -23,7 +23,12 @@ from agent.api.context import AGENT
 from agent.api.models import PlacementModel, Strict
 from agent.api.node import require_ready
 from agent.api.routing import json_response
-from agent.claims.checkpoint import ClaimRecord, MpsDaemonRecord, PreparedDevice
+from agent.claims.checkpoint import (
+    ClaimRecord,
+    ImexChannelRecord,
+    MpsDaemonRecord,
+    PreparedDevice,
+)
 from agent.claims.requests import DeviceRequest
 from agent.claims.service import ClaimService
 from agent.claims.sharing import MpsConfig, SharingConfig, pinned_limit_mib
@@ -125,9 +130,10 @@ class DeviceRequestIn(Strict):
     device is held without taking it from its holder, and blocks no other claim and no
     geometry change."""
 
-    kind: Literal["gpu", "slice"] = Field(
-        description="What is asked for: 'gpu' (an existing GPU or MIG device) or 'slice' (a "
-        "MIG slice made on demand). Formerly 'request', still accepted alone.")
+    kind: Literal["gpu", "slice", "imex-channel"] = Field(
+        description="What is asked for: 'gpu' (an existing GPU or MIG device), 'slice' (a "
+        "MIG slice made on demand) or 'imex-channel' (the IMEX channel of the compute domain "
+        "named by 'domain'). Formerly 'request', still accepted alone.")
     request: Literal["gpu", "slice"] | None = Field(
         default=None, json_schema_extra={"deprecated": True},
         description="Deprecated spelling of 'kind' (accepted when 'kind' is absent; giving "
@@ -144,6 +150,9 @@ class DeviceRequestIn(Strict):
                                         "GPU (DRA consumable capacity)")
     share_id: str | None = Field(default=None, min_length=1, max_length=64,
                                  description="The allocation result's shareID, echoed back")
+    domain: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+                               description="kind 'imex-channel': the compute domain (as PUT "
+                               "to /v1/domains/{domain}) whose channel the claim holds")
 
     @model_validator(mode="before")
     @classmethod
@@ -165,6 +174,15 @@ class DeviceRequestIn(Strict):
 
     @model_validator(mode="after")
     def _shape(self) -> DeviceRequestIn:
+        if self.kind == "imex-channel":
+            if self.domain is None:
+                raise ValueError("kind 'imex-channel' names its compute domain in 'domain'")
+            if self.device or self.profile or self.gpu or self.placement or \
+                    self.admin_access or self.sharing or self.capacity or self.share_id:
+                raise ValueError("kind 'imex-channel' gives a domain (and a name) only")
+            return self
+        if self.domain is not None:
+            raise ValueError("domain is for kind 'imex-channel'")
         if self.admin_access and self.kind != "gpu":
             raise ValueError("admin_access is for existing devices (kind 'gpu'), not "
                              "slices made on demand")
@@ -183,14 +201,13 @@ class DeviceRequestIn(Strict):
 
     def value(self) -> DeviceRequest:
         return DeviceRequest(
-            request=self.name or self.kind,
-            kind="gpu" if self.kind == "gpu" else "slice", device=self.device,
+            request=self.name or self.kind, kind=self.kind, device=self.device,
             profile=self.profile, gpu=self.gpu,
             start=self.placement.start if self.placement else None,
             admin_access=self.admin_access,
             sharing=self.sharing.value() if self.sharing is not None else None,
             memory_mib=self.capacity.memory if self.capacity is not None else None,
-            share_id=self.share_id)
+            share_id=self.share_id, domain=self.domain)
 
 
 class ClaimMetadata(Strict):
@@ -280,7 +297,7 @@ def _mig_instance(device: PreparedDevice, profiles: ProfileNames) -> MigInstance
 
 class PreparedDeviceModel(BaseModel):
     request: str
-    kind: Literal["gpu", "mig"]
+    kind: Literal["gpu", "mig", "imex-channel"]
     uuid: str | None
     parent_uuid: str | None
     pool: str
@@ -293,6 +310,15 @@ class PreparedDeviceModel(BaseModel):
     share: ShareModel | None = None
     mig: MigInstanceModel | None = Field(default=None, description="A MIG device's profile, "
                                          "GPU/compute instance IDs and placement")
+    domain: str | None = Field(default=None, description="An IMEX channel's compute domain")
+    channel: int | None = Field(default=None, description="An IMEX channel's number")
+
+    @classmethod
+    def of_channel(cls, channel: ImexChannelRecord, pool: str) -> PreparedDeviceModel:
+        return cls(request=channel.request, kind="imex-channel", uuid=None, parent_uuid=None,
+                   pool=pool, device_name=channel.device_name, on_demand=False,
+                   admin_access=False, cdi_devices=[channel.cdi_device],
+                   domain=channel.domain, channel=channel.channel)
 
     @classmethod
     def of(cls, device: PreparedDevice, pool: str,
@@ -338,7 +364,8 @@ class ClaimModel(BaseModel):
             metadata=record.metadata, created_at=record.created_at,
             updated_at=record.updated_at, lost_reason=record.lost_reason,
             issued_at_ns=record.issued_at_ns,
-            devices=[PreparedDeviceModel.of(d, pool, profiles) for d in record.devices],
+            devices=[PreparedDeviceModel.of(d, pool, profiles) for d in record.devices] + (
+                [PreparedDeviceModel.of_channel(record.imex, pool)] if record.imex else []),
             mps=MpsDaemonModel.of(record.mps) if record.mps is not None else None,
             mps_daemons=[MpsDaemonModel.of(d) for d in record.daemons()])
 

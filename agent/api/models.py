@@ -273,6 +273,11 @@ class GpuList(BaseModel):
     gpus: list[GpuModel]
 
 
+class ImexModel(BaseModel):
+    address: str = Field(description="This node's IMEX address (--imex-address)")
+    port: int = Field(description="The IMEX peer port (--imex-port)")
+
+
 class NodeModel(BaseModel):
     hostname: str
     driver_version: str
@@ -282,14 +287,16 @@ class NodeModel(BaseModel):
     backend: str = Field(description="'nvml' on a real node, 'simulated:<preset>' otherwise")
     agent_version: str
     gpu_count: int
+    imex: ImexModel | None = Field(default=None, description="Compute domains: this node's "
+                                   "IMEX address and port; null without --imex-address")
 
     @classmethod
     def of(cls, *, hostname: str, driver: DriverInfo, boot_id: str, backend: str,
-           agent_version: str, gpu_count: int) -> NodeModel:
+           agent_version: str, gpu_count: int, imex: ImexModel | None = None) -> NodeModel:
         return cls(hostname=hostname, driver_version=driver.driver_version,
                    cuda_driver_version=driver.cuda_driver_version,
                    nvml_version=driver.nvml_version, boot_id=boot_id, backend=backend,
-                   agent_version=agent_version, gpu_count=gpu_count)
+                   agent_version=agent_version, gpu_count=gpu_count, imex=imex)
 
 
 class EventModel(BaseModel):

@@ -10,7 +10,7 @@ from aiohttp import web
 
 import agent
 from agent.api.context import AGENT, AgentContext
-from agent.api.models import EventList, EventModel, NodeModel, Status
+from agent.api.models import EventList, EventModel, ImexModel, NodeModel, Status
 from agent.api.routing import json_response
 from agent.device_names import ascii_integer
 from agent.errors import InvalidRequest, NotReady
@@ -45,10 +45,13 @@ async def readyz(request: web.Request) -> web.Response:
 async def get_node(request: web.Request) -> web.Response:
     ctx = request.app[AGENT]
     require_ready(ctx)
+    settings = ctx.node.settings
     return json_response(NodeModel.of(
-        hostname=ctx.node.settings.node_name, driver=ctx.node.inventory.driver,
-        boot_id=boot_id(ctx.node.settings.proc_root), backend=ctx.node.backend.name,
-        agent_version=agent.__version__, gpu_count=len(ctx.node.inventory.gpus)))
+        hostname=settings.node_name, driver=ctx.node.inventory.driver,
+        boot_id=boot_id(settings.proc_root), backend=ctx.node.backend.name,
+        agent_version=agent.__version__, gpu_count=len(ctx.node.inventory.gpus),
+        imex=ImexModel(address=settings.imex_address, port=settings.imex_port)
+        if settings.imex_address is not None else None))
 
 
 _EPOCH = re.compile(r"^[0-9a-f]{16}\Z")

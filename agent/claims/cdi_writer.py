@@ -22,6 +22,7 @@ from cdi.nvidia import (
     HostDevices,
     common_edits,
     gpu_edits,
+    imex_channel_edits,
     mig_edits,
     parse_mig_minors,
     parse_proc_devices,
@@ -183,6 +184,11 @@ class CdiWriter:
                 self._edits[key] = edits
         return edits
 
+    def channel_edits(self, channel: int) -> ContainerEdits:
+        """An IMEX channel's device node (:class:`HostFactsError` when ``/proc/devices``
+        lists no IMEX channel major)."""
+        return imex_channel_edits(self.host, channel)
+
     def device_nodes(self, devices: Sequence[tuple[PreparedDevice, int]]) -> list[str]:
         """The device node paths of a claim's spec that must exist on the host before it is
         answered: the GPUs' and the common ones (control, UVM), the nodes the driver makes
@@ -199,10 +205,12 @@ class CdiWriter:
         return [p for p in paths if not os.path.exists(f"{self._dev_prefix}/{p.lstrip('/')}")]
 
     def write_claim(self, uid: str, devices: Sequence[tuple[PreparedDevice, int]], *,
-                    mps_roots: Mapping[str, Path] | None = None) -> Path:
+                    mps_roots: Mapping[str, Path] | None = None,
+                    channels: Sequence[tuple[str, int]] = ()) -> Path:
         """The claim's transient spec (``k8s.gpu.nodeagent.dev-claim_<uid>.json``); a device
         under one of the claim's MPS daemons (``mps_roots``: each daemon's directory by device
-        UUID) also gets that daemon's pipe and shm directories."""
+        UUID) also gets that daemon's pipe and shm directories; ``channels`` are the claim's
+        IMEX channels (device name, channel number)."""
         def edits(device: PreparedDevice, minor: int) -> ContainerEdits:
             own = self.device_edits(device, minor)
             state = device.sharing_state
@@ -212,7 +220,9 @@ class CdiWriter:
             return with_mps(own, root)
         spec = build_spec(CLAIM_KIND, [
             NamedEdits((claim_device(uid, d.device_name),), edits(d, minor))
-            for d, minor in devices], self._common())
+            for d, minor in devices] + [
+            NamedEdits((claim_device(uid, name),), self.channel_edits(channel))
+            for name, channel in channels], self._common())
         return self.store.write(spec, spec_id=uid)
 
     @staticmethod

@@ -114,6 +114,17 @@ class PreparedDevice(_Record):
     share: ShareRecord | None = None
 
 
+class ImexChannelRecord(_Record):
+    """The IMEX channel a claim holds for its compute domain (beside ``devices``, so an older
+    agent reading the file ignores it instead of refusing a kind it does not know)."""
+
+    request: str
+    domain: str
+    channel: int = 0
+    device_name: str
+    cdi_device: str
+
+
 class ClaimRecord(_Record):
     uid: str
     state: ClaimState
@@ -132,6 +143,7 @@ class ClaimRecord(_Record):
     # reading this file still finds (and stops) the first and ignores the new field.
     mps_more: list[MpsDaemonRecord] = Field(
         default=[], description="The claim's MPS daemons after the first (``mps``)")
+    imex: ImexChannelRecord | None = None
 
     def daemons(self) -> list[MpsDaemonRecord]:
         """Every MPS daemon of the claim (one per MPS config), the first first."""

@@ -17,6 +17,7 @@ from functools import partial
 from pathlib import Path
 
 from agent.claims.cdi_writer import CdiWriter
+from agent.claims.channels import Channels, channel_specs
 from agent.claims.checkpoint import (
     CheckpointCorrupt,
     CheckpointData,
@@ -45,8 +46,9 @@ class ClaimRecovery:
                  sharing: SharingRuntime, daemons: DaemonSupervisor, locks: ClaimLocks,
                  undo: Callable[[ClaimRecord], Awaitable[None]],
                  refresh_node_spec: Callable[[], Awaitable[None]],
-                 run_dir: Path | None) -> None:
+                 run_dir: Path | None, channels: Channels | None = None) -> None:
         self._checkpoint = checkpoint
+        self._channels = channels
         self._ledger = ledger
         self._inventory = inventory
         self._cdi = cdi
@@ -97,6 +99,9 @@ class ClaimRecovery:
             half_done = record.state in ("prepare_started", "unprepare_started")
             if record.state != "prepare_completed" and not half_done:
                 continue
+            if record.imex is not None and self._channels is not None \
+                    and record.state == "prepare_completed":
+                self._channels.hold(record.uid)
             for device in record.devices:
                 if half_done and device.sharing_state is None and device.share is None:
                     continue
@@ -178,7 +183,7 @@ class ClaimRecovery:
             path = await asyncio.to_thread(partial(
                 self._cdi.write_claim, record.uid,
                 [(d, gpus[d.gpu].static.minor) for d in record.devices],
-                mps_roots=mps_roots(record)))
+                mps_roots=mps_roots(record), channels=channel_specs(record)))
             owned.add(str(path))
             await self._reapply_sharing(record)
             if record.daemons():

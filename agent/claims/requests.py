@@ -20,12 +20,13 @@ DeviceNames = Literal["any", "resourceslice"]
 
 @dataclass(frozen=True)
 class DeviceRequest:
-    """One device a claim asks for: an existing one (``kind="gpu"``) by any of its names, or a
+    """One device a claim asks for: an existing one (``kind="gpu"``) by any of its names, a
     MIG slice made on demand (``kind="slice"``) by profile (optionally GPU and start) or by a
-    dynamic ResourceSlice device name."""
+    dynamic ResourceSlice device name, or the IMEX channel of a compute domain
+    (``kind="imex-channel"``, ``domain``)."""
 
     request: str
-    kind: Literal["gpu", "slice"]
+    kind: Literal["gpu", "slice", "imex-channel"]
     device: str | None = None
     profile: str | None = None
     gpu: str | None = None
@@ -37,12 +38,14 @@ class DeviceRequest:
     sharing: SharingConfig | None = None
     memory_mib: int | None = None
     share_id: str | None = None
+    #: ``kind="imex-channel"``: the compute domain whose IMEX channel the claim holds.
+    domain: str | None = None
 
 
 #: Fields added after the first checkpoints: in the digest only when set, so requests
 #: recorded before they existed keep their digest and their retries after an upgrade still
 #: answer the same claim.
-_NEWER_FIELDS = frozenset({"admin_access", "sharing", "memory_mib", "share_id"})
+_NEWER_FIELDS = frozenset({"admin_access", "sharing", "memory_mib", "share_id", "domain"})
 
 
 _FIELDS = tuple(f.name for f in fields(DeviceRequest))
@@ -69,6 +72,8 @@ def resourceslice_name_errors(requests: Sequence[DeviceRequest]) -> list[dict[st
     rest of the claim, before anything is reserved."""
     errors = []
     for position, request in enumerate(requests):
+        if request.kind == "imex-channel":
+            continue  # named by its domain, not by a ResourceSlice device
         parsed = parse_device_name(request.device) if request.device is not None else None
         if parsed is None:
             reason = "not a ResourceSlice device name"

@@ -26,7 +26,8 @@ from pathlib import Path
 
 from agent.claims import existing
 from agent.claims.cdi_writer import CdiWriter
-from agent.claims.checkpoint import ClaimCheckpoint, ClaimRecord
+from agent.claims.channels import CHANNEL, CHANNEL_NAME, Channels, channel_specs
+from agent.claims.checkpoint import ClaimCheckpoint, ClaimRecord, ImexChannelRecord
 from agent.claims.daemons import DaemonSupervisor
 from agent.claims.locks import ClaimLocks
 from agent.claims.node_spec import NodeSpec
@@ -38,12 +39,21 @@ from agent.claims.sharing_runtime import SharingRuntime
 from agent.claims.slices import ClaimSlices, check_slices, gpus_for
 from agent.claims.tombstones import Tombstones
 from agent.device_names import shareable_mib
-from agent.errors import AgentError, Conflict, DeviceNodesMissing, InvalidRequest, NotFound
+from agent.errors import (
+    AgentError,
+    Conflict,
+    DeviceNodesMissing,
+    ImexChannelMissing,
+    ImexNotConfigured,
+    InvalidRequest,
+    NotFound,
+)
 from agent.events import EventLog, Severity
 from agent.gpu.inventory import GpuInventory
 from agent.gpu.types import Gpu
 from agent.ledger.ledger import NodeLedger
 from agent.mig.devices import MigDevices
+from cdi.nvidia import HostFactsError
 
 __all__ = ["ClaimService", "GpuShares", "ShareHolder"]
 
@@ -80,8 +90,9 @@ class ClaimService:
                  checkpoint: ClaimCheckpoint, cdi: CdiWriter, events: EventLog,
                  tombstone_s: float = 600.0, run_dir: Path | None = None,
                  device_node_wait_s: float = 5.0, sharing: SharingRuntime | None = None,
-                 dynamic_mig: bool = False) -> None:
+                 dynamic_mig: bool = False, channels: Channels | None = None) -> None:
         self._inventory = inventory
+        self._channels = channels
         self._ledger = ledger
         self.checkpoint = checkpoint
         self.cdi = cdi
@@ -99,7 +110,7 @@ class ClaimService:
         self.recovery = ClaimRecovery(
             checkpoint=checkpoint, ledger=ledger, inventory=inventory, cdi=cdi, events=events,
             sharing=self.sharing, daemons=self.daemons, locks=self.locks, undo=self._undo,
-            refresh_node_spec=self._refresh_node_spec, run_dir=run_dir)
+            refresh_node_spec=self._refresh_node_spec, run_dir=run_dir, channels=channels)
         self.node_spec = NodeSpec(inventory=inventory, cdi=cdi,
                                   after=self.recovery.lose_destroyed_admin_claims)
         ledger.watchers.append(self.node_spec.schedule)
@@ -210,6 +221,7 @@ class ClaimService:
                 + " (device_names 'resourceslice': gpu-<minor> or "
                 "gpu-<minor>-mig-<profile>-<profile id>-<start>); nothing was reserved",
                 [{"field": e["field"], "reason": e["reason"]} for e in errors])
+        _check_channels(requests)
         wanted = digest(requests)
         async with self.locks.hold(uid):
             record = self.checkpoint.data.claims.get(uid)
@@ -269,12 +281,18 @@ class ClaimService:
                 existing.reserve(self._ledger, self.cdi, record, target,
                                  shared=shared.device(position))
             for request in requests:
+                if request.kind == "imex-channel":  # before any slice is made
+                    self._reserve_channel(record, request)
+            for request in requests:
                 if request.kind == "slice":
                     await self._slices.make(record, request.request, profile=request.profile,
                                             gpu_ref=request.gpu, start=request.start,
                                             device_name=request.device, gpus=gpus,
                                             admin_access=request.admin_access)
             await self._await_device_nodes(record, gpus)
+            if record.imex is not None:
+                assert self._channels is not None, "reserved through it"
+                await self._channels.ready(record.imex.domain)
             if has_effects(record) or shared.daemon is not None:
                 await self._apply_sharing(record, shared)
             record.cdi_spec = str(self.cdi.claim_path(uid))
@@ -294,6 +312,40 @@ class ClaimService:
         self._events.append("claim.prepared", f"claim {uid} prepared: " + ", ".join(
             d.device_name for d in record.devices), details=claim_details(record))
         return record
+
+    def _reserve_channel(self, record: ClaimRecord, request: DeviceRequest) -> None:
+        """Hold the IMEX channel of the request's domain (no await): its device node and
+        its major must be on the node, the domain must be this node's."""
+        if self._channels is None:
+            raise ImexNotConfigured("this agent has no compute domains (set --imex-address)")
+        try:
+            node = (self.cdi.channel_edits(CHANNEL).device_nodes or ())[0]
+        except HostFactsError as err:
+            raise ImexChannelMissing(
+                f"claim {record.uid}: IMEX channel {CHANNEL} cannot be given: {err} (load "
+                "the NVIDIA driver with IMEX channels)", path="/proc/devices") from err
+        if self.cdi.missing_nodes([node.path]):
+            raise ImexChannelMissing(
+                f"claim {record.uid}: the IMEX channel node {node.path} does not exist under "
+                f"{self.cdi.dev_root} (create it, e.g. with the driver option "
+                "NVreg_CreateImexChannel0=1, or mknod); nothing was prepared", path=node.path)
+        assert request.domain is not None, "the API requires it"
+        self._channels.reserve(record.uid, request.domain)
+        record.imex = ImexChannelRecord(
+            request=request.request, domain=request.domain, channel=CHANNEL,
+            device_name=CHANNEL_NAME,
+            cdi_device=self.cdi.qualified_name(record.uid, CHANNEL_NAME))
+
+    async def _channel_released(self, record: ClaimRecord, *, leave: bool) -> None:
+        """Tell the domain its claim let the channel go; a failure there (the daemon's files,
+        the domain state) is logged: the claim is gone either way."""
+        if record.imex is None or self._channels is None:
+            return
+        try:
+            await self._channels.released(record.imex.domain, leave=leave)
+        except (AgentError, OSError) as err:
+            log.warning("compute domain not updated after a claim released its channel",
+                        extra={"claim": record.uid, "error": str(err)})
 
     def _sharing_plan(self, requests: Sequence[DeviceRequest],
                       targets: Sequence[existing.Target]) -> SharingPlan:
@@ -357,7 +409,7 @@ class ClaimService:
         # tmpfs on hosts (tens of microseconds); handing it to a thread cost more than that.
         try:
             self.cdi.write_claim(record.uid, [(d, minors[d.gpu]) for d in record.devices],
-                                 mps_roots=mps_roots(record))
+                                 mps_roots=mps_roots(record), channels=channel_specs(record))
         except BaseException:
             await asyncio.gather(committed, confirmed, return_exceptions=True)
             raise
@@ -448,6 +500,7 @@ class ClaimService:
             raise
         self._ledger.release(record.uid)
         self.cdi.store.remove(self.cdi.claim_path(record.uid))  # on the loop, as it is written
+        await self._channel_released(record, leave=True)
 
     async def _undo(self, record: ClaimRecord) -> None:
         """Destroy the claim's on-demand slices, remove its spec, release its devices, drop
@@ -466,6 +519,17 @@ class ClaimService:
         if self.checkpoint.data.claims.get(record.uid) is record:
             del self.checkpoint.data.claims[record.uid]
         await self.checkpoint.commit()
+        await self._channel_released(record, leave=record.state == "unprepare_started")
+
+
+def _check_channels(requests: Sequence[DeviceRequest]) -> None:
+    """A claim holds at most one IMEX channel (pure, before anything is reserved)."""
+    positions = [i for i, r in enumerate(requests) if r.kind == "imex-channel"]
+    if len(positions) > 1:
+        raise InvalidRequest(
+            f"devices[{positions[1]}]: a claim holds one IMEX channel (devices[{positions[0]}] "
+            "is one already)", [{"field": f"devices[{positions[1]}].kind",
+                                  "reason": "a second imex-channel"}])
 
 
 async def _true() -> bool:

@@ -11,7 +11,17 @@ from typing import Any
 from urllib.parse import quote
 
 import agent
-from agent.cli import admin, claims, completion, kubelet_plugin, mig, mps_host, options, topo
+from agent.cli import (
+    admin,
+    claims,
+    completion,
+    domains,
+    kubelet_plugin,
+    mig,
+    mps_host,
+    options,
+    topo,
+)
 from agent.cli.client import EXIT_CODES, AgentClient, ClientError, UsageError, discover, tls_context
 from agent.cli.tables import gpu_detail, gpu_table, node_lines
 from agent.errors import AgentError
@@ -54,6 +64,9 @@ def _serve(args: argparse.Namespace) -> int:
             "gpu_shares": True if args.gpu_shares else None,
             "no_execute_taints": True if args.no_execute_taints else None,
             "sim_cluster_uuid": args.sim_cluster_uuid, "sim_clique_id": args.sim_clique_id,
+            "imex_address": args.imex_address, "imex_port": args.imex_port,
+            "imex_ready_timeout_s": args.imex_ready_timeout_s, "imex": args.imex,
+            "imex_ctl": args.imex_ctl,
         })
         systemd.check_environment()  # Type=notify without systemd-python: refuse to start
         logs.configure(settings.log_format, settings.log_level)
@@ -225,6 +238,22 @@ def _add_serve(sub: Any) -> None:
     serve.add_argument("--mps-control", metavar="PATH",
                        help="the nvidia-cuda-mps-control binary (default <driver-root>/usr/bin/"
                             "nvidia-cuda-mps-control; the simulator's with --simulate)")
+    serve.add_argument("--imex-address", metavar="IP",
+                       help="this node's IMEX address: the IP its IMEX daemon binds to, as "
+                            "compute domains' peer lists name it (default: none, compute "
+                            "domains refused with 409 imex-not-configured)")
+    serve.add_argument("--imex-port", metavar="PORT",
+                       help="the IMEX daemons' peer port, the same on every node of a domain "
+                            "(default 50000)")
+    serve.add_argument("--imex-ready-timeout-s", metavar="SECONDS",
+                       help="how long a prepare of an IMEX channel waits for this node's IMEX "
+                            "daemon to be READY before it fails (default 30)")
+    serve.add_argument("--imex", metavar="PATH",
+                       help="the nvidia-imex binary (default <driver-root>/usr/bin/nvidia-imex; "
+                            "the simulator's with --simulate)")
+    serve.add_argument("--imex-ctl", metavar="PATH",
+                       help="the nvidia-imex-ctl binary (default <driver-root>/usr/bin/"
+                            "nvidia-imex-ctl; the simulator's with --simulate)")
     serve.add_argument("--nvidia-smi", metavar="PATH",
                        help="the nvidia-smi binary, for compute mode and time slices (default "
                             "<driver-root>/usr/bin/nvidia-smi; the simulator's with --simulate)")
@@ -330,6 +359,7 @@ def parser() -> argparse.ArgumentParser:
     mig.add_parsers(sub)
     claims.add_parsers(sub)
     topo.add_parsers(sub)
+    domains.add_parsers(sub)
     admin.add_parsers(sub)
     completion.add_parser(sub)
     _share_connection(top, seen=set(), skip=OWN_FLAGS)
@@ -359,7 +389,7 @@ def _share_connection(node: argparse.ArgumentParser, seen: set[int],
 
 COMMANDS: dict[str, Command] = {"node": _node, "gpus": _gpus, "sim": _sim, "mig": mig.run,
                                 "transitions": mig.run, "claims": claims.run, "cdi": claims.run,
-                                "topo": topo.run, **admin.COMMANDS}
+                                "topo": topo.run, "domains": domains.run, **admin.COMMANDS}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

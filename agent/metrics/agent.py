@@ -91,6 +91,19 @@ class AgentMetrics:
             "podresources_last_success_timestamp_seconds", "Unix time of kubelet's last "
             "PodResources answer (the pod labels are as old as this)", namespace=NAMESPACE,
             registry=self.registry)
+        # This node's IMEX daemon for its compute domain (agent/domains/).
+        self.imex_domain_nodes = Gauge(
+            "imex_domain_nodes", "Nodes of this node's compute domain by IMEX status, as "
+            "nvidia-imex-ctl -N reports them (READY, UNAVAILABLE, other)", ["state"],
+            namespace=NAMESPACE, registry=self.registry)
+        self.imex_daemon_up = Gauge(
+            "imex_daemon_up", "1 while this node's IMEX daemon runs for its compute domain",
+            namespace=NAMESPACE, registry=self.registry)
+        self.imex_daemon_restarts = Counter(
+            "imex_daemon_restarts", "IMEX daemon restarts (attempts) because it had stopped while "
+            "claims held the domain's channel", namespace=NAMESPACE, registry=self.registry)
+        for state in ("READY", "UNAVAILABLE", "other"):
+            self.imex_domain_nodes.labels(state).set(0)
         if process:
             ProcessCollector(registry=self.registry)
         self.ready.set(0)
