@@ -15,8 +15,9 @@ blocking fabric fault; a lost GPU, a registration in progress, a failed one or a
 withdraw it. Informational fabric health (``degraded_bandwidth``) does not: the GPUs stay in
 the clique and are offered with an informational taint.
 
-The slice's pool is ``<node>/compute-domain`` (one slice, its own generation); the plugin adds
-the owner reference to its Node and the Node label (``agent/kubeplugin/domain_slots.py``).
+The slice's pool is ``<node>/compute-domain`` (one slice, its own generation; names in
+``agent/device_names.py``); the plugin adds the owner reference to its Node and the Node label
+(``agent/kubeplugin/domain_slots.py``).
 """
 
 from __future__ import annotations
@@ -26,24 +27,14 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from agent.device_names import SLOT_DEVICE, SLOT_POOL_SUFFIX, clique_label, slot_slice_name
 from agent.dra.resource_slices import API_VERSION, GpuFacts
 
 Json = dict[str, Any]
 
 SLOT_TYPE = "compute-domain-slot"
-SLOT_DEVICE = "slot"
-POOL_SUFFIX = "/compute-domain"
-#: The Node label the slot's slice selects on, under the driver's name.
-CLIQUE_LABEL_NAME = "fabric-clique"
 #: A label value: at most 63 characters, alphanumeric at both ends, ``-._`` inside.
 _LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
-#: The longest object name (a DNS subdomain).
-_MAX_NAME = 253
-
-
-def clique_label(driver: str) -> str:
-    """The Node label naming the node's clique (``gpu.nodeagent.dev/fabric-clique``)."""
-    return f"{driver}/{CLIQUE_LABEL_NAME}"
 
 
 def clique_label_value(clique: str) -> str:
@@ -70,18 +61,6 @@ def node_clique(gpus: Sequence[GpuFacts]) -> str | None:
     return cliques.pop() if len(cliques) == 1 else None
 
 
-def slot_slice_name(node: str) -> str:
-    """``<node>-compute-domain`` (the node name made a DNS subdomain, as the GPU slices'
-    names are); a node name too long for it is cut and a digest of the whole name added, so
-    two long names never meet."""
-    base = re.sub(r"[^a-z0-9.-]+", "-", node.lower()).strip("-.")
-    suffix = "-compute-domain"
-    if len(base) + len(suffix) <= _MAX_NAME:
-        return base + suffix
-    digest = hashlib.sha256(node.encode()).hexdigest()[:12]
-    return f"{base[:_MAX_NAME - len(suffix) - 13].rstrip('-.')}-{digest}{suffix}"
-
-
 def render_slot(gpus: Sequence[GpuFacts], *, driver: str, node_name: str) -> Json | None:
     """The node's slot slice, or None when the node offers none (:func:`node_clique`). Its
     generation is 0: the plugin writes one above the server's (a slot changes only with the
@@ -96,7 +75,7 @@ def render_slot(gpus: Sequence[GpuFacts], *, driver: str, node_name: str) -> Jso
         "metadata": {"name": slot_slice_name(node_name)},
         "spec": {
             "driver": driver,
-            "pool": {"name": node_name + POOL_SUFFIX, "generation": 0,
+            "pool": {"name": node_name + SLOT_POOL_SUFFIX, "generation": 0,
                      "resourceSliceCount": 1},
             "nodeSelector": selector,
             "devices": [{"name": SLOT_DEVICE, "attributes": {

@@ -10,12 +10,8 @@ from typing import Any
 
 import pytest
 
-from agent.dra.domain_slot import (
-    clique_label_value,
-    node_clique,
-    render_slot,
-    slot_slice_name,
-)
+from agent.device_names import slot_slice_name
+from agent.dra.domain_slot import clique_label_value, node_clique, render_slot
 from agent.dra.resource_slices import GpuFacts
 from agent.dra.rules import check
 from agent.gpu.types import Fabric
