@@ -126,16 +126,15 @@ def test_the_domain_example_is_accepted(version: str, kube_apiservers: StartApiS
     server.kubectl("apply", "-f", str(CLASSES))
     server.kubectl("apply", "-n", NAMESPACE, "-f", str(EXAMPLES / DOMAIN_EXAMPLE))
     status, claim = server.request(
-        "GET", f"{RESOURCE}/namespaces/{NAMESPACE}/resourceclaims/training-domain")
+        "GET", f"/apis/{RESOURCE}/namespaces/{NAMESPACE}/resourceclaims/training-domain")
     assert status == 200, claim
     (request,) = claim["spec"]["devices"]["requests"]
     assert request["exactly"]["deviceClassName"] == "compute-domain.gpu.nodeagent.dev"
     assert request["exactly"]["count"] == 4
     assert claim["spec"]["devices"]["constraints"] == [
         {"requests": ["nodes"], "matchAttribute": "gpu.nodeagent.dev/fabricClique"}]
-    status, job = server.request(
-        "GET", f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs/tensor-parallel-across-nodes")
-    assert status == 200, job
+    job = json.loads(server.kubectl("get", "job", "-n", NAMESPACE,
+                                    "tensor-parallel-across-nodes", "-o", "json").stdout)
     assert job["spec"]["parallelism"] == job["spec"]["completions"] == 4
     assert job["spec"]["template"]["spec"]["resourceClaims"] == [
         {"name": "domain", "resourceClaimName": "training-domain"},
