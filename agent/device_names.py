@@ -3,17 +3,46 @@ cluster's allocation result straight through): ``gpu-<minor>`` for a full GPU an
 ``gpu-<minor>-mig-<profile>-<profile id>-<start>`` for a MIG device, as NVIDIA's DRA driver
 names them (the minor is more stable than the index; the profile id keeps ``1g.10gb`` and
 ``1g.10gb+me`` apart). Names are DNS labels, so the profile loses its dots and ``+``.
+
+A node's compute-domain slot (``agent/dra/domain_slot.py``) is named here too, since the agent
+renders it and the kubelet plugin reconciles it by name: the slice ``<node>-compute-domain``,
+its pool ``<node>/compute-domain``, its one device ``slot``, the Node label
+``<driver>/fabric-clique`` its slice selects on.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 
 from agent.quantity import QuantityError, kubernetes_value, quantity_of
 
+SLOT_DEVICE = "slot"
+SLOT_POOL_SUFFIX = "/compute-domain"
+_SLOT_SUFFIX = "-compute-domain"
+#: The longest object name (a DNS subdomain).
+_MAX_OBJECT_NAME = 253
+
 _MIG = re.compile(r"^gpu-(0|[1-9][0-9]*)-mig-([a-z0-9]+)-(0|[1-9][0-9]*)-(0|[1-9][0-9]*)\Z")
 _GPU = re.compile(r"^gpu-(0|[1-9][0-9]*)\Z")
+
+
+def clique_label(driver: str) -> str:
+    """The Node label naming the node's NVLink clique (``gpu.nodeagent.dev/fabric-clique``)."""
+    return f"{driver}/fabric-clique"
+
+
+def slot_slice_name(node: str) -> str:
+    """``<node>-compute-domain`` (the node name made a DNS subdomain, as the GPU slices'
+    names are); a node name too long for it is cut and a digest of the whole name added, so
+    two long names never meet."""
+    base = re.sub(r"[^a-z0-9.-]+", "-", node.lower()).strip("-.")
+    if len(base) + len(_SLOT_SUFFIX) <= _MAX_OBJECT_NAME:
+        return base + _SLOT_SUFFIX
+    digest = hashlib.sha256(node.encode()).hexdigest()[:12]
+    return f"{base[:_MAX_OBJECT_NAME - len(_SLOT_SUFFIX) - 13].rstrip('-.')}-{digest}" \
+        + _SLOT_SUFFIX
 
 
 def ascii_integer(text: str, *, digits: int = 18) -> int | None:

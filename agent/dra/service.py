@@ -10,7 +10,11 @@ faults (XIDs, lost, unmonitored, quarantine, an operator's drain: the devices' t
 in-memory state it compares every ``poll_s`` (no NVML call, a few GpuFacts compared), so a
 taint appears and goes within the 2 s republish goal; and it re-reads the inventory every
 ``refresh_s`` for changes made behind the agent's back (the NVLink fabric's among them: its
-taints and the ``fabricClique`` attribute follow within that). Nothing runs while nobody waits."""
+taints and the ``fabricClique`` attribute follow within that). Nothing runs while nobody waits.
+
+The last item is the node's compute-domain slot when it offers one (``domain_slot.py``): a
+slice of its own pool with ``spec.nodeSelector`` instead of ``nodeName``, which the kubelet
+plugin publishes apart from the GPUs' pool."""
 
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.dra import rules
+from agent.dra.domain_slot import render_slot
 from agent.dra.generation import PoolGeneration, fingerprint
 from agent.dra.resource_slices import DEFAULT_DRIVER, GpuFacts, RenderOptions, render
 from agent.errors import AgentError, SlicesInvalid
@@ -122,6 +127,11 @@ class ResourceSliceService:
         content = render(facts, driver, self._options((1, 35), generation=0))
         generation = await self.generation.for_content(fingerprint(content))
         slices = render(facts, driver, self._options(kubernetes, generation=generation))
+        # The compute-domain slot is a pool of its own (selected by node label), after the
+        # GPUs' slices: it takes no part in their generation.
+        slot = render_slot(facts, driver=self.driver, node_name=self.node_name)
+        if slot is not None:
+            slices.append(slot)
         problems = rules.check(slices, kubernetes)
         if problems:
             # A slice the API server would refuse must never leave the agent.

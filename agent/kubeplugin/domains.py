@@ -68,8 +68,10 @@ class NodeApi(Protocol):
     def watch_nodes(self, label_selector: str, resource_version: str,
                     timeout_s: int = ...) -> AsyncIterator[WatchEvent]: ...
 
-    async def patch_node_metadata(self, name: str, *, labels: Mapping[str, str | None],
-                                  annotations: Mapping[str, str | None]) -> Json: ...
+    async def patch_node_metadata(self, name: str, *,
+                                  labels: Mapping[str, str | None] | None = None,
+                                  annotations: Mapping[str, str | None] | None = None
+                                  ) -> Json: ...
 
 
 class DomainAgent(Protocol):
@@ -216,7 +218,7 @@ class DomainMembership:
 
     async def _announce(self, domain: _Domain, state: MemberState, *,
                         labelled: bool = False) -> None:
-        labels: dict[str, str | None] = {DOMAIN_LABEL: domain.uid} if labelled else {}
+        labels: dict[str, str | None] | None = {DOMAIN_LABEL: domain.uid} if labelled else None
         await self._kube.patch_node_metadata(
             self.node_name, labels=labels,
             annotations={MEMBER_ANNOTATION: member_annotation(domain.uid, domain.address,

@@ -577,14 +577,33 @@ class KubeClient:
                                       label_selector=label_selector):
             yield event
 
-    async def patch_node_metadata(self, name: str, *, labels: Mapping[str, str | None],
-                                  annotations: Mapping[str, str | None]) -> Json:
-        """A JSON merge patch of the Node's labels and annotations alone (None removes one):
-        no resourceVersion, so it never conflicts with kubelet's status writes."""
+    async def list_named(self, collection: str, name: str) -> tuple[str, Json | None]:
+        """The collection's resourceVersion and the object ``name`` in it (None: absent)."""
+        doc = await self._call("GET", collection,
+                               query=[("fieldSelector", f"metadata.name={name}")])
+        items = [item for item in doc.get("items") or [] if isinstance(item, dict)]
+        return str(doc.get("metadata", {}).get("resourceVersion", "")), \
+            (items[0] if items else None)
+
+    async def watch_named(self, collection: str, name: str, resource_version: str,
+                          timeout_s: int = WATCH_TIMEOUT_S) -> AsyncIterator[WatchEvent]:
+        """Events of the object ``name`` after ``resource_version`` until the server ends
+        the watch; :class:`KubeExpired` when that version is too old."""
+        async for event in self.watch(collection, f"metadata.name={name}", resource_version,
+                                      timeout_s):
+            yield event
+
+    async def patch_node_metadata(self, name: str, *,
+                                  labels: Mapping[str, str | None] | None = None,
+                                  annotations: Mapping[str, str | None] | None = None
+                                  ) -> Json:
+        """A JSON merge patch of the Node's ``metadata.labels`` and ``annotations`` (None
+        removes one): only the keys named are touched, and no read-modify-write races
+        kubelet's own Node updates. The Node as the server stored it."""
         metadata: Json = {}
-        if labels:
+        if labels is not None:
             metadata["labels"] = dict(labels)
-        if annotations:
+        if annotations is not None:
             metadata["annotations"] = dict(annotations)
         return await self._call("PATCH", f"/api/v1/nodes/{segment(name)}",
                                 body={"metadata": metadata},

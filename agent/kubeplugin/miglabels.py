@@ -24,29 +24,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, cast
 from urllib.parse import quote
 
-import aiohttp
-
 from agent.kubeplugin.agent_client import AgentClient, token_file_usable
 from agent.kubeplugin.errors import AgentCallError, AgentRefused
 from agent.kubeplugin.kube import (
     CALL_TIMEOUT_S,
-    WATCH_TIMEOUT_S,
     KubeClient,
     KubeError,
     KubeExpired,
     KubeNotFound,
-    KubeUnavailable,
-    WatchEvent,
-    error_for,
 )
 
 log = logging.getLogger("agent.kubeplugin.miglabels")
@@ -247,7 +240,7 @@ class MigAgent(AgentClient):
 
 class LabelKube(KubeClient):
     """The API server calls of the label mode (raw JSON, as :class:`KubeClient`): the
-    ConfigMap, one named object's list and watch, and a merge patch of the Node's labels."""
+    ConfigMap, and a merge patch of the Node's labels."""
 
     async def get_config_map(self, namespace: str, name: str) -> Json:
         return await self._call("GET", f"/api/v1/namespaces/{namespace}/configmaps/{name}")
@@ -255,45 +248,7 @@ class LabelKube(KubeClient):
     async def patch_node_labels(self, name: str, labels: Mapping[str, str | None]) -> Json:
         """A JSON merge patch of ``metadata.labels`` (None removes a label): only the labels
         named are touched, and no read-modify-write races kubelet's own Node updates."""
-        path = f"/api/v1/nodes/{name}"
-        try:
-            response: aiohttp.ClientResponse = await self._api.call_api(
-                path, "PATCH",
-                header_params={"Accept": "application/json",
-                               "Content-Type": "application/merge-patch+json"},
-                body={"metadata": {"labels": dict(labels)}}, auth_settings=["BearerToken"],
-                _preload_content=False,
-                _request_timeout=aiohttp.ClientTimeout(total=CALL_TIMEOUT_S))
-            try:
-                text = await response.text()
-            finally:
-                response.release()
-        except (aiohttp.ClientError, OSError, TimeoutError) as err:
-            raise KubeUnavailable(f"PATCH {path}: {type(err).__name__}: {err}") from err
-        try:
-            doc: Any = json.loads(text) if text else None
-        except ValueError:
-            doc = {"message": text[:200]}
-        if not 200 <= response.status < 300:
-            raise error_for(response.status, doc,
-                            retry_after=response.headers.get("Retry-After"))
-        return doc if isinstance(doc, dict) else {}
-
-    async def list_named(self, collection: str, name: str) -> tuple[str, Json | None]:
-        """The collection's resourceVersion and the object ``name`` in it (None: absent)."""
-        doc = await self._call("GET", collection,
-                               query=[("fieldSelector", f"metadata.name={name}")])
-        items = [item for item in doc.get("items") or [] if isinstance(item, dict)]
-        return str(doc.get("metadata", {}).get("resourceVersion", "")), \
-            (items[0] if items else None)
-
-    async def watch_named(self, collection: str, name: str, resource_version: str,
-                          timeout_s: int = WATCH_TIMEOUT_S) -> AsyncIterator[WatchEvent]:
-        """Events of the object ``name`` after ``resource_version`` until the server ends
-        the watch; :class:`KubeExpired` when that version is too old."""
-        async for event in self.watch(collection, f"metadata.name={name}", resource_version,
-                                      timeout_s):
-            yield event
+        return await self.patch_node_metadata(name, labels=labels)
 
 
 def node_marks(node: Json | None) -> tuple[str | None, str | None]:

@@ -28,6 +28,7 @@ from agent.kubeplugin.credentials import (
     follow_api_credential,
 )
 from agent.kubeplugin.device_health import DeviceHealthView
+from agent.kubeplugin.domain_slots import DomainSlots
 from agent.kubeplugin.domains import DomainMembership
 from agent.kubeplugin.dra import DraService
 from agent.kubeplugin.health import HealthServer, Readiness, parse_listen
@@ -126,6 +127,9 @@ class Wiring:
     credential: CredentialProbe | None = None
     #: This node's compute-domain membership (None: compute-domain claims are refused).
     domains: DomainMembership | None = None
+    #: Publishes the node's compute-domain slot that the publisher hands over (None: not
+    #: published by this process).
+    domain_slots: DomainSlots | None = None
 
 
 Wire = Callable[[PluginSettings, AgentClient, CollectorRegistry], Awaitable[Wiring]]
@@ -141,10 +145,11 @@ async def wire_kubernetes(settings: PluginSettings, agent: AgentClient,
     except KubeConfigMissing as err:
         raise PluginStartError(str(err)) from None
     claims = kube.sibling(connections=READS_AT_ONCE)
+    slots = DomainSlots(kube, node_name=settings.node_name, driver=settings.driver)
     publisher = ResourceSlicePublisher(agent, kube, node_name=settings.node_name,
                                driver=settings.driver,
                                agent_lost_after_s=settings.agent_lost_after_s,
-                               registry=registry)
+                               registry=registry, on_slot=slots.want)
     # Its own connections: status writes never wait behind claim reads or slice writes.
     statuses = kube.sibling(connections=WRITES_AT_ONCE)
     writer = ClaimStatusWriter(statuses, publisher.device_health, driver=settings.driver,
@@ -173,7 +178,7 @@ async def wire_kubernetes(settings: PluginSettings, agent: AgentClient,
 
     return Wiring(claims=claims, api=kube, publisher=publisher, close=close, mig_labels=labels,
                   device_health=publisher.device_health, claim_status=writer, credential=kube,
-                  domains=domains)
+                  domains=domains, domain_slots=slots)
 
 
 @dataclass
@@ -193,6 +198,7 @@ class Plugin:
     _publishing: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
     _labelling: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
     _status_writing: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
+    _slotting: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
     _checking: list[asyncio.Task[None]] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -228,6 +234,9 @@ class Plugin:
             self._checking.append(asyncio.create_task(follow_api_credential(probe)))
         if self.wiring.publisher is not None:
             self._publishing = asyncio.create_task(self._publish(self.wiring.publisher))
+        if self.wiring.domain_slots is not None:
+            self._slotting = asyncio.create_task(self._restarting(
+                "the compute-domain slot", self.wiring.domain_slots.run))
         if self.wiring.mig_labels is not None:
             self._labelling = asyncio.create_task(self.wiring.mig_labels.run())
         if self.wiring.claim_status is not None:
@@ -264,6 +273,18 @@ class Plugin:
                               extra={"restart_in_s": PUBLISHER_RESTART_S})
                 await asyncio.sleep(PUBLISHER_RESTART_S)
 
+    async def _restarting(self, what: str, run: Callable[[], Awaitable[None]]) -> None:
+        while True:
+            try:
+                await run()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug: its state is kept, its loops start again
+                log.exception(f"{what} failed; restarting it",
+                              extra={"restart_in_s": PUBLISHER_RESTART_S})
+                await asyncio.sleep(PUBLISHER_RESTART_S)
+
     async def _write_status(self, writer: ClaimStatusWriter) -> None:
         while True:
             try:
@@ -288,6 +309,11 @@ class Plugin:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._status_writing
             self._status_writing = None
+        if self._slotting is not None:
+            self._slotting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._slotting
+            self._slotting = None
         if self._publishing is not None:
             self._publishing.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -30,6 +30,10 @@ process's life.
 
 API server failures are retried with capped exponential backoff and jitter (tenacity); a
 conflict re-lists and re-plans at once.
+
+The agent's compute-domain slot (an item with ``spec.nodeSelector``, not ``nodeName``) is not
+this pool's: it is handed to ``on_slot`` (``domain_slots.py``), and withdrawn there with the
+pool when the agent is lost.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ from agent.kubeplugin.resource_slice_plan import (
     dropped_fields,
     dropped_taints,
     for_taint_support,
+    is_slot,
     plan,
     probe_answer,
     share_fields,
@@ -210,8 +215,12 @@ class ResourceSlicePublisher:
     def __init__(self, agent: ResourceSliceSource, kube: ResourceSliceApi, *, node_name: str,
                  driver: str,
                  agent_lost_after_s: float = 60.0, registry: CollectorRegistry,
-                 agent_wait_s: float = 30.0, backoff: Backoff | None = None) -> None:
+                 agent_wait_s: float = 30.0, backoff: Backoff | None = None,
+                 on_slot: Callable[[Json | None], None] | None = None) -> None:
         self._agent = agent
+        #: Where the agent's compute-domain slot goes (``domain_slots.py``): never this
+        #: pool's, whose list and watch select on ``spec.nodeName``.
+        self._on_slot = on_slot
         self._kube = kube
         self.node_name = node_name
         self.driver = driver
@@ -332,6 +341,8 @@ class ResourceSlicePublisher:
                                 extra={"after_s": round(now - failing_since, 1),
                                        "problem": self._agent_problem})
                     self._dirty.set()
+                    if self._on_slot is not None:
+                        self._on_slot(None)  # a slot nobody can prepare for: withdrawn
                     await self.device_health.update(None)
                 await asyncio.sleep(delay if self._agent_lost else min(delay, max(left, 0.0)))
                 delay = min(delay * 2, self._backoff.max_s, AGENT_RETRY_MAX_S)
@@ -342,7 +353,11 @@ class ResourceSlicePublisher:
                 log.info("agent answers again: republishing the pool")
                 self._dirty.set()
             if answer.items is not None:
-                etag, self._desired = answer.etag, list(answer.items)
+                slots = [item for item in answer.items if is_slot(item)]
+                etag = answer.etag
+                self._desired = [item for item in answer.items if not is_slot(item)]
+                if self._on_slot is not None:
+                    self._on_slot(slots[0] if slots else None)
                 self._dirty.set()
                 await self.device_health.update(self._desired)
 

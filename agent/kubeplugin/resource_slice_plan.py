@@ -90,6 +90,13 @@ def _generation(item: Mapping[str, Any]) -> int:
     return value if isinstance(value, int) else 0
 
 
+def is_slot(item: Mapping[str, Any]) -> bool:
+    """Whether an item of the agent's answer is the compute-domain slot (selected by node
+    label, not by node name)."""
+    spec = item.get("spec")
+    return isinstance(spec, Mapping) and "nodeSelector" in spec and "nodeName" not in spec
+
+
 def owner_reference(node_name: str, node_uid: str) -> Json:
     return {"apiVersion": "v1", "kind": "Node", "name": node_name, "uid": node_uid,
             "controller": True}

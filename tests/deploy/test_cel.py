@@ -1,7 +1,8 @@
 """The CEL of the manifests, judged by Kubernetes's own code (tests/deploy/celcheck: the
 scheduler's device-selector compiler and the admission plugin's policy compiler, as go.mod
 pins them): the DeviceClasses and the worked examples against the slices the agent renders,
-and the ResourceSlice admission policy against the requests it must allow and deny."""
+and the ResourceSlice and Node admission policies against the requests they must allow and
+deny."""
 
 from __future__ import annotations
 
@@ -176,6 +177,22 @@ def _slice(node: str | None, driver: str = DRIVER) -> dict[str, Any]:
             "metadata": {"name": f"{node}-{driver}-0"}, "spec": spec}
 
 
+def _slot(pool_node: str, owner: str | None) -> dict[str, Any]:
+    """A compute-domain slot's slice: pool ``<pool_node>/compute-domain``, a nodeSelector,
+    owned by Node ``owner`` (None: by nothing)."""
+    metadata: dict[str, Any] = {"name": f"{pool_node}-compute-domain"}
+    if owner is not None:
+        metadata["ownerReferences"] = [{"apiVersion": "v1", "kind": "Node", "name": owner,
+                                        "uid": f"{owner}-uid", "controller": True}]
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": metadata,
+            "spec": {"driver": DRIVER, "pool": {"name": f"{pool_node}/compute-domain",
+                                                "generation": 1, "resourceSliceCount": 1},
+                     "nodeSelector": {"nodeSelectorTerms": [{"matchExpressions": [
+                         {"key": f"{DRIVER}/fabric-clique", "operator": "In",
+                          "values": ["c.1"]}]}]},
+                     "devices": []}}
+
+
 ON_N1 = {NODE_KEY: ["n1"]}
 #: name -> (operation, user, user extra, object, old object, allowed)
 POLICY_CASES: dict[str, tuple[str, str, dict[str, list[str]], Any, Any, bool]] = {
@@ -190,6 +207,13 @@ POLICY_CASES: dict[str, tuple[str, str, dict[str, list[str]], Any, Any, bool]] =
     "another driver": ("CREATE", ACCOUNT, ON_N1, _slice("n1", "other.example.com"), None, False),
     "no node in the token": ("CREATE", ACCOUNT, {}, _slice("n1"), None, False),
     "another user is not judged": ("CREATE", "system:node:n2", {}, _slice("n2"), None, True),
+    "create own slot": ("CREATE", ACCOUNT, ON_N1, _slot("n1", "n1"), None, True),
+    "update own slot": ("UPDATE", ACCOUNT, ON_N1, _slot("n1", "n1"), _slot("n1", "n1"), True),
+    "delete own slot": ("DELETE", ACCOUNT, ON_N1, None, _slot("n1", "n1"), True),
+    "another node's slot": ("CREATE", ACCOUNT, ON_N1, _slot("n2", "n2"), None, False),
+    "a slot owned by another node": ("CREATE", ACCOUNT, ON_N1, _slot("n1", "n2"), None, False),
+    "a slot owned by nothing": ("CREATE", ACCOUNT, ON_N1, _slot("n1", None), None, False),
+    "delete another node's slot": ("DELETE", ACCOUNT, ON_N1, None, _slot("n2", "n2"), False),
 }
 
 
@@ -209,6 +233,80 @@ def test_the_policy_lets_a_plugin_write_only_its_own_nodes_slices(celcheck: Any)
             assert not any("compil" in m or "error" in m.lower() for m in out[name]["messages"]), \
                 out[name]["messages"]  # denied by a rule, not by a broken expression
     assert any("n1" in m for m in out["create another node"]["messages"])
+
+
+def _node(name: str, *, labels: dict[str, str] | None = None,
+          annotations: dict[str, str] | None = None,
+          unschedulable: bool = False) -> dict[str, Any]:
+    metadata: dict[str, Any] = {"name": name, "labels": {"kubernetes.io/hostname": name,
+                                                         **(labels or {})}}
+    if annotations:
+        metadata["annotations"] = annotations
+    spec: dict[str, Any] = {"podCIDR": "10.0.0.0/24"}
+    if unschedulable:
+        spec["unschedulable"] = True
+    return {"apiVersion": "v1", "kind": "Node", "metadata": metadata, "spec": spec}
+
+
+CLIQUE_LABEL = f"{DRIVER}/fabric-clique"
+DOMAIN_LABEL = f"{DRIVER}/compute-domain"
+MEMBER = f"{DRIVER}/compute-domain-member"
+STATE = "nvidia.com/mig.config.state"
+#: name -> (node object, old node object, allowed in the base, allowed with mig-manager)
+NODE_CASES: dict[str, tuple[Any, Any, bool, bool]] = {
+    "own clique label set": (_node("n1", labels={CLIQUE_LABEL: "c.1"}), _node("n1"), True, True),
+    "own clique label removed": (_node("n1"), _node("n1", labels={CLIQUE_LABEL: "c.1"}),
+                                 True, True),
+    "own domain label": (_node("n1", labels={DOMAIN_LABEL: "uid-1"}), _node("n1"), True, True),
+    "own member annotation": (_node("n1", annotations={MEMBER: "{}"}), _node("n1"), True, True),
+    "another node's clique label": (_node("n2", labels={CLIQUE_LABEL: "c.1"}), _node("n2"),
+                                    False, False),
+    "another label": (_node("n1", labels={"team": "x"}), _node("n1"), False, False),
+    "another label removed": (_node("n1"), _node("n1", labels={"team": "x"}), False, False),
+    "another annotation": (_node("n1", annotations={"a": "b"}), _node("n1"), False, False),
+    "a spec change (cordon)": (_node("n1", unschedulable=True), _node("n1"), False, False),
+    "the mig state label": (_node("n1", labels={STATE: "success"}), _node("n1"), False, True),
+}
+
+
+@pytest.mark.parametrize(("tree", "column"), [("daemonset", 2),
+                                             ("daemonset/overlays/mig-manager", 3)])
+def test_the_node_policy_lets_a_plugin_change_only_its_own_nodes_domain_keys(
+        celcheck: Any, tree: str, column: int) -> None:
+    """The Node admission policy admits the plugin's change of its own Node's compute-domain
+    label, membership label and annotation (and, with mig-manager, its state label), and
+    denies another Node, any other label or annotation, and a spec change."""
+    policy = copy.deepcopy(by_name(render(tree), "ValidatingAdmissionPolicy",
+                                   "gpu-node-agent-node-metadata"))
+    requests = [{"name": name, "operation": "UPDATE", "user": ACCOUNT, "extra": ON_N1,
+                 "object": new, "oldObject": old}
+                for name, (new, old, *_) in NODE_CASES.items()]
+    out = celcheck({"policy": policy, "requests": requests})["requests"]
+    for name, case in NODE_CASES.items():
+        assert out[name]["matched"], name
+        assert out[name]["allowed"] is case[column], (name, out[name])
+        if not case[column]:
+            assert not any("compil" in m or "error" in m.lower()
+                           for m in out[name]["messages"]), out[name]["messages"]
+    assert any("its own Node" in m for m in out["another node's clique label"]["messages"])
+    assert any("spec" in m for m in out["a spec change (cordon)"]["messages"])
+
+
+async def test_a_slot_is_only_in_the_compute_domain_class(make_env: MakeEnv,
+                                                          celcheck: Any) -> None:
+    """On a GB200 tray every GPU is in gpu.nodeagent.dev only and the compute-domain slot in
+    compute-domain.gpu.nodeagent.dev only: no other class selects a slot."""
+    env = await make_env("gb200-nvl72")
+    devices = _devices(await env.resource_slices.of_version(VERSION))
+    classes = _classes()
+    out = celcheck({"selectors": [{"name": n, "expression": e} for n, e in classes.items()],
+                    "devices": devices})["selectors"]
+    for name in classes:
+        assert "error" not in out[name] and not out[name].get("eval_errors"), out[name]
+    assert set(out[f"compute-domain.{DRIVER}"]["matches"]) == {"slot"}
+    assert set(out[DRIVER]["matches"]) == {f"gpu-{i}" for i in range(4)}
+    assert all(out[n]["matches"] in ([], None) for n in classes
+               if n not in (DRIVER, f"compute-domain.{DRIVER}")), out
 
 
 def test_a_broken_expression_is_reported_not_passed(celcheck: Any) -> None:

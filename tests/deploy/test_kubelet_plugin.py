@@ -25,7 +25,9 @@ PLUGIN_RBAC = {
     ("resource.k8s.io", "resourceclaims/status"): {"patch"},
     # The API server's per-driver check of status.devices writes (1.36+), own node only.
     ("resource.k8s.io", "resourceclaims/driver"): {"associated-node:patch"},
-    ("", "nodes"): {"get"},
+    # Its Node's UID; its own Node's compute-domain label and membership (patch, narrowed by
+    # the admission policy); a domain's member Nodes by label selector (list, watch).
+    ("", "nodes"): {"get", "list", "watch", "patch"},
 }
 #: The rules narrowed to names: (API group, resource) -> the names.
 PLUGIN_RESOURCE_NAMES = {("resource.k8s.io", "resourceclaims/driver"): [DRIVER]}
@@ -211,8 +213,9 @@ def test_plugin_probes_and_port() -> None:
 
 
 def test_policy_and_classes_name_this_driver_and_service_account() -> None:
-    """The admission policy guards the DaemonSet's own ServiceAccount and driver, for every
-    write verb, with Deny; every DeviceClass selects this driver's devices by `type`."""
+    """The admission policies guard the DaemonSet's own ServiceAccount and driver, for every
+    write verb (Node updates included), with Deny; every DeviceClass selects this driver's
+    devices by `type`."""
     docs = render("daemonset")
     account = by_kind(docs, "ServiceAccount")["metadata"]
     user = f"system:serviceaccount:{account['namespace']}:{account['name']}"
@@ -229,10 +232,19 @@ def test_policy_and_classes_name_this_driver_and_service_account() -> None:
         assert any(f'"{DRIVER}"' in v["expression"] for v in policy["spec"]["validations"])
         binding = by_name(docs, "ValidatingAdmissionPolicyBinding", name)
         assert binding["spec"] == {"policyName": name, "validationActions": ["Deny"]}
+    nodes = by_name(docs, "ValidatingAdmissionPolicy", "gpu-node-agent-node-metadata")
+    (condition,) = nodes["spec"]["matchConditions"]
+    assert condition["expression"] == f'request.userInfo.username == "{user}"'
+    (rule,) = nodes["spec"]["matchConstraints"]["resourceRules"]
+    assert (rule["resources"], rule["operations"]) == (["nodes"], ["UPDATE"])
+    assert nodes["spec"]["failurePolicy"] == "Fail"
+    assert by_name(docs, "ValidatingAdmissionPolicyBinding", "gpu-node-agent-node-metadata")[
+        "spec"] == {"policyName": "gpu-node-agent-node-metadata", "validationActions": ["Deny"]}
     classes = [d for d in docs if d["kind"] == "DeviceClass"]
     assert {c["metadata"]["name"] for c in classes} == {
         f"gpu.{DRIVER.split('.', 1)[1]}", f"mig.{DRIVER.split('.', 1)[1]}",
-        f"dynamic-mig.{DRIVER.split('.', 1)[1]}", f"share.{DRIVER.split('.', 1)[1]}"}
+        f"dynamic-mig.{DRIVER.split('.', 1)[1]}", f"share.{DRIVER.split('.', 1)[1]}",
+        f"compute-domain.{DRIVER}"}
     for cls in classes:
         (selector,) = cls["spec"]["selectors"]
         expression = selector["cel"]["expression"]

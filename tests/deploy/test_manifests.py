@@ -91,15 +91,19 @@ def test_examples_validate_and_name_shipped_classes(version: str) -> None:
     """The worked examples are valid objects, ask only for DeviceClasses the manifests ship,
     and each pod uses only claims (templates or claims it shares) that its examples define."""
     docs = examples()
-    assert {d["kind"] for d in docs} == {"ResourceClaimTemplate", "ResourceClaim", "Pod"}
+    assert {d["kind"] for d in docs} == {"ResourceClaimTemplate", "ResourceClaim", "Pod", "Job"}
     for doc in docs:
         kubernetes_validate.validate(doc, version, strict=True)
     shipped = {d["metadata"]["name"] for d in render("daemonset") if d["kind"] == "DeviceClass"}
-    specs = {(d["kind"], d["metadata"]["name"]): claim_spec(d) for d in docs if d["kind"] != "Pod"}
+    specs = {(d["kind"], d["metadata"]["name"]): claim_spec(d) for d in docs
+             if d["kind"] in ("ResourceClaimTemplate", "ResourceClaim")}
     asked = {r["exactly"]["deviceClassName"] for spec in specs.values()
              for r in spec["devices"]["requests"]}
     assert asked == shipped
-    for pod in (d for d in docs if d["kind"] == "Pod"):
+    # A Job's pods (the compute-domain example) are its template's.
+    pods = [d for d in docs if d["kind"] == "Pod"] + [d["spec"]["template"] for d in docs
+                                                      if d["kind"] == "Job"]
+    for pod in pods:
         claims = {c["name"]: pod_claim(c) for c in pod["spec"]["resourceClaims"]}
         assert set(claims.values()) <= set(specs)
         used = {c["name"] for ct in pod["spec"]["containers"] for c in ct["resources"]["claims"]}

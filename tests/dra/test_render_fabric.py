@@ -78,24 +78,36 @@ async def test_a_gpus_devices_follow_its_fabric(make_env: MakeEnv, fabric: Fabri
         assert of_gpu(after, minor) == of_gpu(before, minor)
 
 
+def gpu_pool(items: list[Json]) -> list[Json]:
+    """The GPUs' slices of an answer (the compute-domain slot aside: test_domain_slot.py)."""
+    return [s for s in items if "nodeName" in s["spec"]]
+
+
+def slots(items: list[Json]) -> list[Json]:
+    return [s for s in items if "nodeSelector" in s["spec"]]
+
+
 async def test_the_service_publishes_the_fabric_as_it_is_now(make_env: MakeEnv) -> None:
     """A fabric that changes behind the agent: the next render from a fresh inventory read
-    drops GPU 1's clique and taints it; back to completed, its devices are as before."""
+    drops GPU 1's clique and taints it, and withdraws the node's compute-domain slot; back to
+    completed, its devices and the slot are as before."""
     env = await make_env("gb200-nvl72")
     uuid = env.node.gpu_uuids()[1]
     first = (await env.resource_slices.render((1, 37))).items
     clique = seen(of_gpu(first, 0)[0])[0]
-    assert clique and [seen(d) for d in devices(first)] == [(clique, [])] * 4
+    assert clique and [seen(d) for d in devices(gpu_pool(first))] == [(clique, [])] * 4
+    assert [seen(d) for d in devices(slots(first))] == [(clique, [])]
 
     env.node.set_fabric(uuid, "in-progress")
     stuck = (await env.resource_slices.render((1, 37))).items
     assert [seen(d) for d in devices(stuck)] == [
         (clique, []), (None, [(f"{D}/fabric", "in_progress", "NoSchedule")]),
         (clique, []), (clique, [])]
+    assert slots(stuck) == []
     gpu = env.inventory.gpus[1]
     assert env.ledger.condition(gpu) and "in_progress" in env.ledger.condition(gpu)[0]
 
     env.node.set_fabric(uuid, "completed")
     back = (await env.resource_slices.render((1, 37))).items
-    assert devices(back) == devices(first)
+    assert devices(back) == devices(first) and slots(back) == slots(first)
     assert env.ledger.condition(env.inventory.gpus[1]) == ()

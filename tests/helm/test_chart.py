@@ -70,7 +70,7 @@ def test_the_chart_installs_what_kustomize_installs(home: Path, tree: str, value
 ONE_SIDED = [
     ("base/daemonset.yaml", "--agent-lost-after=60", "--agent-lost-after=30"),
     ("base/deviceclasses.yaml", '.type == "gpu"', '.type == "GPU"'),
-    ("base/rbac.yaml", "verbs: [get]\n---", "verbs: [get, list]\n---"),
+    ("base/rbac.yaml", "verbs: [get, list, watch, patch]\n---", "verbs: [get, list, watch]\n---"),
     ("base/kustomization.yaml", 'newTag: "0.2.0"', 'newTag: "0.2.1"'),
     ("base/prometheusrule.yaml", "for: 1m", "for: 2m"),
 ]

@@ -83,18 +83,21 @@ def test_a_gpu_whose_fabric_is_not_registered_is_not_offered_until_it_is(
         tmp_path: Path) -> None:
     """GPU 1's fabric in progress: its device loses fabricClique and carries a fabric
     NoSchedule taint, a claim on it is refused naming the fabric, an event and the
-    availability gauge say so; the other GPUs are unchanged. Completed again: all as before."""
+    availability gauge say so, the node's compute-domain slot is withdrawn; the other GPUs
+    are unchanged. Completed again: all as before, the slot included."""
     agent = start_agent(tmp_path / "tray", preset="gb200-nvl72",
                         extra=["--sim-cluster-uuid", CLUSTER, "--sim-clique-id", "7",
                                "--collect-interval", "0.2"])
     try:
-        healthy = {f"gpu-{i}": {"clique": CLIQUE, "taints": []} for i in range(4)}
+        healthy = {**{f"gpu-{i}": {"clique": CLIQUE, "taints": []} for i in range(4)},
+                   "slot": {"clique": CLIQUE, "taints": []}}
         assert _published(agent) == healthy
 
         flipped = cli("sim", "--url", agent.url, "--token-file", str(agent.state_dir / "tokens"),
                       "fabric", "1", "in-progress")
         assert flipped.returncode == 0, flipped.stderr
-        assert _published(agent) == {**healthy, "gpu-1": {
+        without_slot = {name: seen for name, seen in healthy.items() if name != "slot"}
+        assert _published(agent) == {**without_slot, "gpu-1": {
             "clique": None, "taints": [("gpu.nodeagent.dev/fabric", "in_progress", "NoSchedule")]}}
         topology = agent.request("GET", "/v1/topology", token=None).body["gpus"]
         assert [g["fabric_clique"] for g in topology] == [CLIQUE, None, CLIQUE, CLIQUE]

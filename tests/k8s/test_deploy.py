@@ -90,13 +90,15 @@ def test_shipped_classes_and_examples_are_accepted(version: str,
     server.kubectl("apply", "-f", str(CLASSES))
     applied = {path.name: server.kubectl("apply", "-n", namespace, "-f", str(path)).stdout
                for path in sorted(EXAMPLES.glob("*.yaml"))}
-    assert set(applied) == {"dynamic-mig.yaml", "full-gpu.yaml", "memory-share.yaml",
-                            "mig-1g10gb.yaml", "mps-shared.yaml", "tensor-parallel-4gpu.yaml",
-                            "time-slicing.yaml"}
+    assert set(applied) == {"compute-domain.yaml", "dynamic-mig.yaml", "full-gpu.yaml",
+                            "memory-share.yaml", "mig-1g10gb.yaml", "mps-shared.yaml",
+                            "tensor-parallel-4gpu.yaml", "time-slicing.yaml"}
     classes = {d["metadata"]["name"] for d in documents(CLASSES)}
     status, listing = server.request("GET", "/apis/resource.k8s.io/v1/deviceclasses")
     assert status == 200 and classes <= {c["metadata"]["name"] for c in listing["items"]}
-    for name in applied:
+    for name in sorted(applied):
+        if name == DOMAIN_EXAMPLE:
+            continue  # a Job's pods sharing a claim: test_the_domain_example_is_accepted
         made = claim_object(name)
         _, key = CLAIM_KINDS[made["kind"]]
         pods = [d for d in documents(EXAMPLES / name) if d["kind"] == "Pod"]
@@ -109,6 +111,34 @@ def test_shipped_classes_and_examples_are_accepted(version: str,
                 made["metadata"]["name"]]
         for request in claim_spec(made)["devices"]["requests"]:
             assert request["exactly"]["deviceClassName"] in classes
+
+
+DOMAIN_EXAMPLE = "compute-domain.yaml"
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_domain_example_is_accepted(version: str, kube_apiservers: StartApiServer) -> None:
+    """The compute-domain example as the server stores it: the shared claim asks for four
+    slots of the compute-domain class on one fabricClique, the template for four GPUs, and
+    the Job's pods name both (placement: tests/k8s/test_compute_domain.py)."""
+    server = kube_apiservers(version)
+    ensure_namespace(server, NAMESPACE)
+    server.kubectl("apply", "-f", str(CLASSES))
+    server.kubectl("apply", "-n", NAMESPACE, "-f", str(EXAMPLES / DOMAIN_EXAMPLE))
+    status, claim = server.request(
+        "GET", f"/apis/{RESOURCE}/namespaces/{NAMESPACE}/resourceclaims/training-domain")
+    assert status == 200, claim
+    (request,) = claim["spec"]["devices"]["requests"]
+    assert request["exactly"]["deviceClassName"] == "compute-domain.gpu.nodeagent.dev"
+    assert request["exactly"]["count"] == 4
+    assert claim["spec"]["devices"]["constraints"] == [
+        {"requests": ["nodes"], "matchAttribute": "gpu.nodeagent.dev/fabricClique"}]
+    job = json.loads(server.kubectl("get", "job", "-n", NAMESPACE,
+                                    "tensor-parallel-across-nodes", "-o", "json").stdout)
+    assert job["spec"]["parallelism"] == job["spec"]["completions"] == 4
+    assert job["spec"]["template"]["spec"]["resourceClaims"] == [
+        {"name": "domain", "resourceClaimName": "training-domain"},
+        {"name": "gpus", "resourceClaimTemplateName": "four-gb200-gpus"}]
 
 
 Check = Callable[[list[Json], AgentProcess], None]

@@ -454,8 +454,8 @@ def test_policy_lets_the_plugin_write_only_its_own_state_label(
             (("label", "node", mine, "team=x"), "only the Node label"),
             (("label", "node", mine, f"{STATE_LABEL}-"), None),
             (("label", "node", other, f"{STATE_LABEL}=success"), "only its own Node"),
-            (("cordon", mine), "spec or annotations"),
-            (("annotate", "node", mine, "a=b"), "spec or annotations")]:
+            (("cordon", mine), "may not change a Node's spec"),
+            (("annotate", "node", mine, "a=b"), "only the Node annotations")]:
         refused = as_plugin(*args)
         if why is None:  # removing the state label is the label mode's own business too
             assert refused.returncode == 0, (args, refused.stderr)

@@ -261,13 +261,106 @@ def test_the_policy_keeps_the_plugin_to_its_own_node(
     assert server.request("DELETE", f"{SLICES}/{mine}-own", token=token)[0] == 200
 
 
+def a_slot(node: str, *, pool: str | None = None) -> Json:
+    """A compute-domain slot's slice as the plugin writes it for ``node`` (``pool``
+    defaults to it), without its owner reference."""
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+            "metadata": {"name": f"{node}-compute-domain"},
+            "spec": {"driver": DRIVER, "pool": {"name": f"{pool or node}/compute-domain",
+                                                "generation": 1, "resourceSliceCount": 1},
+                     "nodeSelector": {"nodeSelectorTerms": [{"matchExpressions": [
+                         {"key": f"{DRIVER}/fabric-clique", "operator": "In",
+                          "values": ["c.1"]}]}]},
+                     "devices": [{"name": "slot", "attributes": {
+                         "type": {"string": "compute-domain-slot"},
+                         "fabricClique": {"string": "c.1"}}}]}}
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_plugin_changes_only_its_own_nodes_domain_keys(
+        version: str, guarded: Callable[[str], ApiServer], tmp_path: Path) -> None:
+    """With the plugin's token for node A: A's fabric-clique and compute-domain labels and
+    compute-domain-member annotation may be set and removed; the same label on node B, any
+    other label or annotation of A and a change of A's spec (cordon) are refused by the
+    shipped Node policy, naming why. A's compute-domain slot is written (pool
+    A/compute-domain, owned by A); one in B's pool, or owned by B, is refused."""
+    server = guarded(version)
+    mine, theirs = (f"{n}-v{version}".replace(".", "-") for n in ("domain-a", "domain-b"))
+    credential = plugin_credential(server, mine, tmp_path)
+    server.ensure_node(theirs)
+
+    def as_plugin(*args: str) -> Any:
+        return server.kubectl(*args, kubeconfig=credential.kubeconfig, check=False)
+
+    def policy_in_force() -> bool:
+        # The policy is enforced a moment after its binding is created: a label that got
+        # through before then is taken off again.
+        probe = as_plugin("label", "node", mine, "team=probe")
+        if probe.returncode == 0:
+            server.kubectl("label", "node", mine, "team-")
+        return "denied request" in probe.stderr
+
+    wait_for(policy_in_force, "the Node admission policy to be in force", 30, every_s=0.2)
+    server.kubectl("label", "node", mine, "rack=r1", "--overwrite")  # the administrator's
+    clique, domain = f"{DRIVER}/fabric-clique", f"{DRIVER}/compute-domain"
+    member = f"{DRIVER}/compute-domain-member"
+    for args in [("label", "node", mine, f"{clique}=c.1"),
+                 ("label", "node", mine, f"{domain}=uid-1"),
+                 ("annotate", "node", mine, f"{member}=ready"),
+                 ("label", "node", mine, f"{clique}=c.2", "--overwrite"),
+                 ("label", "node", mine, f"{domain}-"),
+                 ("annotate", "node", mine, f"{member}-")]:
+        allowed = as_plugin(*args)
+        assert allowed.returncode == 0, (args, allowed.stderr)
+    for args, why in [
+            (("label", "node", theirs, f"{clique}=c.1"), "may write only its own Node"),
+            (("label", "node", mine, "team=x"), "may change only the Node labels"),
+            (("label", "node", mine, "rack-"), "only the Node labels"),
+            (("annotate", "node", mine, "a=b"), "may change only the Node annotations"),
+            (("cordon", mine), "may not change a Node's spec")]:
+        refused = as_plugin(*args)
+        # (kubectl cordon exits 0 on a refused patch: the message and the Node tell.)
+        assert "denied request" in refused.stderr and why in refused.stderr, \
+            (args, refused.stderr)
+    status, node = server.request("GET", f"/api/v1/nodes/{mine}")
+    assert status == 200
+    assert node["metadata"]["labels"][clique] == "c.2" and domain not in node["metadata"][
+        "labels"] and "team" not in node["metadata"]["labels"]
+    assert node["metadata"]["labels"]["rack"] == "r1"
+    assert member not in (node["metadata"].get("annotations") or {})
+    assert not node["spec"].get("unschedulable")
+    assert "gpu.nodeagent.dev/fabric-clique" not in (
+        server.request("GET", f"/api/v1/nodes/{theirs}")[1]["metadata"].get("labels") or {})
+
+    uids = {n: server.request("GET", f"/api/v1/nodes/{n}")[1]["metadata"]["uid"]
+            for n in (mine, theirs)}
+
+    def owned(body: Json, owner: str) -> Json:
+        body["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "Node",
+                                                "name": owner, "uid": uids[owner],
+                                                "controller": True}]
+        return body
+
+    status, stored = server.request("POST", SLICES, owned(a_slot(mine), mine),
+                                    token=credential.token)
+    assert status == 201, stored
+    for what, body in {"a slot of another node's pool": owned(a_slot(mine, pool=theirs), mine),
+                       "a slot owned by another node": owned(a_slot(mine), theirs),
+                       "a slot owned by nothing": a_slot(mine)}.items():
+        body["metadata"]["name"] += "-x"
+        status, answer = server.request("POST", SLICES, body, token=credential.token)
+        assert status == 403 and "compute-domain slot" in answer["message"], (what, answer)
+    assert server.request("DELETE", f"{SLICES}/{mine}-compute-domain",
+                          token=credential.token)[0] == 200
+
+
 # Calls the publisher and the claim reader never make: the role grants none of them.
 BEYOND = [
     ("GET", f"{SLICES}/{{node}}-x", None),  # no get: the publisher lists and watches
     ("PATCH", f"{SLICES}/{{node}}-x", {}),
     ("DELETE", f"{SLICES}?fieldSelector=spec.nodeName={{node}}", None),  # deletecollection
-    ("GET", "/api/v1/nodes", None),
-    ("PUT", "/api/v1/nodes/{node}", {}),
+    ("PUT", "/api/v1/nodes/{node}", {}),  # patch only (a merge patch of its labels)
+    ("DELETE", "/api/v1/nodes/{node}", None),
     ("PATCH", "/api/v1/nodes/{node}/status", {}),
     ("GET", "/api/v1/namespaces/gpu-node-agent/secrets", None),
     ("GET", "/api/v1/pods", None),
