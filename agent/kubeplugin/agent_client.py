@@ -245,6 +245,14 @@ class AgentClient:
         if status not in (200, 201):
             self._raise(status, headers, answer)
 
+    async def leave_domain(self, domain: str) -> None:
+        """``DELETE /v1/domains/{domain}``: forget a domain no claim holds on this node (an
+        unknown one is a success)."""
+        status, headers, answer = await self._call(
+            "DELETE", f"/v1/domains/{quote(domain, safe='')}", timeout_s=self._claim_timeout_s)
+        if status not in (200, 204, 404):
+            self._raise(status, headers, answer)
+
     async def domain(self, domain: str) -> dict[str, Any] | None:
         """``GET /v1/domains/{domain}``: the domain as this node's agent sees it (its IMEX
         daemon, nodes and state); None when the agent has no such domain."""

@@ -21,15 +21,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from agent.device_names import SLOT_DEVICE, SLOT_POOL_SUFFIX
 from agent.kubeplugin.claims import ClaimError, KubeletClaim
 
 #: The UID of the domain a node is a member of (one at a time).
 DOMAIN_LABEL = "gpu.nodeagent.dev/compute-domain"
 #: The member's record: ``{"domain", "address", "state"}`` as JSON.
 MEMBER_ANNOTATION = "gpu.nodeagent.dev/compute-domain-member"
-#: A node's slot: the device ``slot`` in its pool ``<node>/compute-domain``.
-SLOT_POOL_SUFFIX = "/compute-domain"
-SLOT_DEVICE = "slot"
 
 MemberState = Literal["Joining", "Ready", "Degraded", "NotReady"]
 MEMBER_STATES: tuple[MemberState, ...] = ("Joining", "Ready", "Degraded", "NotReady")

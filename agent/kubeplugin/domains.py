@@ -81,6 +81,8 @@ class DomainAgent(Protocol):
 
     async def configure_domain(self, domain: str, peers: list[str]) -> None: ...
 
+    async def leave_domain(self, domain: str) -> None: ...
+
     async def domain(self, domain: str) -> dict[str, Any] | None: ...
 
 
@@ -178,12 +180,15 @@ class DomainMembership:
             await self._announce(domain, "Ready")
 
     async def leave(self, uid: str) -> None:
-        """The claim is unprepared here: stop following, take the label and the annotation
-        off the Node (a node that was no member is left alone)."""
+        """The claim is unprepared here: stop following, have the agent forget the domain
+        (a prepare that never got through may have left it configured), take the label and
+        the annotation off the Node (a node that was no member is left alone)."""
         async with self._lock:
-            domain = self._domains.pop(uid, None)
+            domain = self._domains.get(uid)
             if domain is None:
                 return
+            await self._agent.leave_domain(uid)
+            self._domains.pop(uid)
             if domain.follower is not None:
                 domain.follower.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

@@ -31,6 +31,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from agent.device_names import SLOT_DEVICE
 from agent.kubeplugin.agent_client import AgentClient
 from agent.kubeplugin.claim_reads import READ_TIMEOUT_S, ClaimReads, ClaimReadTimeout
 from agent.kubeplugin.claim_status import ClaimStatusWriter, prepared_claim
@@ -48,7 +49,7 @@ from agent.kubeplugin.claims import (
     our_devices,
     with_configs,
 )
-from agent.kubeplugin.domain_members import SLOT_DEVICE, DomainClaim, domain_claim
+from agent.kubeplugin.domain_members import DomainClaim, domain_claim
 from agent.kubeplugin.domains import DomainMembership
 from agent.kubeplugin.errors import (
     AgentCallError,
@@ -400,7 +401,7 @@ class DraService:
             if self._domains is not None and self._domains.joined(claim.uid):
                 try:
                     await self._domains.leave(claim.uid)
-                except KubeError as err:
+                except (KubeError, AgentCallError) as err:
                     raise ClaimError("domain-leave", f"claim {claim}: leaving compute domain "
                                                      f"{claim.uid}: {err}",
                                      retryable=True) from err

@@ -41,6 +41,9 @@ class RecordingAgent:
     async def configure_domain(self, domain: str, peers: list[str]) -> None:
         self.lists.append(peers)
 
+    async def leave_domain(self, domain: str) -> None:
+        self.lists.clear()
+
     async def domain(self, domain: str) -> dict[str, Any] | None:
         return {"id": domain, "state": self.state} if self.lists else None
 
