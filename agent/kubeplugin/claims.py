@@ -214,6 +214,22 @@ def _allocation(claim: KubeletClaim, obj: Any) -> Mapping[str, Any]:
     return _object(claim, "status.allocation", allocation)
 
 
+def allocation_results(claim: KubeletClaim, obj: Any) -> list[Mapping[str, Any]]:
+    """The allocation results of the ResourceClaim ``obj``, each an object; :class:`ClaimError`
+    when it is another claim of the same name, not allocated, over the API's limit or of the
+    wrong shape (naming the field)."""
+    where = "status.allocation.devices"
+    devices = _object(claim, where, _allocation(claim, obj).get("devices"))
+    results = _array(claim, f"{where}.results", devices.get("results"))
+    if len(results) > MAX_RESULTS:
+        raise ClaimError("bad-allocation", f"claim {claim}: {where}.results has {len(results)} "
+                                           f"entries, over the API's limit of {MAX_RESULTS}")
+    for i, result in enumerate(results):
+        if not isinstance(result, Mapping):
+            raise _wrong(claim, "bad-allocation", f"{where}.results[{i}]", "an object", result)
+    return list(results)
+
+
 def our_devices(claim: KubeletClaim, obj: Mapping[str, Any], *, driver: str,
                 pool: str) -> list[Allocated]:
     """The devices of the ResourceClaim ``obj`` that this node's agent prepares, in allocation
@@ -222,16 +238,10 @@ def our_devices(claim: KubeletClaim, obj: Mapping[str, Any], *, driver: str,
     object is another claim of the same name (deleted and recreated), is not allocated, holds
     nothing of ours, or a part of it read here has the wrong shape (naming the field)."""
     where = "status.allocation.devices"
-    devices = _object(claim, where, _allocation(claim, obj).get("devices"))
-    results = _array(claim, f"{where}.results", devices.get("results"))
-    if len(results) > MAX_RESULTS:
-        raise ClaimError("bad-allocation", f"claim {claim}: {where}.results has {len(results)} "
-                                           f"entries, over the API's limit of {MAX_RESULTS}")
+    results = allocation_results(claim, obj)
     found: dict[tuple[str, str | None], Allocated] = {}
     for i, result in enumerate(results):
         at = f"{where}.results[{i}]"
-        if not isinstance(result, Mapping):
-            raise _wrong(claim, "bad-allocation", at, "an object", result)
         if result.get("driver") != driver or result.get("pool") != pool:
             continue
         name = _string(claim, f"{at}.device", result.get("device"))

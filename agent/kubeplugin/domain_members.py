@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from agent.device_names import SLOT_DEVICE, SLOT_POOL_SUFFIX
-from agent.kubeplugin.claims import ClaimError, KubeletClaim
+from agent.kubeplugin.claims import ClaimError, KubeletClaim, allocation_results
 
 #: The UID of the domain a node is a member of (one at a time).
 DOMAIN_LABEL = "gpu.nodeagent.dev/compute-domain"
@@ -59,13 +59,10 @@ def is_slot(result: Mapping[str, Any], driver: str) -> bool:
 def domain_claim(claim: KubeletClaim, obj: Mapping[str, Any], *,
                  driver: str) -> DomainClaim | None:
     """The domain ``obj`` (an allocated ResourceClaim) asks for; None when it holds no slot.
-    :class:`ClaimError` for a claim that holds both slots and this driver's other devices
+    :class:`ClaimError` for a claim not allocated or of the wrong shape
+    (:func:`allocation_results`), and for one that holds both slots and this driver's other devices
     (a domain is placed on a clique, its GPUs on one node: one claim cannot be both)."""
-    allocation = (obj.get("status") or {}).get("allocation") or {}
-    results = (allocation.get("devices") or {}).get("results") or []
-    if not isinstance(results, list):
-        return None
-    ours = [r for r in results if isinstance(r, Mapping) and r.get("driver") == driver]
+    ours = [r for r in allocation_results(claim, obj) if r.get("driver") == driver]
     slots = [r for r in ours if is_slot(r, driver)]
     if not slots:
         return None
