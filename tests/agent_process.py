@@ -3,6 +3,7 @@ and the benchmarks use the same one."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -237,3 +238,23 @@ def start_agent(state_dir: Path, *, preset: str | None = "dgx-h100", extra: list
     if wait_ready:
         agent.wait_ready()
     return agent
+
+
+def kill_daemons_of(state_dir: Path) -> list[int]:
+    """SIGKILL every process whose command line names a path under ``state_dir``: what an
+    agent started there to outlive it (its simulated IMEX daemon, MPS control daemons), once
+    the test that ran it is over. The pids killed."""
+    marker = str(state_dir).encode()
+    killed = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if marker in cmdline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(int(entry.name))
+    return killed

@@ -60,8 +60,9 @@ CORE_ROUTES = [
     Route("GET", "/v1/whoami", identity.whoami,
           "The caller's token: its name and scopes (always authenticated, changes nothing)",
           identity.Identity, identifies=True, errors=(401, 403)),
+    # The kubelet plugin reads this node's IMEX address here for compute domains.
     Route("GET", "/v1/node", node.get_node, "Node identity, driver/CUDA/NVML versions, backend",
-          NodeModel, errors=(503,)),
+          NodeModel, errors=(503,), read_by=("claims",)),
     Route("GET", "/v1/gpus", gpus.list_gpus, "Inventory of every GPU", GpuList, tag="gpus",
           errors=(503,)),
     Route("GET", "/v1/gpus/{gpu}", gpus.get_gpu, "One GPU, by index or UUID", GpuModel,

@@ -111,6 +111,8 @@ class _Domain:
     #: The state last announced on the Node.
     announced: MemberState = "Joining"
     follower: asyncio.Task[None] | None = None
+    #: Being left (unprepared here): nothing more goes to the agent.
+    leaving: bool = False
 
 
 class DomainMembership:
@@ -187,16 +189,20 @@ class DomainMembership:
             domain = self._domains.get(uid)
             if domain is None:
                 return
-            await self._agent.leave_domain(uid)
-            self._domains.pop(uid)
+            # The follower first: a node list it gave the agent after the unprepare would
+            # configure the domain again.
+            domain.leaving = True
             if domain.follower is not None:
                 domain.follower.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await domain.follower
+                domain.follower = None
+            await self._agent.leave_domain(uid)
             await self._kube.patch_node_metadata(
                 self.node_name, labels={DOMAIN_LABEL: None},
                 annotations={MEMBER_ANNOTATION: None})
             self.metrics.node_writes.labels("leave").inc()
+            self._domains.pop(uid)
             log.info("left compute domain", extra={"domain": uid})
 
     async def close(self) -> None:
@@ -318,7 +324,7 @@ class DomainMembership:
     async def _members_changed(self, domain: _Domain, nodes: Mapping[str, Json]) -> None:
         domain.members = members(nodes.values(), domain.uid)
         domain.changed.set()
-        if domain.pushed is not None:
+        if domain.pushed is not None and not domain.leaving:
             await self._push(domain, peers(domain.members))
 
     async def _check_state(self, domain: _Domain) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from tests import waiting
-from tests.agent_process import AgentProcess, start_agent
+from tests.agent_process import AgentProcess, kill_daemons_of, start_agent
 from tests.k8s.harness import ApiServer, KubeletHarness
 from tests.k8s.objects import DRIVER
 
@@ -381,8 +381,11 @@ class Stack:
                 for item in items for device in item["spec"].get("devices", [])}
 
         def current(found: list[Json]) -> bool:
-            rendered = self.agent.request(
+            # The node's pool only: its compute-domain slot (spec.nodeSelector) is a pool
+            # of its own, published apart (agent/kubeplugin/domain_slots.py).
+            rendered = [item for item in self.agent.request(
                 "GET", f"/v1/resourceslices?kubernetes={version}").body["items"]
+                if "nodeName" in item["spec"]]
             pools = {(s["spec"]["pool"]["generation"], s["spec"]["pool"]["resourceSliceCount"])
                      for s in found}
             generation = max((s["spec"]["pool"]["generation"] for s in rendered), default=0)
@@ -401,6 +404,7 @@ class Stack:
             plugin.stop()
         if getattr(self, "agent", None) is not None:
             self.agent.stop(signal.SIGKILL)
+        kill_daemons_of(self.agent_dir)  # what the agent leaves running by design (IMEX)
 
 
 StartStack = Callable[..., Stack]
