@@ -22,6 +22,7 @@ from tests.k8s.domain_bed import (
     BedSize,
     DomainBed,
     Job,
+    Json,
     dumps,
     imex_nodes_config,
     nodes_of,
@@ -179,10 +180,60 @@ def test_a_job_larger_than_any_clique_stays_pending_saying_why(bed: DomainBed) -
     assert status == 200 and not claim.get("status", {}).get("allocation"), claim
 
 
-def test_bed_nodes_publish_their_slots(bed: DomainBed) -> None:
-    """Every node publishes one slot for its clique (the domain class's devices)."""
-    status, body = bed.server.request("GET", "/apis/resource.k8s.io/v1/resourceslices")
+SLICES = "/apis/resource.k8s.io/v1/resourceslices"
+
+
+def slot_of(bed: DomainBed, node: str) -> Json | None:
+    status, body = bed.server.request("GET", f"{SLICES}/{node}-compute-domain")
+    return dict(body) if status == 200 else None
+
+
+def clique_label(bed: DomainBed, node: str) -> str | None:
+    _, body = bed.server.request("GET", f"/api/v1/nodes/{node}")
+    return body["metadata"].get("labels", {}).get("gpu.nodeagent.dev/fabric-clique")
+
+
+def offered(bed: DomainBed, node: str) -> bool:
+    """The node's slot is on the server, selected by its clique's label, which it carries."""
+    slot = slot_of(bed, node)
+    return (slot is not None and clique_label(bed, node) == bed.cliques[node]
+            and slot["spec"]["nodeSelector"]["nodeSelectorTerms"][0]["matchExpressions"][0][
+                "values"] == [bed.cliques[node]])
+
+
+def test_every_node_offers_one_slot_apart_from_its_gpus(bed: DomainBed) -> None:
+    """Each node's slot is a slice of its own pool, selected by its clique's label; the
+    node's GPUs stay in the node's pool, published by node name, without the slot."""
+    for node in bed.stacks:
+        wait_for(lambda node=node: offered(bed, node), f"{node}'s slot", 30)
+        status, body = bed.server.request("GET", f"{SLICES}?fieldSelector=spec.nodeName={node}")
+        assert status == 200, body
+        assert all(s["spec"]["pool"]["name"] == node for s in body["items"])
+        assert sorted(d["name"] for s in body["items"] for d in s["spec"]["devices"]) == [
+            f"gpu-{i}" for i in range(4)]
+
+
+def test_a_fabric_fault_withdraws_the_slot_and_label_until_it_is_completed(
+        bed: DomainBed) -> None:
+    """A slot deleted by someone else is recreated. One GPU's fabric registration in
+    progress (POST /v1/sim/fabric): the plugin deletes the node's slot, then its label;
+    completed again, both are back."""
+    node = "nvl72-b-00"
+    wait_for(lambda: offered(bed, node), f"{node}'s slot", 30)
+    before = slot_of(bed, node)
+    assert before is not None
+    status, _ = bed.server.request("DELETE", f"{SLICES}/{node}-compute-domain")
     assert status == 200
-    slots = {s["spec"]["pool"]["name"].split("/")[0]: s for s in body["items"]
-             if s["spec"]["pool"]["name"].endswith("/compute-domain")}
-    assert set(slots) == set(bed.stacks), sorted(slots)
+    again = wait_for(lambda: offered(bed, node) and slot_of(bed, node), "the slot recreated",
+                     30)
+    assert again["metadata"]["uid"] != before["metadata"]["uid"]
+    agent = bed.stacks[node].agent
+    reply = agent.request("POST", "/v1/sim/fabric", {"gpu": "1", "condition": "in-progress"})
+    assert reply.status == 204, reply.body
+    try:
+        wait_for(lambda: slot_of(bed, node) is None and clique_label(bed, node) is None,
+                 "the slot and the label withdrawn", 60)
+    finally:
+        reply = agent.request("POST", "/v1/sim/fabric", {"gpu": "1", "condition": "completed"})
+        assert reply.status == 204, reply.body
+    wait_for(lambda: offered(bed, node), "the slot back", 60)
