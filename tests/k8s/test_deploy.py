@@ -120,7 +120,7 @@ DOMAIN_EXAMPLE = "compute-domain.yaml"
 def test_the_domain_example_is_accepted(version: str, kube_apiservers: StartApiServer) -> None:
     """The compute-domain example as the server stores it: the shared claim asks for four
     slots of the compute-domain class on one fabricClique, the template for four GPUs, and
-    the Job's pods name both (placement: tests/k8s/test_compute_domain.py)."""
+    the Job's pods name both (placement: tests/k8s/test_compute_domains.py)."""
     server = kube_apiservers(version)
     ensure_namespace(server, NAMESPACE)
     server.kubectl("apply", "-f", str(CLASSES))

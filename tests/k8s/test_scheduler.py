@@ -112,7 +112,7 @@ PLACEMENTS = [
 #: Examples placed elsewhere, and why.
 ELSEWHERE = {
     # Pods of a Job across nodes of one NVLink clique (GB200 trays), not one node kind.
-    "compute-domain.yaml": "tests/k8s/test_compute_domain.py",
+    "compute-domain.yaml": "tests/k8s/test_compute_domains.py",
 }
 
 
