@@ -129,3 +129,24 @@ def test_bad_domain_flags_name_the_field(flags: dict[str, str], field: str,
     with pytest.raises(InvalidRequest, match=message) as info:
         resolve(flags, env={})
     assert info.value.errors[0]["field"] == field
+
+
+@pytest.mark.parametrize(("flags", "field"), [
+    ({"imex_address": "node-1"}, "imex_address"),
+    ({"imex_address": "10.0.0.5", "imex_port": "0"}, "imex_port"),
+    ({"imex_address": "10.0.0.5", "imex_port": "70000"}, "imex_port"),
+    ({"imex_address": "10.0.0.5", "imex_ready_timeout_s": "0"}, "imex_ready_timeout_s"),
+])
+def test_imex_settings_are_refused_naming_the_flag(flags: dict[str, str], field: str) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        resolve({"simulate": "gb200-nvl72", **flags}, env={})
+    assert [e["field"] for e in refused.value.errors] == [field]
+
+
+def test_imex_settings_default_to_off_and_read_the_environment() -> None:
+    off = resolve({"simulate": "gb200-nvl72"}, env={})
+    assert (off.imex_address, off.imex_port, off.imex_ready_timeout_s) == (None, 50000, 30.0)
+    on = resolve({"simulate": "gb200-nvl72"}, env={"GPU_AGENT_IMEX_ADDRESS": "10.0.0.5",
+                                                    "GPU_AGENT_IMEX_PORT": "50001",
+                                                    "GPU_AGENT_IMEX_READY_TIMEOUT_S": "5"})
+    assert (on.imex_address, on.imex_port, on.imex_ready_timeout_s) == ("10.0.0.5", 50001, 5.0)
