@@ -32,7 +32,8 @@ async def get_gpu(request: web.Request) -> web.Response:
 async def _model(ctx: AgentContext, gpu: Gpu) -> GpuModel:
     """The inventory with what the ledger adds (availability, holders, drain marks) and who
     shares the GPU."""
-    model = GpuModel.of(gpu, ctx.node.ledger)
+    member = ctx.node.domains.domain
+    model = GpuModel.of(gpu, ctx.node.ledger, domain=member.id if member else None)
     shares = await ctx.node.claims.shares_of(gpu)
     if shares is None:
         return model

@@ -240,9 +240,12 @@ class GpuModel(BaseModel):
                                           "GPU (MPS, memory shares) and what is left")
     fabric: FabricModel | None = Field(default=None, description="Multi-node NVLink: null "
                                        "where the GPU has no fabric (NVML NOT_SUPPORTED)")
+    domain: str | None = Field(default=None, description="The compute domain (GET "
+                               "/v1/domains) the GPU's node is a member of, for a GPU with an "
+                               "NVLink fabric; null otherwise")
 
     @classmethod
-    def of(cls, gpu: Gpu, ledger: NodeLedger) -> GpuModel:
+    def of(cls, gpu: Gpu, ledger: NodeLedger, *, domain: str | None = None) -> GpuModel:
         s = gpu.static
         # Health: what is wrong with the GPU (an operator's drain is not).
         unhealthy = list(dict.fromkeys(t.reason for t in ledger.taints(gpu)
@@ -266,6 +269,7 @@ class GpuModel(BaseModel):
             holds=[HoldModel.of(h) for h in ledger.holds(gpu.uuid)],
             transition=ledger.busy(gpu.uuid),
             fabric=FabricModel.of(gpu.fabric) if gpu.fabric else None,
+            domain=domain if gpu.fabric else None,
         )
 
 

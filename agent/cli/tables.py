@@ -163,14 +163,16 @@ def _gpu_row(g: dict[str, Any], wide: bool) -> list[str]:
     return [str(g["index"]), g["name"], g["uuid"], g["pci_bus_id"], str(g["memory_total_mib"]),
             "-" if g["numa_node"] is None else str(g["numa_node"]), _mig(g),
             ",".join(d["profile"] for d in g["mig_devices"]) or "-", _health(g, wide),
-            _taints(g), fabric_text(g), _clique(g), available_text(g), holders_text(g)]
+            _taints(g), fabric_text(g), _clique(g), g.get("domain") or "-", available_text(g),
+            holders_text(g)]
 
 
 #: The ``gpus`` columns: the default fits 120 columns (taints are listed under the table);
 #: ``-o wide`` adds identity, placement, every MIG device and taint, and the NVLink fabric.
 GPU_COLUMNS = ["IDX", "NAME", "MEMORY MiB", "MIG", "HEALTH", "AVAILABLE", "HELD BY"]
 GPU_WIDE_COLUMNS = ["IDX", "NAME", "UUID", "BUS ID", "MEMORY MiB", "NUMA", "MIG", "MIG DEVICES",
-                    "HEALTH", "TAINTS", "FABRIC", "CLIQUE", "AVAILABLE", "HELD BY"]
+                    "HEALTH", "TAINTS", "FABRIC", "CLIQUE", "DOMAIN", "AVAILABLE",
+                    "HELD BY"]
 
 
 def gpu_table(gpus: Sequence[dict[str, Any]], width: int | None = None) -> str:

@@ -109,6 +109,12 @@ def test_a_domain_forms_recovers_from_kills_and_stops_with_its_last_claim(pair: 
         assert [n["status"] for n in domain["nodes"]] == ["READY", "READY"]
         assert domain["daemon"]["state"] == "running"
         assert domain["holders"] == [f"claim-{agents.index(agent)}"]
+    # Each GPU of a member shows its domain beside its fabric and clique.
+    gpus = agents[0].request("GET", "/v1/gpus").body["gpus"]
+    assert {g["domain"] for g in gpus} == {"job-1"}
+    wide = cli("gpus", "-o", "wide", "--url", agents[0].url)
+    header_line, *rows = wide.stdout.splitlines()
+    assert " DOMAIN " in header_line and all(" job-1 " in row for row in rows[:4]), wide.stdout
     listed = cli("domains", "--url", agents[0].url)
     assert listed.returncode == 0, listed.stderr
     header, row = listed.stdout.splitlines()
