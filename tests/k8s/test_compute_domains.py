@@ -74,6 +74,19 @@ def test_a_domain_job_forms_on_one_clique_and_survives_its_faults(bed: DomainBed
     assert len(members) == DOMAIN, where
     assert {bed.cliques[n] for n in members} == {bed.cliques["nvl72-a-00"]}, where
 
+    # The domain claim: one slot per pod, all of that clique, and a node selector naming it.
+    _, claim = bed.server.request(
+        "GET", f"/apis/resource.k8s.io/v1/namespaces/{job.namespace}/resourceclaims/"
+               f"{job.claim}")
+    allocation = claim["status"]["allocation"]
+    assert len(allocation["devices"]["results"]) == DOMAIN
+    assert {r["pool"].split("/")[0] for r in allocation["devices"]["results"]} <= {
+        n for n, c in bed.cliques.items() if c == bed.cliques["nvl72-a-00"]}
+    [term] = allocation["nodeSelector"]["nodeSelectorTerms"]
+    assert term["matchExpressions"] == [{"key": "gpu.nodeagent.dev/fabric-clique",
+                                         "operator": "In",
+                                         "values": [bed.cliques["nvl72-a-00"]]}], term
+
     answers = bed.prepare_all(job, where)
     for pod, answer in answers.items():
         node = where[pod]
