@@ -12,7 +12,8 @@ resource (its own ``apiserver_request_total``), and the plugins' writes of their
 membership: what NVIDIA's driver writes into one ComputeDomain status per node, growing with
 the domain and contended by all, is here two patches of each node's own object. Every job is
 checked as the tests check it (one clique; every member with exactly the job's nodes, UP),
-then unprepared and released before the next.
+then unprepared and released before the next. Last, a job of every node of the bed (more than
+any clique has) must stay Pending; the scheduler's message is printed.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.k8s.domain_bed import BedSize, DomainBed, imex_nodes_config, nodes_of, start_bed
+from tests.k8s.scheduling import unschedulable
 from tests.waiting import wait_for
 
 RACK = BedSize(first=18, second=2)
@@ -81,6 +83,16 @@ def run_one(bed: DomainBed, nodes: int) -> Run:
     return Run(nodes, scheduled, prepared, up_s, writes, node_writes)
 
 
+def too_big(bed: DomainBed, nodes: int) -> str:
+    """A job of every node of the bed (more than any clique has) stays Pending: the
+    scheduler's message on its first pod (its pods bound: none, checked)."""
+    job = bed.submit(f"domain-{nodes}", nodes, name=f"job{nodes}")
+    message = wait_for(lambda: unschedulable(bed.server, job.namespace, job.pods[0]),
+                       f"the {nodes}-node job unschedulable", 120)
+    assert bed.bound(job) == {}, bed.bound(job)
+    return f"{nodes}-node job: Pending, {message}"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.compute_domains")
     parser.add_argument("--first", type=int, default=RACK.first)
@@ -98,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"bed start: {time.monotonic() - bed_start:.1f} s")
         try:
             runs = [run_one(bed, n) for n in args.sizes]
+            pending = too_big(bed, size.first + size.second)
         finally:
             next(beds, None)
     print(f"{'nodes':>5}{'bound s':>9}{'prepared s':>12}{'UP s':>7}{'API writes':>12}"
@@ -108,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
         shown = ", ".join(f"{k} {v}" for k, v in r.writes.most_common())
         print(f"{r.nodes:>5}{r.scheduled_s:>9.1f}{r.prepared_s:>12.1f}{r.up_s:>7.1f}{total:>12}"
               f"{total / r.nodes:>10.1f}{'/'.join(f'{p:g}' for p in patches):>21}  {shown}")
+    print(pending)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
@@ -22,7 +21,7 @@ from agent.api.body import parse_body
 from agent.api.context import AGENT
 from agent.api.models import PlacementModel, Strict
 from agent.api.node import require_ready
-from agent.api.routing import json_response
+from agent.api.routing import json_response, path_token
 from agent.claims.checkpoint import (
     ClaimRecord,
     ImexChannelRecord,
@@ -34,8 +33,6 @@ from agent.claims.service import ClaimService
 from agent.claims.sharing import MpsConfig, SharingConfig, pinned_limit_mib
 from agent.device_names import ascii_integer, parse_device_name, quantity_mib
 from agent.errors import InvalidRequest
-
-_UID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 
 
 class PlacementStart(Strict):
@@ -400,13 +397,7 @@ def _service(request: web.Request) -> ClaimService:
 
 
 def _uid(request: web.Request) -> str:
-    uid = request.match_info["uid"]
-    if not _UID.match(uid):
-        shown = uid if len(uid) <= 64 else uid[:64] + "..."
-        raise InvalidRequest(f"uid: {shown!r} is not a claim UID (1-128 of letters, digits, "
-                             "'.', '_', '-', starting with a letter or digit)",
-                             [{"field": "uid", "reason": "letters, digits, '.', '_', '-'"}])
-    return uid
+    return path_token(request, "uid", "a claim UID")
 
 
 def _stamp(value: int | None, field: str) -> int | None:

@@ -3,7 +3,6 @@ the operator's answer to unreadable domain state."""
 
 from __future__ import annotations
 
-import re
 from typing import Literal
 
 from aiohttp import web
@@ -13,12 +12,9 @@ from agent.api.body import parse_body
 from agent.api.context import AGENT
 from agent.api.models import Strict
 from agent.api.node import require_ready
-from agent.api.routing import Route, json_response
+from agent.api.routing import Route, json_response, path_token
 from agent.domains.config import MAX_PEERS
 from agent.domains.service import DomainService, DomainView
-from agent.errors import InvalidRequest
-
-_DOMAIN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 
 
 class DomainRequest(Strict):
@@ -84,13 +80,7 @@ def _service(request: web.Request) -> DomainService:
 
 
 def _domain(request: web.Request) -> str:
-    domain = request.match_info["domain"]
-    if not _DOMAIN.match(domain):
-        shown = domain if len(domain) <= 64 else domain[:64] + "..."
-        raise InvalidRequest(f"domain: {shown!r} is not a domain id (1-128 of letters, digits, "
-                             "'.', '_', '-', starting with a letter or digit)",
-                             [{"field": "domain", "reason": "letters, digits, '.', '_', '-'"}])
-    return domain
+    return path_token(request, "domain", "a domain id")
 
 
 async def put_domain(request: web.Request) -> web.Response:

@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from agent.api.access import UNPARSED, audit_log, peer_credentials, summarise_body
 from agent.api.body import PARSED_BODY
 from agent.api.context import AGENT, PRINCIPAL, REQUEST_ID
-from agent.errors import BadRequest, Forbidden, NotReady, StorageUnavailable
+from agent.errors import BadRequest, Forbidden, InvalidRequest, NotReady, StorageUnavailable
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 access_log = logging.getLogger("agent.access")
@@ -265,3 +265,19 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
                        "once start-up recovery has finished", retry_after_s=1)
     return await handler(request)
 
+
+
+#: A path token: a claim UID, a domain id (what goes into file names and other URLs).
+_TOKEN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
+
+
+def path_token(request: web.Request, key: str, what: str) -> str:
+    """The path parameter ``key`` when it is a token (1-128 of letters, digits, '.', '_', '-',
+    starting with a letter or digit); :class:`InvalidRequest` naming it otherwise."""
+    value = request.match_info[key]
+    if not _TOKEN.match(value):
+        shown = value if len(value) <= 64 else value[:64] + "..."
+        raise InvalidRequest(f"{key}: {shown!r} is not {what} (1-128 of letters, digits, "
+                             "'.', '_', '-', starting with a letter or digit)",
+                             [{"field": key, "reason": "letters, digits, '.', '_', '-'"}])
+    return value

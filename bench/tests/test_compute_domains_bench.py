@@ -23,3 +23,5 @@ def test_compute_domain_bench_forms_a_domain_and_counts_its_writes(
     # Two patches of its own Node per member (join, ready), the same for every member.
     assert row[6] == "2", lines
     assert "nodes" in lines[header + 1], lines
+    assert lines[header + 2].startswith("3-node job: Pending,"), lines
+    assert "cannot allocate all claims" in lines[header + 2], lines
