@@ -34,6 +34,7 @@ from typing import Any, Protocol
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception
 
 from agent.device_names import clique_label, slot_slice_name
+from agent.kubeplugin import reasons
 from agent.kubeplugin.kube import (
     SLICES_PATH,
     KubeConflict,
@@ -278,6 +279,6 @@ class DomainSlots:
         err = state.outcome.exception() if state.outcome else None
         if err is None:
             return
-        self.problem = f"compute-domain slot: {type(err).__name__}: {err}"
+        self.problem = reasons.SLOT_NOT_WRITTEN.says(f"{type(err).__name__}: {err}")
         log.warning("api server call failed", extra={
             "call": "compute-domain slot", "error": str(err), "attempt": state.attempt_number})

@@ -2,7 +2,8 @@
 ``/readyz`` (registered with kubelet, agent reachable and ready, API server reachable, slices
 in sync; 503 naming every failing check; under ``warnings``, what it reports without failing:
 ``claim_status``, since prepares work without device status and a server that does not keep
-it is a cluster's setting, not a node to take out) and ``/metrics`` (the plugin's and the
+it is a cluster's setting, not a node to take out, and ``compute_domain_slot``, since the
+node's GPUs work without it) and ``/metrics`` (the plugin's and the
 publisher's series, one registry). No tokens: nothing here changes anything or shows a secret."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from agent.kubeplugin import reasons
 from agent.kubeplugin.agent_client import AgentClient
 from agent.kubeplugin.claim_status import ClaimStatusWriter
 from agent.kubeplugin.credentials import CredentialProbe
+from agent.kubeplugin.domain_slots import DomainSlots
 from agent.kubeplugin.kube import KubeForbidden
 from agent.kubeplugin.metrics import PluginMetrics
 from agent.kubeplugin.protocols import ApiServer, Publisher
@@ -49,6 +51,9 @@ class Readiness:
     #: The API server credential's check: a refusal is the ``api_server`` check's reason,
     #: checked again by each round while it stands (a renewed credential shows at once).
     credential: CredentialProbe | None = None
+    #: Why the node's compute-domain slot is not as the agent wants it (a warning: the
+    #: node's GPUs work without it).
+    domain_slots: DomainSlots | None = None
 
     def warnings(self) -> dict[str, str]:
         """What ``/readyz`` reports without failing: why claim device status is not written,
@@ -61,6 +66,9 @@ class Readiness:
         withheld = None if self.publisher is None else self.publisher.health().withheld
         if withheld is not None:
             found["taints"] = withheld
+        slot = None if self.domain_slots is None else self.domain_slots.problem
+        if slot is not None:
+            found["compute_domain_slot"] = slot
         return found
 
     async def _registered(self) -> str | None:

@@ -218,7 +218,8 @@ class Plugin:
         self.health = HealthServer(self.settings.health_listen, Readiness(
             self.registration, self.agent, self.wiring.api, self.wiring.publisher,
             metrics=metrics, claim_status=self.wiring.claim_status,
-            credential=self.wiring.credential), self.registry)
+            credential=self.wiring.credential, domain_slots=self.wiring.domain_slots),
+            self.registry)
 
     async def start(self) -> None:
         try:

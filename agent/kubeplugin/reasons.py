@@ -72,6 +72,7 @@ TAINTS_UNKNOWN = Reason("warnings.taints",
 TAINTS_BLOCKING_ONLY = Reason("warnings.taints",
                               "the API server refuses informational device taints")
 TAINTS_NONE = Reason("warnings.taints", "the API server keeps no device taints")
+SLOT_NOT_WRITTEN = Reason("warnings.compute_domain_slot", "compute-domain slot not written")
 
 #: Every reason, in the order the docs list them.
 ALL: tuple[Reason, ...] = tuple(value for value in dict(globals()).values()

@@ -176,7 +176,8 @@ class NodePod:
             else:
                 path = entry["valueFrom"]["fieldRef"]["fieldPath"]
                 env[entry["name"]] = {"spec.nodeName": self.node,
-                                      "status.podIP": "127.0.0.1"}[path]
+                                      "status.podIP": "127.0.0.1",
+                                      "status.hostIP": "127.0.0.1"}[path]
         args = [self._arg(view, env, a) for a in spec.get("args", [])]
         command = spec.get("command") or ENTRYPOINT
         assert command[0] == "gpu-agent", command

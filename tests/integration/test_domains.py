@@ -184,8 +184,10 @@ def test_a_failing_imex_start_fails_the_prepare_and_holds_nothing(tmp_path: Path
         assert failed.body["type"].endswith("/imex-unavailable")
         assert "kernel driver version mismatch" in failed.body["detail"]
         assert agent.request("GET", "/v1/claims").body["claims"] == []
-        assert not any("c1" in " ".join(s["devices"])
-                       for s in agent.request("GET", "/v1/cdi").body["specs"])
+        # No spec names the claim (a bare "c1" would match GPU UUIDs of the node's spec).
+        assert not any(d.startswith("k8s.gpu.nodeagent.dev/claim=c1-")
+                       for s in agent.request("GET", "/v1/cdi").body["specs"]
+                       for d in s["devices"])
         domain = _domain(agent)
         assert domain is not None and domain["holders"] == [] and \
             domain["daemon"]["state"] == "failed"

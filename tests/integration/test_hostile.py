@@ -234,7 +234,8 @@ def test_every_route_refuses_an_unknown_query_parameter(agent: AgentProcess) -> 
     """Each route of /openapi.json (with the token, so auth passes) answers ``?bogus=1``
     with a 400 naming ``bogus``, before its handler runs."""
     doc = agent.request("GET", "/openapi.json").body
-    samples = {"gpu": "0", "uid": "q-claim", "id": "nope", "apply_id": "nope", "pid": "1"}
+    samples = {"gpu": "0", "uid": "q-claim", "id": "nope", "apply_id": "nope", "pid": "1",
+               "domain": "q-domain"}
     checked = 0
     for path, methods in doc["paths"].items():
         if path.startswith("/v1/sim/"):

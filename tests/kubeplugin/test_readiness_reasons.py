@@ -19,8 +19,8 @@ DOC = ROOT / "docs" / "kubernetes.md"
 READYZ = "Reading the plugin's /readyz"
 RENEWING = "Renewing a Node-bound credential"
 #: The modules whose readiness answers are built from reasons.py.
-PRODUCERS = ("agent_client.py", "claim_status.py", "credentials.py", "health.py",
-             "publisher.py", "servers.py")
+PRODUCERS = ("agent_client.py", "claim_status.py", "credentials.py", "domain_slots.py",
+             "health.py", "publisher.py", "servers.py")
 
 
 def sections() -> dict[str, str]:
