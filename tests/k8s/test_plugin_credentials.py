@@ -80,6 +80,7 @@ def test_an_unknown_token_and_a_missing_role_are_refused_credentials(
             if case == "no-role":
                 assert "ClusterRole gpu-node-agent-kubelet-plugin" in found, found
             run.readyz()
+            run.wait_logged("api server credential refused")  # its reader thread may lag
             assert run.count("api server credential refused") == 1, run.output()
             assert token not in run.output()
         finally:
@@ -114,12 +115,14 @@ def test_a_node_bound_token_dies_with_its_node_and_is_renewed(kube_apiserver: Ap
         for words in (renew, f"uid {old_uid}", str(config), "HTTP 401"):
             assert words in found, found
         run.readyz()
+        run.wait_logged("api server credential refused")  # its reader thread may lag
         assert run.count("api server credential refused") == 1, run.output()
         assert token not in run.output()
 
         renewed = _node_bound_token(server, "node-bound", node)
         kubeconfig(config, server.url, renewed, ca=server.ca)
         run.wait_check("api_server", "ok", 60)
+        run.wait_logged("api server accepts the credential again")  # its reader thread may lag
         assert run.count("api server accepts the credential again") == 1, run.output()
         assert renewed not in run.output()
     finally:
