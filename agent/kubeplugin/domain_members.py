@@ -41,8 +41,6 @@ class DomainClaim:
     """A claim whose allocation is a compute domain: ``size`` slots of one clique."""
 
     uid: str
-    namespace: str
-    name: str
     size: int
     requests: tuple[str, ...]
     """The claim's requests the slots serve (what kubelet's answer names)."""
@@ -50,10 +48,11 @@ class DomainClaim:
     """The pool of the first slot (kubelet's answer names one device for the domain)."""
 
 
-def is_slot(result: Mapping[str, Any], driver: str) -> bool:
+def _is_slot(result: Mapping[str, Any]) -> bool:
+    """An allocation result (of this driver) naming a node's compute-domain slot."""
     pool = result.get("pool")
-    return (result.get("driver") == driver and result.get("device") == SLOT_DEVICE
-            and isinstance(pool, str) and pool.endswith(SLOT_POOL_SUFFIX))
+    return (result.get("device") == SLOT_DEVICE and isinstance(pool, str)
+            and pool.endswith(SLOT_POOL_SUFFIX))
 
 
 def domain_claim(claim: KubeletClaim, obj: Mapping[str, Any], *,
@@ -63,7 +62,7 @@ def domain_claim(claim: KubeletClaim, obj: Mapping[str, Any], *,
     (:func:`allocation_results`), and for one that holds both slots and this driver's other devices
     (a domain is placed on a clique, its GPUs on one node: one claim cannot be both)."""
     ours = [r for r in allocation_results(claim, obj) if r.get("driver") == driver]
-    slots = [r for r in ours if is_slot(r, driver)]
+    slots = [r for r in ours if _is_slot(r)]
     if not slots:
         return None
     if len(slots) != len(ours):
@@ -71,8 +70,8 @@ def domain_claim(claim: KubeletClaim, obj: Mapping[str, Any], *,
                                            f"devices of {driver}: ask for the domain in a claim "
                                            "of its own, shared by the job's pods")
     requests = tuple(dict.fromkeys(str(r.get("request") or "") for r in slots))
-    return DomainClaim(uid=claim.uid, namespace=claim.namespace, name=claim.name,
-                       size=len(slots), requests=requests, pool=str(slots[0]["pool"]))
+    return DomainClaim(uid=claim.uid, size=len(slots), requests=requests,
+                       pool=str(slots[0]["pool"]))
 
 
 def member_annotation(domain: str, address: str, state: MemberState) -> str:

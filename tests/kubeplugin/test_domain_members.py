@@ -37,7 +37,7 @@ def slot(node: str, request: str = "nodes") -> dict[str, Any]:
 
 @pytest.mark.parametrize(("results", "want"), [
     pytest.param([slot("n1"), slot("n2"), slot("n3")],
-                 DomainClaim("uid-1", "team", "job-domain", 3, ("nodes",), "n1/compute-domain"),
+                 DomainClaim("uid-1", 3, ("nodes",), "n1/compute-domain"),
                  id="three slots: a domain of three"),
     pytest.param([{"driver": DRIVER, "pool": "n1", "device": "gpu-0", "request": "gpus"}], None,
                  id="GPUs only: no domain"),
@@ -47,7 +47,7 @@ def slot(node: str, request: str = "nodes") -> dict[str, Any]:
     pytest.param([{**slot("n1"), "pool": "n1"}], None, id="a slot outside a domain pool"),
     pytest.param([slot("n1"), {"driver": "other.example.com", "pool": "p", "device": "nic",
                                "request": "nic"}],
-                 DomainClaim("uid-1", "team", "job-domain", 1, ("nodes",), "n1/compute-domain"),
+                 DomainClaim("uid-1", 1, ("nodes",), "n1/compute-domain"),
                  id="another driver's device beside the slots is not ours to mind"),
 ])
 def test_domain_claim(results: list[dict[str, Any]], want: DomainClaim | None) -> None:

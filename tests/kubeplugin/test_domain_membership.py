@@ -92,7 +92,7 @@ async def cluster(kube_apiserver: ApiServer) -> AsyncIterator[Any]:
 def domain(size: int) -> tuple[KubeletClaim, DomainClaim]:
     uid = str(uuid.uuid4())
     claim = KubeletClaim(namespace="team", uid=uid, name="job-domain")
-    return claim, DomainClaim(uid, "team", "job-domain", size, ("nodes",), "x/compute-domain")
+    return claim, DomainClaim(uid, size, ("nodes",), "x/compute-domain")
 
 
 def node_meta(server: ApiServer, name: str) -> dict[str, Any]:
@@ -176,6 +176,8 @@ async def test_a_lost_node_leaves_the_node_list_and_the_members_say_degraded(
         n.agent.state = "UP"
         await eventually(lambda n=n: (announced(kube_apiserver, n.name) or {}).get(  # type: ignore[misc]
             "state") == "Ready")
+        # The counter moves once the patch has returned, just after the server shows it.
+        await eventually(lambda n=n: n.writes("state") == 3)  # type: ignore[misc]
         assert n.writes("join") == 1 and n.writes("state") == 3
 
 
