@@ -329,7 +329,7 @@ def build_node(settings: Settings, backend: Backend, *,
                               ready_timeout_s=settings.imex_ready_timeout_s),
         directory=state / "imex",
         control=ImexControl(settings.imex or tools / "nvidia-imex",
-                            settings.imex_ctl or tools / "nvidia-imex-ctl"),
+                            settings.imex_ctl or tools / "nvidia-imex-ctl", DirectLauncher()),
         ledger=ledger, events=events, metrics=metrics)
     claims = ClaimService(
         inventory=inventory, ledger=ledger, devices=devices, events=events,

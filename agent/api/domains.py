@@ -18,10 +18,11 @@ from agent.domains.service import DomainService, DomainView
 
 
 class DomainRequest(Strict):
-    peers: list[str] = Field(min_length=1, max_length=MAX_PEERS, description="The IMEX "
-                             "address of every member node, this node's included, in the "
-                             "domain's order (a node's IMEX index is its position): IP "
-                             "addresses or DNS names, none twice")
+    peers: list[str | None] = Field(
+        min_length=1, max_length=MAX_PEERS, description="The domain's seats in order (a "
+        "seat is its IMEX node index; the length is the domain's size): each the IMEX IP "
+        "address of the member holding it, or null for an empty seat; this node's address "
+        "among them, none twice. The agent maps each seat's IMEX name (names) to it")
 
 
 class DaemonModel(BaseModel):
@@ -43,7 +44,10 @@ class ImexNodeModel(BaseModel):
 class DomainModel(BaseModel):
     id: str
     address: str = Field(description="This node's IMEX address (--imex-address)")
-    peers: list[str]
+    peers: list[str | None] = Field(description="Each seat's member address (null: empty)")
+    names: list[str] = Field(description="Each seat's IMEX node name (nodes_config.cfg), the "
+                             "same on every member; the daemon's /etc/hosts maps it to the "
+                             "seat's address")
     daemon: DaemonModel
     nodes: list[ImexNodeModel] = Field(description="Every node as this node's daemon sees "
                                        "it (nvidia-imex-ctl -N -j); empty when it does not run")
@@ -57,6 +61,7 @@ class DomainModel(BaseModel):
         status = view.imex.status if view.imex is not None else "DOWN"
         return cls(
             id=view.domain.id, address=view.address, peers=list(view.domain.peers),
+            names=list(view.domain.names),
             daemon=DaemonModel(state=view.daemon.state, pid=view.daemon.pid,
                                imex_state=view.daemon.imex_state, reason=view.daemon.reason),
             nodes=[ImexNodeModel(index=n.index, host=n.host, status=n.status)
@@ -112,8 +117,9 @@ async def accept_domain_state(request: web.Request) -> web.Response:
 
 ROUTES = [
     Route("PUT", "/v1/domains/{domain}", put_domain,
-          "Join a compute domain: its IMEX node list (idempotent; another list is stored "
-          "and, when this node's IMEX daemon runs, the daemon restarted with it)", DomainModel,
+          "Join a compute domain: its seats' addresses (idempotent; other addresses for as "
+          "many seats reach a running IMEX daemon without a restart, through its hosts file "
+          "and SIGUSR1; another size restarts it)", DomainModel,
           body=DomainRequest, scope="claims", tag="domains", errors=(409, 422, 503)),
     Route("DELETE", "/v1/domains/{domain}", delete_domain,
           "Leave a compute domain no claim holds here: its IMEX daemon stopped, its files "

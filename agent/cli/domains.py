@@ -1,5 +1,5 @@
 """``gpu-agent domains [ID]``: the compute domain this node is in, its IMEX daemon and the
-domain's nodes as that daemon sees them."""
+domain's seats (name, member address) as that daemon sees them."""
 
 from __future__ import annotations
 
@@ -32,8 +32,10 @@ def domains_text(body: dict[str, Any], width: int | None = None) -> str:
 
 
 def domain_text(domain: dict[str, Any], width: int | None = None) -> str:
-    """``domains ID``: the domain as ``key  value`` lines, then its nodes."""
+    """``domains ID``: the domain as ``key  value`` lines, then its seats: each one's IMEX
+    name, member address and status as this node's daemon sees it."""
     daemon = domain["daemon"]
+    peers = domain["peers"]
     lines = key_values([
         ("domain", domain["id"]), ("state", domain["state"]),
         ("address", domain["address"]),
@@ -41,11 +43,13 @@ def domain_text(domain: dict[str, Any], width: int | None = None) -> str:
         ("imex state", daemon["imex_state"] or "-"),
         *([("reason", daemon["reason"])] if daemon["reason"] else []),
         ("claims", ", ".join(domain["holders"]) or "-"),
-        ("peers", ", ".join(domain["peers"]))], width)
-    if domain["nodes"]:
-        lines += ["", table(["INDEX", "HOST", "STATUS"],
-                            [[str(n["index"]), n["host"], n["status"]]
-                             for n in domain["nodes"]], width)]
+        ("seats", f"{sum(p is not None for p in peers)}/{len(peers)} held")], width)
+    status = {n["index"]: n["status"] for n in domain["nodes"]}
+    names = domain.get("names") or [""] * len(peers)
+    lines += ["", table(["SEAT", "NAME", "ADDRESS", "STATUS"],
+                        [[str(seat), name, peer or "-", status.get(seat, "-")]
+                         for seat, (name, peer) in enumerate(zip(names, peers, strict=False))],
+                        width)]
     return "\n".join(lines)
 
 

@@ -1,5 +1,10 @@
 """The IMEX daemon's files for a domain, rendered from values (pure), and the checks of a
-domain's peer list."""
+domain's seats.
+
+A domain of N members has seats 0..N-1; the node list names each seat (:func:`seat_names`),
+the same on every member, and the daemon's own ``/etc/hosts`` maps each held seat's name to
+its member's address (:func:`render_hosts`), so a seat that moves to another node changes
+the hosts file, never the node list."""
 
 from __future__ import annotations
 
@@ -16,7 +21,6 @@ DOMAIN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 MAX_PEERS = 1024
 #: A Unix socket path longer than this does not fit ``sun_path`` (108 bytes, with its NUL).
 SOCKET_PATH_MAX = 107
-_LABEL = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?\Z")
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,11 @@ class ImexFiles:
     @property
     def nodes(self) -> Path:
         return self.directory / "nodes_config.cfg"
+
+    @property
+    def hosts(self) -> Path:
+        """The daemon's ``/etc/hosts`` (bind-mounted there in its mount namespace)."""
+        return self.directory / "hosts"
 
     @property
     def log(self) -> Path:
@@ -66,43 +75,60 @@ def render_config(files: ImexFiles, *, address: str, port: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_nodes(peers: Sequence[str]) -> str:
-    """The node list: one address a line, in the domain's order (a node's index is its
-    line)."""
-    return "".join(f"{peer}\n" for peer in peers)
+def seat_names(domain_id: str, size: int) -> tuple[str, ...]:
+    """The IMEX node names of a domain of ``size`` seats, one per seat (pure):
+    ``imex-<first 12 hex of sha256(domain id)>-<seat, 4 digits>``. Every member derives the
+    same names; two domains get different ones, so daemons of two domains never take each
+    other for peers."""
+    digest = hashlib.sha256(domain_id.encode()).hexdigest()[:12]
+    return tuple(f"imex-{digest}-{seat:04d}" for seat in range(size))
 
 
-def is_host(value: str) -> bool:
-    """An IP address or a DNS name (pure)."""
+def render_nodes(names: Sequence[str]) -> str:
+    """The node list: one seat name a line (a node's IMEX index is its seat)."""
+    return "".join(f"{name}\n" for name in names)
+
+
+def render_hosts(names: Sequence[str], peers: Sequence[str | None]) -> str:
+    """The daemon's ``/etc/hosts``: localhost, then each held seat's name at its member's
+    address (an empty seat has no line: its name does not resolve)."""
+    lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost"]
+    lines += [f"{peer} {name}" for name, peer in zip(names, peers, strict=True)
+              if peer is not None and address_key(peer) is not None]
+    return "\n".join(lines) + "\n"
+
+
+def address_key(value: str) -> str | None:
+    """An IP address in one spelling (``fd00::05`` and ``fd00::5`` are one), or None when
+    ``value`` is not one (pure)."""
     try:
-        ipaddress.ip_address(value)
-        return True
+        return str(ipaddress.ip_address(value))
     except ValueError:
-        pass
-    name = value.removesuffix(".")
-    return 0 < len(name) <= 253 and all(_LABEL.match(label) for label in name.split(".")) \
-        and not name.replace(".", "").isdigit()
+        return None
 
 
-def peer_errors(peers: Sequence[str], address: str) -> list[dict[str, Any]]:
-    """Why a peer list is refused, each a ``{"field", "reason"}`` (pure): 1 to
-    :data:`MAX_PEERS` entries, each an IP address or DNS name, none twice, this node's address
-    among them."""
+def peer_errors(peers: Sequence[str | None], address: str) -> list[dict[str, Any]]:
+    """Why a domain's seats are refused, each a ``{"field", "reason"}`` (pure): 1 to
+    :data:`MAX_PEERS` seats, each an IP address or null (an empty seat), no address twice,
+    this node's address among them."""
     errors: list[dict[str, Any]] = []
     if not 1 <= len(peers) <= MAX_PEERS:
         errors.append({"field": "peers", "reason": f"1 to {MAX_PEERS} entries, not "
                        f"{len(peers)}"})
     seen: dict[str, int] = {}
     for position, peer in enumerate(peers):
-        if not is_host(peer):
-            errors.append({"field": f"peers[{position}]", "reason": "not an IP address or "
-                           "DNS name"})
-        key = peer.lower()
+        if peer is None:
+            continue
+        key = address_key(peer)
+        if key is None:
+            errors.append({"field": f"peers[{position}]", "reason": "not an IP address (the "
+                           "agent maps each seat's IMEX name to it)"})
+            continue
         if key in seen:
             errors.append({"field": f"peers[{position}]", "reason": f"same as "
                            f"peers[{seen[key]}]"})
         seen.setdefault(key, position)
-    if peers and address.lower() not in seen:
+    if peers and (address_key(address) or address) not in seen:
         errors.append({"field": "peers", "reason": f"does not include this node's IMEX "
                        f"address {address}"})
     return errors

@@ -13,6 +13,12 @@ the channel its claims hold.
   of its own), is re-adopted at start-up (the recorded pid still runs ``nvidia-imex -c
   <our config>``), restarted when it died while holders exist (at start-up and by
   :meth:`DomainService.supervise`), and stopped when the last holder goes.
+- Seats, not addresses, make the node list: ``nodes_config.cfg`` holds one fixed name per
+  seat and the daemon's own ``/etc/hosts`` (``<state>/imex/hosts``, bind-mounted in its
+  mount namespace) maps each held seat to its member's address. A seat that moves to
+  another address (same size) rewrites the hosts file in place and sends the daemon
+  SIGUSR1, which IMEX processes at most once per 5 s: a change inside that window is sent
+  once it has passed (:func:`next_signal`). A new size restarts the daemon.
 """
 
 from __future__ import annotations
@@ -20,9 +26,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -31,7 +38,9 @@ from agent.domains.config import (
     imex_files,
     peer_errors,
     render_config,
+    render_hosts,
     render_nodes,
+    seat_names,
 )
 from agent.durable import DurableMap, write_atomic
 from agent.errors import (
@@ -62,13 +71,50 @@ _SHARE = "imex_claims"
 _UNBOUNDED = {_SHARE: 2**62}
 _POLL_S = 0.1
 DaemonState = Literal["running", "stopped", "failed"]
+#: IMEX processes SIGUSR1 at most once per 5 s (its guide); a margin over that, so a signal
+#: sent just after the window never lands inside it.
+RECONNECT_WINDOW_S = 5.5
+
+
+def next_signal(last: float | None, now: float, *, pending: bool,
+                window_s: float = RECONNECT_WINDOW_S) -> float | None:
+    """When the daemon should get its next SIGUSR1 (pure, monotonic seconds): None with
+    nothing pending; at once (``now``) when no signal went to this daemon (``last`` None) or
+    the last one is a window old; else once the window after it has passed. An adopted
+    daemon's last signal is unknown: the caller passes the adoption time (possibly
+    recent)."""
+    if not pending:
+        return None
+    if last is None:
+        return now
+    return max(now, last + window_s)
+
+
+def rewrite_in_place(path: Path, data: bytes) -> None:
+    """Replace a file's content keeping its inode (write, truncate, fsync): the daemon's
+    bind mount of it pins the inode, so a rename would leave the daemon the old file."""
+    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        view = memoryview(data)
+        offset = 0
+        while offset < len(data):
+            offset += os.pwrite(fd, view[offset:], offset)
+        os.ftruncate(fd, len(data))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class ImexTools(Protocol):
     """This node's IMEX binaries (:class:`agent.gpu.imex.ImexControl` on a node)."""
 
-    async def start(self, config: Path) -> None:
-        """Start a daemon with ``config``; :class:`ImexUnavailable` with why not."""
+    async def start(self, config: Path, hosts: Path) -> None:
+        """Start a daemon with ``config`` and ``hosts`` as its ``/etc/hosts``;
+        :class:`ImexUnavailable` with why not."""
+        ...
+
+    def reconnect(self, pid: int, config: Path) -> bool:
+        """SIGUSR1 to the daemon ``pid`` if it still runs with ``config``; whether sent."""
         ...
 
     async def state(self, config: Path) -> str | None:
@@ -94,11 +140,19 @@ class ImexTools(Protocol):
 
 @dataclass(frozen=True)
 class Domain:
-    """The domain this node is a member of."""
+    """The domain this node is a member of: each seat's member address (None: an empty
+    seat), the daemon's pid, and whether its hosts file changed since it was last told to
+    reconnect."""
 
     id: str
-    peers: tuple[str, ...]
+    peers: tuple[str | None, ...]
     pid: int | None = None
+    reconnect: bool = False
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The IMEX node name of each seat."""
+        return seat_names(self.id, len(self.peers))
 
 
 @dataclass(frozen=True)
@@ -132,8 +186,11 @@ class ImexSettings:
 
 class DomainService:
     def __init__(self, *, settings: ImexSettings, directory: Path, control: ImexTools,
-                 ledger: NodeLedger, events: EventLog, metrics: AgentMetrics) -> None:
+                 ledger: NodeLedger, events: EventLog, metrics: AgentMetrics,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
+        #: Monotonic seconds, for the SIGUSR1 window (a test's own clock).
+        self._clock = clock
         self.files: ImexFiles = imex_files(directory)
         self._control = control
         self._ledger = ledger
@@ -144,6 +201,9 @@ class DomainService:
         self._recovered = False
         #: Why the daemon is failed (its last start or restart), or None.
         self._failure: str | None = None
+        #: When the running daemon last got SIGUSR1 (monotonic; its adoption time when
+        #: adopted: unknown, possibly recent), or None: not since it started.
+        self._signalled: float | None = None
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -153,8 +213,10 @@ class DomainService:
         if not isinstance(raw, dict):
             return None
         pid = raw.get("pid")
-        return Domain(id=str(raw.get("id")), peers=tuple(str(p) for p in raw.get("peers", [])),
-                      pid=pid if isinstance(pid, int) and not isinstance(pid, bool) else None)
+        return Domain(id=str(raw.get("id")),
+                      peers=tuple(None if p is None else str(p) for p in raw.get("peers", [])),
+                      pid=pid if isinstance(pid, int) and not isinstance(pid, bool) else None,
+                      reconnect=raw.get("reconnect") is True)
 
     @property
     def unreadable(self) -> str | None:
@@ -213,11 +275,13 @@ class DomainService:
 
     # -- the domain ------------------------------------------------------------------------
 
-    async def configure(self, domain_id: str, peers: Sequence[str]) -> tuple[DomainView, bool]:
-        """PUT a domain's node list; whether it changed anything. A second domain is
-        :class:`DomainBusy`; the same list again changes nothing; another list is stored
-        and, when the daemon runs, written and the daemon restarted once (IMEX reads its
-        node list only at start)."""
+    async def configure(self, domain_id: str,
+                        peers: Sequence[str | None]) -> tuple[DomainView, bool]:
+        """PUT a domain's seats (each a member's address, or None); whether it changed
+        anything. A second domain is :class:`DomainBusy`; the same seats again change
+        nothing; other addresses for as many seats are stored and, when the daemon runs,
+        written to its hosts file in place and the daemon told to reconnect (no restart); a
+        new size restarts a running daemon once (IMEX reads its node list only at start)."""
         address = self.check_usable()
         errors = peer_errors(peers, address)
         if errors:
@@ -235,20 +299,77 @@ class DomainService:
                 return await self._view(current, address), False
             running = current is not None and current.pid is not None and \
                 self._control.runs(current.pid, self.files.config)
-            await self._store(Domain(id=domain_id, peers=wanted,
-                                     pid=current.pid if current else None))
-            restarted = False
-            if running and current is not None and current.pid is not None:
-                await self._control.stop(current.pid, self.files.config)
-                await self._start(self.domain or current, address)
-                restarted = True
+            domain = Domain(id=domain_id, peers=wanted, pid=current.pid if current else None,
+                            reconnect=current.reconnect if current else False)
+            restarted = reconnected = False
+            if running and current is not None and len(current.peers) == len(wanted) and \
+                    await self._names_in_use(current):
+                domain = replace(domain, reconnect=True)
+                await self._store(domain)
+                await asyncio.to_thread(rewrite_in_place, self.files.hosts,
+                                        render_hosts(domain.names, domain.peers).encode())
+                await self._signal_if_due()
+                reconnected = True
+            else:
+                await self._store(replace(domain, reconnect=False))
+                if running and current is not None and current.pid is not None:
+                    await self._control.stop(current.pid, self.files.config)
+                    await self._start(self.domain or domain, address)
+                    restarted = True
+            held = sum(p is not None for p in wanted)
             self._events.append(
-                "domain.configured", f"compute domain {domain_id}: {len(wanted)} IMEX "
-                f"node(s){'; daemon restarted with the new list' if restarted else ''}",
-                details={"domain": domain_id, "peers": list(wanted), "restarted": restarted})
-            domain = self.domain
-            assert domain is not None
-            return await self._view(domain, address), True
+                "domain.configured", f"compute domain {domain_id}: {len(wanted)} seat(s), "
+                f"{held} held{'; daemon restarted with the new list' if restarted else ''}"
+                f"{'; hosts file rewritten, daemon reconnects' if reconnected else ''}",
+                details={"domain": domain_id, "peers": list(wanted), "restarted": restarted,
+                         "reconnected": reconnected})
+            stored = self.domain
+            assert stored is not None
+            return await self._view(stored, address), True
+
+    async def _names_in_use(self, domain: Domain) -> bool:
+        """Whether the running daemon's node list is this domain's seat names and its hosts
+        file is in place (a daemon started by an older agent lists addresses: it needs a
+        restart to take a change)."""
+        files = self.files
+
+        def check() -> bool:
+            try:
+                return files.nodes.read_text() == render_nodes(domain.names) and \
+                    files.hosts.is_file() and not files.hosts.is_symlink()
+            except (OSError, UnicodeDecodeError):
+                return False
+        return await asyncio.to_thread(check)
+
+    async def _signal_if_due(self) -> None:
+        """Send the pending SIGUSR1 if IMEX would take it now (under the lock); otherwise
+        supervision sends it once the window has passed."""
+        domain = self.domain
+        if domain is None or domain.pid is None:
+            return
+        now = self._clock()
+        at = next_signal(self._signalled, now, pending=domain.reconnect)
+        if at is None or at > now:
+            return
+        if not self._control.reconnect(domain.pid, self.files.config):
+            return  # it stopped: the restart reads the hosts file anew
+        self._signalled = now
+        await self._store(replace(domain, reconnect=False))
+        self._metrics.imex_reconnects.inc()
+        self._events.append("domain.daemon_reconnected", f"compute domain {domain.id}: IMEX "
+                            f"daemon (pid {domain.pid}) told to reconnect (SIGUSR1) to the "
+                            "seats' current addresses",
+                            details={"domain": domain.id, "pid": domain.pid})
+
+    def next_check_s(self, interval_s: float) -> float:
+        """How long supervision sleeps: ``interval_s``, or less when a SIGUSR1 is due
+        sooner."""
+        domain = self.domain
+        if domain is None:
+            return interval_s
+        now = self._clock()
+        at = next_signal(self._signalled, now, pending=domain.reconnect)
+        return interval_s if at is None else min(interval_s, max(_POLL_S, at - now))
 
     async def leave(self, domain_id: str) -> bool:
         """Forget a domain no claim holds here (a job that ended before any pod was prepared,
@@ -276,7 +397,8 @@ class DomainService:
             await self._state.delete("domain")
         else:
             await self._state.set("domain", {"id": domain.id, "peers": list(domain.peers),
-                                              "pid": domain.pid})
+                                              "pid": domain.pid,
+                                              "reconnect": domain.reconnect})
 
     # -- channels, for the claims service --------------------------------------------------
 
@@ -338,15 +460,19 @@ class DomainService:
     # -- the daemon ------------------------------------------------------------------------
 
     async def _start(self, domain: Domain, address: str) -> None:
-        """Write the config and node list, start the daemon, record its pid."""
+        """Write the config, node list and hosts file, start the daemon, record its pid. No
+        daemon runs here: the hosts file may be replaced (the new daemon binds the new
+        one)."""
         files = self.files
         await asyncio.to_thread(files.directory.mkdir, parents=True, exist_ok=True)
         await asyncio.to_thread(write_atomic, files.nodes,
-                                render_nodes(domain.peers).encode())
+                                render_nodes(domain.names).encode())
+        await asyncio.to_thread(write_atomic, files.hosts,
+                                render_hosts(domain.names, domain.peers).encode())
         await asyncio.to_thread(write_atomic, files.config, render_config(
             files, address=address, port=self.settings.port).encode())
         try:
-            await self._control.start(files.config)
+            await self._control.start(files.config, files.hosts)
         except ImexUnavailable as err:
             self._failure = err.detail
             self._metrics.imex_daemon_up.set(0)
@@ -358,6 +484,7 @@ class DomainService:
             raise ImexUnavailable(f"compute domain {domain.id}: {self._failure}",
                                   reason="not started", domain=domain.id)
         self._failure = None
+        self._signalled = None
         await self._store(Domain(id=domain.id, peers=domain.peers, pid=pid))
         self._metrics.imex_daemon_up.set(1)
         self._events.append("domain.daemon_started", f"compute domain {domain.id}: IMEX "
@@ -393,7 +520,7 @@ class DomainService:
 
     async def _remove_files(self) -> None:
         files = self.files
-        for path in (files.config, files.nodes, files.log, files.socket):
+        for path in (files.config, files.nodes, files.hosts, files.log, files.socket):
             with contextlib.suppress(OSError):
                 await asyncio.to_thread(path.unlink)
 
@@ -447,13 +574,31 @@ class DomainService:
             return
         if pid is not None and await self._control.state(self.files.config) is not None:
             if pid != domain.pid:
-                await self._store(Domain(domain.id, domain.peers, pid))
+                await self._store(replace(domain, pid=pid))
+            # Whether the last agent signalled it, and when, is unknown: possibly just now.
+            self._signalled = self._clock()
+            await self._sync_hosts()
             self._metrics.imex_daemon_up.set(1)
             self._events.append("domain.daemon_adopted", f"compute domain {domain.id}: IMEX "
                                 f"daemon (pid {pid}) still runs; adopted",
                                 details={"domain": domain.id, "pid": pid})
             return
         await self._restart(domain, address, why="was not running when the agent started")
+
+    async def _sync_hosts(self) -> None:
+        """After adoption: a hosts file the last agent did not finish writing is written
+        again in place, and the daemon told (once the window passed)."""
+        domain = self.domain
+        if domain is None or not await self._names_in_use(domain):
+            return
+        wanted = render_hosts(domain.names, domain.peers).encode()
+        try:
+            written = await asyncio.to_thread(self.files.hosts.read_bytes)
+        except OSError:
+            return
+        if written != wanted:
+            await self._store(replace(domain, reconnect=True))
+            await asyncio.to_thread(rewrite_in_place, self.files.hosts, wanted)
 
     async def _restart(self, domain: Domain, address: str, *, why: str) -> None:
         """Start the daemon again for its holders, with an event and a metric; a failure is
@@ -492,6 +637,7 @@ class DomainService:
             if domain.pid is None or not self._control.runs(domain.pid, self.files.config):
                 await self._restart(domain, address, why="stopped running")
                 return
+            await self._signal_if_due()
         view = await self._control.domain(self.files.config)
         self._metrics.imex_daemon_up.set(1)
         counts = {"READY": 0, "UNAVAILABLE": 0, "other": 0}
@@ -501,9 +647,10 @@ class DomainService:
             self._metrics.imex_domain_nodes.labels(state).set(count)
 
     async def supervise(self, interval_s: float) -> None:
-        """:meth:`check` every ``interval_s`` (a task of the node)."""
+        """:meth:`check` every ``interval_s``, sooner when a deferred SIGUSR1 is due (a task
+        of the node)."""
         while True:
-            await asyncio.sleep(interval_s)
+            await asyncio.sleep(self.next_check_s(interval_s))
             try:
                 await self.check()
             except (AgentError, OSError) as err:

@@ -1,6 +1,7 @@
 """NVIDIA's IMEX tools as the guide documents them: ``nvidia-imex -c <config>`` starts the
 daemon (``DAEMONIZE=1``: the starter exits once it serves), ``nvidia-imex-ctl -c <config> -q``
-prints its state and ``-N -j`` the domain as it sees it; the daemon stops on SIGTERM. The
+prints its state and ``-N -j`` the domain as it sees it; the daemon stops on SIGTERM and
+restarts its outgoing connections on SIGUSR1 (at most once per 5 s). The
 parsing of what the tools print is pure (:func:`parse_state`, :func:`parse_domain`)."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from agent.errors import ImexUnavailable, SharingUnavailable
 from agent.gpu.tools import executable, run_tool, truncated
+from agent.mps.launch import ImexLauncher
 
 TOOL = "nvidia-imex"
 CTL = "nvidia-imex-ctl"
@@ -90,35 +92,53 @@ def runs_config(argv: list[str] | None, config: Path) -> bool:
 
 
 class ImexControl:
-    """The ``nvidia-imex`` and ``nvidia-imex-ctl`` binaries. Failures to start are
-    :class:`ImexUnavailable` carrying the daemon's message."""
+    """The ``nvidia-imex`` and ``nvidia-imex-ctl`` binaries; the daemon is started through
+    ``launcher`` (in a mount namespace of its own with the domain's hosts file). Failures to
+    start are :class:`ImexUnavailable` carrying the daemon's message."""
 
-    def __init__(self, imex: Path, ctl: Path, *, timeout_s: float = 15.0,
-                 proc: Path = Path("/proc")) -> None:
+    def __init__(self, imex: Path, ctl: Path, launcher: ImexLauncher, *,
+                 timeout_s: float = 15.0, proc: Path = Path("/proc")) -> None:
         self.imex = Path(imex)
         self.ctl = Path(ctl)
+        self.launcher = launcher
         self.timeout_s = timeout_s
         self._proc = proc
 
     def available(self) -> bool:
         return executable(self.imex) and executable(self.ctl)
 
-    async def start(self, config: Path) -> None:
-        """Run ``nvidia-imex -c <config>`` (a daemonizing start: it returns once the daemon
-        serves, or exits non-zero with why not)."""
+    async def start(self, config: Path, hosts: Path) -> None:
+        """Run ``nvidia-imex -c <config>`` with ``hosts`` as its ``/etc/hosts`` (a
+        daemonizing start: it returns once the daemon serves, or exits non-zero with why
+        not)."""
         for binary in (self.imex, self.ctl):
             if not executable(binary):
                 raise ImexUnavailable(f"{binary.name} not found or not executable at {binary}",
                                       reason="missing")
         try:
-            done = await run_tool([str(self.imex), "-c", str(config)], tool=TOOL,
-                                  timeout_s=self.timeout_s)
+            done = await self.launcher.launch_imex(str(self.imex), str(config), str(hosts),
+                                                   timeout_s=self.timeout_s)
         except SharingUnavailable as err:
             raise ImexUnavailable(err.detail, reason=err.reason) from err
         if done.returncode != 0:
             raise ImexUnavailable(
                 f"{TOOL} -c {config} exited {done.returncode}: "
                 f"{truncated(done.output) or '(no output)'}", reason="start failed")
+
+    def reconnect(self, pid: int, config: Path) -> bool:
+        """SIGUSR1 to the daemon ``pid`` if it still runs with ``config``: it restarts its
+        outgoing connections, resolving the node names again. Whether it was sent;
+        :class:`ImexUnavailable` when this process may not signal it."""
+        if not self.runs(pid, config):
+            return False
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            return False
+        except PermissionError as err:
+            raise ImexUnavailable(f"cannot signal the IMEX daemon (pid {pid}): {err.strerror}",
+                                  reason="not permitted") from err
+        return True
 
     async def _ctl(self, config: Path, *args: str) -> tuple[int, str]:
         if not executable(self.ctl):

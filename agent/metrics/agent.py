@@ -102,6 +102,10 @@ class AgentMetrics:
         self.imex_daemon_restarts = Counter(
             "imex_daemon_restarts", "IMEX daemon restarts (attempts) because it had stopped while "
             "claims held the domain's channel", namespace=NAMESPACE, registry=self.registry)
+        self.imex_reconnects = Counter(
+            "imex_reconnects", "SIGUSR1s sent to this node's IMEX daemon after a seat of its "
+            "domain moved to another address (it reconnects, resolving the names again)",
+            namespace=NAMESPACE, registry=self.registry)
         for state in ("READY", "UNAVAILABLE", "other"):
             self.imex_domain_nodes.labels(state).set(0)
         if process:

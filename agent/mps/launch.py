@@ -5,6 +5,7 @@ agent (``docs/sharing.md``).
 cgroup: started by the agent, it dies when the runtime stops the agent's container or
 systemd stops its unit. :class:`MpsLauncher` is the seam: the agent's MPS code hands it the
 argv and environment of one ``-d`` start and gets back once the command exited.
+:class:`ImexLauncher` is the same seam for the IMEX daemon of a compute domain.
 """
 
 from __future__ import annotations
@@ -32,4 +33,21 @@ class MpsLauncher(Protocol):
 
     def describe(self) -> str:
         """Where daemons run, for logs and ``/v1/node`` (e.g. ``mps-host unix:/run/...``)."""
+        ...
+
+
+class ImexLauncher(Protocol):
+    """Starts an IMEX daemon in a mount namespace of its own whose ``/etc/hosts`` is the
+    domain's hosts file (``docs/compute-domains.md``, "The node side")."""
+
+    async def launch_imex(self, imex: str, config: str, hosts: str, *,
+                          timeout_s: float) -> LaunchResult:
+        """Run ``imex -c config`` (a ``DAEMONIZE=1`` start: returns when the starter exited)
+        in a mount namespace of its own where ``/etc/hosts`` is the file ``hosts``
+        (bind-mounted); :class:`agent.errors.AgentError` (``SharingUnavailable`` or
+        ``ImexUnavailable``) when it cannot run it at all."""
+        ...
+
+    def describe(self) -> str:
+        """Where daemons run, for logs and ``/v1/node``."""
         ...

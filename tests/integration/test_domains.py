@@ -1,8 +1,11 @@
 """The node side of a compute domain against real agents of simulated GB200 NVL72 trays, each
 with its own state directory and IMEX address, and the simulated ``nvidia-imex``: a domain PUT
-with every peer and a channel claim prepared on each node bring every daemon READY and the
-domain UP; a killed daemon is restarted, a killed agent re-adopts its daemon, the last
-unprepare stops it, a failing start leaves nothing held, and bad bodies change nothing."""
+with every seat's address and a channel claim prepared on each node bring every daemon READY
+and the domain UP, through seat names that each daemon's own /etc/hosts maps; a seat moving
+to another node, or left empty, reaches the running daemons without restarting them, and a
+new size restarts them; a killed daemon is restarted, a killed agent re-adopts its daemon,
+the last unprepare stops it, a failing start leaves nothing held, and bad bodies change
+nothing."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import itertools
 import json
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +53,24 @@ def pair(tmp_path: Path) -> Iterator[tuple[list[AgentProcess], list[str]]]:
         agent.stop(signal.SIGKILL)
 
 
+Trays = Callable[[str, str], AgentProcess]
+
+
+@pytest.fixture
+def trays(tmp_path: Path) -> Iterator[Trays]:
+    """Starts trays of one clique by name and address; their daemons stopped after."""
+    started: list[AgentProcess] = []
+
+    def start(name: str, address: str) -> AgentProcess:
+        started.append(_start(tmp_path, name, address))
+        return started[-1]
+
+    yield start
+    for agent in started:
+        _stop_daemon(agent)
+        agent.stop(signal.SIGKILL)
+
+
 def _stop_daemon(agent: AgentProcess) -> None:
     """Stop a test's IMEX daemon (it outlives its agent, as it must)."""
     pid = _daemon_pid(agent)
@@ -69,6 +90,16 @@ def _daemon_pid(agent: AgentProcess) -> int | None:
         if b"-c" in argv and config.encode() in argv:
             return int(entry.name)
     return None
+
+
+def _daemon_hosts(agent: AgentProcess) -> dict[str, str]:
+    """Name -> address as the agent's IMEX daemon resolves them: its own /etc/hosts, read
+    through its mount namespace."""
+    pid = _daemon_pid(agent)
+    assert pid is not None, "no IMEX daemon runs"
+    pairs = [line.split() for line in
+             Path(f"/proc/{pid}/root/etc/hosts").read_text().splitlines()]
+    return {name: address for address, name, *_ in pairs if name.startswith("imex-")}
 
 
 def _channel(domain: str) -> dict[str, Any]:
@@ -171,6 +202,79 @@ def test_a_domain_forms_recovers_from_kills_and_stops_with_its_last_claim(pair: 
     assert not (agents[0].state_dir / "imex" / "config.cfg").exists()
 
 
+def _prepare(agents: list[AgentProcess], peers: list[str | None], domain: str) -> None:
+    for agent in agents:
+        put = agent.request("PUT", f"/v1/domains/{domain}", {"peers": peers})
+        assert put.status == 200, put.body
+        claim = f"claim-{agent.state_dir.name}"
+        prepared = agent.request("PUT", f"/v1/claims/{claim}", _channel(domain))
+        assert prepared.status == 200, prepared.body
+
+
+def _configured(agent: AgentProcess) -> list[dict[str, Any]]:
+    return [e["details"] for e in agent.request("GET", "/v1/events").body["events"]
+            if e["kind"] == "domain.configured"]
+
+
+def test_seats_move_to_other_nodes_without_restarting_the_healthy_daemons(
+        trays: Trays) -> None:
+    a, b, c, d = _addresses(4)
+    members = [trays("tray0", a), trays("tray1", b), trays("tray2", c)]
+    _prepare(members, [a, b, c], "job")
+    for agent in members:
+        wait_for(lambda agent=agent: _up(agent), "the domain UP through the seat names", 30)
+    first = _domain(members[0])
+    assert first is not None
+    names = first["names"]
+    assert len(set(names)) == 3 and all(n.startswith("imex-") for n in names)
+    for agent in members:
+        # The node list holds only the names; each daemon's own /etc/hosts maps them.
+        assert (agent.state_dir / "imex" / "nodes_config.cfg").read_text().split() == names
+        assert _daemon_hosts(agent) == dict(zip(names, [a, b, c], strict=True))
+        assert [n["host"] for n in _domain(agent)["nodes"]] == names  # type: ignore[index]
+    assert Path("/etc/hosts").read_text().count("imex-") == 0  # the node's is untouched
+    shown = cli("domains", "job", "--url", members[0].url)
+    assert shown.returncode == 0, shown.stderr
+    assert [line.split()[:3] for line in shown.stdout.splitlines() if "imex-" in line] == [
+        [str(seat), name, address] for seat, (name, address) in
+        enumerate(zip(names, [a, b, c], strict=True))]
+
+    # Seat 2's pod moves from tray2 to tray3: tray2 unprepares, the others get its address.
+    old_pids = [_daemon_pid(agent) for agent in members[:2]]
+    assert members[2].request("DELETE", "/v1/claims/claim-tray2").status == 204
+    assert _daemon_pid(members[2]) is None
+    moved = trays("tray3", d)
+    _prepare([*members[:2], moved], [a, b, d], "job")
+    healthy = [*members[:2], moved]
+    for agent in healthy:
+        wait_for(lambda agent=agent: _up(agent), "the domain UP with tray3 in seat 2", 30)
+    assert [_daemon_pid(agent) for agent in members[:2]] == old_pids  # not restarted
+    for agent in healthy:
+        assert _daemon_hosts(agent) == dict(zip(names, [a, b, d], strict=True))
+    for agent in members[:2]:
+        assert _configured(agent)[-1]["restarted"] is False
+        assert _configured(agent)[-1]["reconnected"] is True
+        metrics = agent.request("GET", "/metrics", token=None).body
+        assert "gpu_agent_imex_reconnects_total 1.0" in metrics
+        log = (agent.state_dir / "imex" / "nvidia-imex.log").read_text()
+        assert "SIGUSR1: restarting outgoing connections" in log
+
+    # Seat 1 left empty (tray1's pod gone, none in its place): degraded, nothing restarted.
+    assert members[1].request("DELETE", "/v1/claims/claim-tray1").status == 204
+    left = [members[0], moved]
+    pids = [_daemon_pid(agent) for agent in left]
+    for agent in left:
+        put = agent.request("PUT", "/v1/domains/job", {"peers": [a, None, d]})
+        assert put.status == 200 and put.body["peers"] == [a, None, d], put.body
+    for agent in left:
+        degraded = wait_for(lambda agent=agent: (dom := _domain(agent)) and [
+            n["status"] for n in dom["nodes"]] == ["READY", "UNAVAILABLE", "READY"] and dom,
+            "seat 1 UNAVAILABLE", 30)
+        assert degraded["state"] == "DEGRADED"
+        assert _daemon_hosts(agent) == {names[0]: a, names[2]: d}
+    assert [_daemon_pid(agent) for agent in left] == pids
+
+
 def test_a_failing_imex_start_fails_the_prepare_and_holds_nothing(tmp_path: Path) -> None:
     [address] = _addresses(1)
     agent = _start(tmp_path, "tray", address)
@@ -205,6 +309,8 @@ def test_a_failing_imex_start_fails_the_prepare_and_holds_nothing(tmp_path: Path
     ("/v1/domains/job", {"peers": ["127.0.0.250"]}, "peers"),
     ("/v1/domains/job", {"peers": ["SELF", "SELF"]}, "peers[1]"),
     ("/v1/domains/job", {"peers": ["SELF", "not a host!"]}, "peers[1]"),
+    ("/v1/domains/job", {"peers": [None, "SELF", "tray-3.example.org"]}, "peers[2]"),
+    ("/v1/domains/job", {"peers": [None]}, "peers"),
     ("/v1/domains/job", {"peers": ["SELF"], "extra": 1}, "extra"),
     ("/v1/domains/-bad", {"peers": ["SELF"]}, "domain"),
     ("/v1/claims/c", {"devices": [{"kind": "imex-channel"}]}, "devices[0]"),
@@ -237,7 +343,7 @@ def test_without_an_imex_address_domain_calls_say_what_to_set(tmp_path: Path) ->
         agent.stop(signal.SIGKILL)
 
 
-def test_a_new_peer_list_restarts_a_running_daemon_once_with_it(tmp_path: Path) -> None:
+def test_a_new_size_restarts_a_running_daemon_once_with_it(tmp_path: Path) -> None:
     me, other = _addresses(2)
     agent = _start(tmp_path, "tray", me)
     try:
@@ -247,18 +353,22 @@ def test_a_new_peer_list_restarts_a_running_daemon_once_with_it(tmp_path: Path) 
         changed = agent.request("PUT", "/v1/domains/job", {"peers": [other, me]})
         assert changed.status == 200, changed.body
         assert changed.body["peers"] == [other, me]
-        assert (agent.state_dir / "imex" / "nodes_config.cfg").read_text() == f"{other}\n{me}\n"
+        names = changed.body["names"]
+        assert (agent.state_dir / "imex" / "nodes_config.cfg").read_text() == \
+            f"{names[0]}\n{names[1]}\n"
+        assert _daemon_hosts(agent) == {names[0]: other, names[1]: me}
         after = _domain(agent)
         assert after is not None and after["daemon"]["pid"] not in (None,
                                                                      before["daemon"]["pid"])
         seen = wait_for(lambda: (d := _domain(agent)) and len(d["nodes"]) == 2 and d,
                         "the daemon to see both nodes", 20)
         assert [(n["host"], n["status"]) for n in seen["nodes"]] == [
-            (other, "UNAVAILABLE"), (me, "READY")]
+            (names[0], "UNAVAILABLE"), (names[1], "READY")]
         assert seen["state"] == "DEGRADED"
         configured = [e for e in agent.request("GET", "/v1/events").body["events"]
                       if e["kind"] == "domain.configured"]
-        assert [e["details"]["restarted"] for e in configured] == [False, True]
+        assert [(e["details"]["restarted"], e["details"]["reconnected"])
+                for e in configured] == [(False, False), (True, False)]
     finally:
         _stop_daemon(agent)
         agent.stop(signal.SIGKILL)
