@@ -59,35 +59,36 @@ def test_a_root_configured_through_a_symlink_takes_either_spelling(
         assert (plan.root, plan.config_parts) == (root.resolve(), ("sub", "config.cfg"))
 
 
-@pytest.mark.parametrize(("imex", "config", "hosts", "field", "why"), [
-    ("/bin/sh", "ROOT/config.cfg", "ROOT/hosts", "imex", "only"),
-    ("/driver/usr/bin/nvidia-imex-ctl", "ROOT/config.cfg", "ROOT/hosts", "imex", "only"),
-    ("/driver/usr/bin/../bin/nvidia-imex", "ROOT/config.cfg", "ROOT/hosts", "imex", "only"),
-    (["/driver/usr/bin/nvidia-imex"], "ROOT/config.cfg", "ROOT/hosts", "imex", "a string"),
-    (None, "ROOT/config.cfg", "ROOT/hosts", "imex", "a string"),
-    (str(BINARY), None, "ROOT/hosts", "config", "a string"),
-    (str(BINARY), "ROOT/config.cfg", 7, "hosts", "a string"),
-    (str(BINARY), "ROOT/../config.cfg", "ROOT/hosts", "config", "'..'"),
-    (str(BINARY), "ROOT/sub/../config.cfg", "ROOT/hosts", "config", "'..'"),
-    (str(BINARY), "ROOT/config.cfg", "ROOT/sub/../../x/hosts", "hosts", "'..'"),
-    (str(BINARY), "config.cfg", "ROOT/hosts", "config", "absolute, normalized"),
-    (str(BINARY), "ROOT//config.cfg", "ROOT/hosts", "config", "absolute, normalized"),
-    (str(BINARY), "ROOT/./config.cfg", "ROOT/hosts", "config", "absolute, normalized"),
-    (str(BINARY), "ROOT/config.cfg/", "ROOT/hosts", "config", "absolute, normalized"),
-    (str(BINARY), "/etc/nvidia-imex/config.cfg", "ROOT/hosts", "config", "not under"),
-    (str(BINARY), "ROOT/config.cfg", "/etc/hosts", "hosts", "not under"),
-    (str(BINARY), "ROOT", "ROOT/hosts", "config", "not under"),
-    (str(BINARY), "ROOTx/config.cfg", "ROOT/hosts", "config", "not under"),
-    (str(BINARY), "ROOT/config.cfg\0", "ROOT/hosts", "config", "NUL"),
-    (str(BINARY), "ROOT/" + "c" * 5000, "ROOT/hosts", "config", "too long"),
-    (str(BINARY), "ROOT/hosts", "ROOT/hosts", "hosts", "not be the config"),
+@pytest.mark.parametrize(("request_", "field", "why"), [
+    (("/bin/sh", "ROOT/config.cfg", "ROOT/hosts"), "imex", "only"),
+    (("/driver/usr/bin/nvidia-imex-ctl", "ROOT/config.cfg", "ROOT/hosts"), "imex", "only"),
+    (("/driver/usr/bin/../bin/nvidia-imex", "ROOT/config.cfg", "ROOT/hosts"), "imex", "only"),
+    ((["/driver/usr/bin/nvidia-imex"], "ROOT/config.cfg", "ROOT/hosts"), "imex", "a string"),
+    ((None, "ROOT/config.cfg", "ROOT/hosts"), "imex", "a string"),
+    ((str(BINARY), None, "ROOT/hosts"), "config", "a string"),
+    ((str(BINARY), "ROOT/config.cfg", 7), "hosts", "a string"),
+    ((str(BINARY), "ROOT/../config.cfg", "ROOT/hosts"), "config", "'..'"),
+    ((str(BINARY), "ROOT/sub/../config.cfg", "ROOT/hosts"), "config", "'..'"),
+    ((str(BINARY), "ROOT/config.cfg", "ROOT/sub/../../x/hosts"), "hosts", "'..'"),
+    ((str(BINARY), "config.cfg", "ROOT/hosts"), "config", "absolute, normalized"),
+    ((str(BINARY), "ROOT//config.cfg", "ROOT/hosts"), "config", "absolute, normalized"),
+    ((str(BINARY), "ROOT/./config.cfg", "ROOT/hosts"), "config", "absolute, normalized"),
+    ((str(BINARY), "ROOT/config.cfg/", "ROOT/hosts"), "config", "absolute, normalized"),
+    ((str(BINARY), "/etc/nvidia-imex/config.cfg", "ROOT/hosts"), "config", "not under"),
+    ((str(BINARY), "ROOT/config.cfg", "/etc/hosts"), "hosts", "not under"),
+    ((str(BINARY), "ROOT", "ROOT/hosts"), "config", "not under"),
+    ((str(BINARY), "ROOTx/config.cfg", "ROOT/hosts"), "config", "not under"),
+    ((str(BINARY), "ROOT/config.cfg\0", "ROOT/hosts"), "config", "NUL"),
+    ((str(BINARY), "ROOT/" + "c" * 5000, "ROOT/hosts"), "config", "too long"),
+    ((str(BINARY), "ROOT/hosts", "ROOT/hosts"), "hosts", "not be the config"),
 ])
 def test_anything_else_is_refused_naming_the_field(
-        root: Path, imex: object, config: object, hosts: object, field: str, why: str) -> None:
+        root: Path, request_: tuple[object, object, object], field: str, why: str) -> None:
+    """Each row: (imex, config, hosts) as received, the field at fault, part of the reason."""
     def spelled(value: object) -> object:
         return value.replace("ROOT", str(root)) if isinstance(value, str) else value
     with pytest.raises(Refused) as refused:
-        _policy(root).check(spelled(imex), spelled(config), spelled(hosts))
+        _policy(root).check(*(spelled(value) for value in request_))
     assert refused.value.field == field
     assert why in refused.value.reason
     assert type(refused.value) is Refused
