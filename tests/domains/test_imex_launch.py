@@ -24,13 +24,14 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="a mount namespace nee
 
 #: Stands in for nvidia-imex: records its argv and /etc/hosts, leaves a daemon running in
 #: its namespace as a DAEMONIZE=1 start does (argv ``nvidia-imex -c <config>``; it notes
-#: each SIGUSR1) and exits.
+#: each SIGUSR1) and exits once that daemon handles signals.
 FAKE = """#!/bin/sh
 printf '%s\\n' "$0" "$@" > "$2.argv"
 cat /etc/hosts > "$2.seen"
-sh -c 'trap "echo usr1 >> $2.usr1" USR1; while :; do sleep 0.1; done' nvidia-imex -c "$2" \\
-    </dev/null >/dev/null 2>&1 &
+sh -c 'trap "echo usr1 >> $2.usr1" USR1; : > $2.up; while :; do sleep 0.1; done' \\
+    nvidia-imex -c "$2" </dev/null >/dev/null 2>&1 &
 echo $! > "$2.pid"
+while [ ! -e "$2.up" ]; do sleep 0.01; done
 echo started
 """
 
