@@ -329,7 +329,10 @@ def build_node(settings: Settings, backend: Backend, *,
                               ready_timeout_s=settings.imex_ready_timeout_s),
         directory=state / "imex",
         control=ImexControl(settings.imex or tools / "nvidia-imex",
-                            settings.imex_ctl or tools / "nvidia-imex-ctl", DirectLauncher()),
+                            settings.imex_ctl or tools / "nvidia-imex-ctl",
+                            # Through the MPS host: the daemon outlives the agent's cgroup.
+                            HostLauncher(settings.mps_host_socket)
+                            if settings.mps_host_socket is not None else DirectLauncher()),
         ledger=ledger, events=events, metrics=metrics)
     claims = ClaimService(
         inventory=inventory, ledger=ledger, devices=devices, events=events,

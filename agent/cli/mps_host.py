@@ -1,5 +1,5 @@
-"""``gpu-agent mps-host``: start MPS control daemons for the agent, outside its cgroup
-(agent/mpshost/, docs/sharing.md)."""
+"""``gpu-agent mps-host``: start MPS control daemons (and, with ``--imex``, the IMEX daemon)
+for the agent, outside its cgroup (agent/mpshost/, docs/sharing.md)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,13 @@ def add_parser(sub: Any) -> None:
                       help="the agent's --mps-root: pipe and log directories must be below it")
     host.add_argument("--mps-control", type=Path, metavar="PATH",
                       help="the nvidia-cuda-mps-control binary, the only one run")
+    host.add_argument("--imex", type=Path, metavar="PATH",
+                      help="the nvidia-imex binary, the only one run for the agent's IMEX "
+                           "daemon (with --imex-root; it need not exist on a node without "
+                           "NVLink domains; default: no IMEX daemon is run)")
+    host.add_argument("--imex-root", type=Path, metavar="DIR",
+                      help="the agent's IMEX directory (<state dir>/imex): the config and "
+                           "hosts files of an IMEX start must be below it")
     host.add_argument("--private-shm", action="store_true",
                       help="give each daemon <dir of the pipe directory>/shm at /dev/shm, the "
                            "directory its clients get there (in the mount namespace of its "
@@ -62,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     from agent import logs  # noqa: PLC0415 - keeps the client verbs fast
     from agent.errors import AgentError  # noqa: PLC0415
     from agent.mps.host_client import HostLauncher  # noqa: PLC0415
+    from agent.mpshost.imex import ImexPolicy  # noqa: PLC0415
     from agent.mpshost.policy import LaunchPolicy  # noqa: PLC0415
     from agent.mpshost.server import MAX_CONNECTIONS, MpsHost, group_id  # noqa: PLC0415
     from agent.mpshost.server import run as serve  # noqa: PLC0415
@@ -77,6 +85,10 @@ def run(args: argparse.Namespace) -> int:
                 (("mps-root", args.mps_root), ("mps-control", args.mps_control)) if not value]
     if args.mps_control and not os.access(args.mps_control, os.X_OK):
         problems.append(f"--mps-control {args.mps_control} is not an executable file")
+    # --imex is not required to exist: nodes without NVLink domains have no nvidia-imex, and
+    # the host serves their MPS daemons all the same (an IMEX start there fails, saying why).
+    if (args.imex is None) != (args.imex_root is None):
+        problems.append("--imex and --imex-root go together")
     group = None
     if args.socket_group is not None:
         try:
@@ -92,7 +104,10 @@ def run(args: argparse.Namespace) -> int:
         private_shm=args.private_shm, library_path=os.environ.get("LD_LIBRARY_PATH") or None)
     host = MpsHost(policy, socket_path=args.socket.absolute(), socket_group=group,
                    selinux_context=args.selinux_context,
-                   max_connections=args.max_connections or MAX_CONNECTIONS)
+                   max_connections=args.max_connections or MAX_CONNECTIONS,
+                   imex=ImexPolicy(
+                       imex=args.imex.absolute() if args.imex else None,
+                       imex_root=args.imex_root.absolute() if args.imex_root else None))
     try:
         return asyncio.run(serve(host))
     except AgentError as err:

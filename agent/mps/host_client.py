@@ -1,9 +1,11 @@
-"""Starting MPS control daemons through ``gpu-agent mps-host`` (``HostLauncher``).
+"""Starting MPS control daemons, and the IMEX daemon, through ``gpu-agent mps-host``
+(``HostLauncher``).
 
 The host is a process of its own (a DaemonSet of its own, or its own systemd unit), so a
 daemon it starts lives in its cgroup and outlives an agent restart, however the runtime
-kills the agent. Only the start goes through it; commands and ``quit`` reach a daemon
-through its pipe directory as before. Wire format: ``agent/mps/protocol.py``.
+kills the agent. Only the start goes through it; commands and ``quit`` reach an MPS daemon
+through its pipe directory as before, and the agent signals its IMEX daemon itself (by pid).
+Wire format: ``agent/mps/protocol.py``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from agent.errors import SharingUnavailable
+from agent.errors import ImexUnavailable, SharingUnavailable
 from agent.mps import protocol
 from agent.mps.direct import DirectLauncher
 from agent.mps.launch import LaunchResult, MpsLauncher
@@ -39,11 +41,28 @@ class HostLauncher:
         reply = await self._exchange(
             {"op": "launch", "argv": list(argv), "env": dict(env), "timeout_s": timeout_s},
             timeout_s=timeout_s + self.connect_timeout_s)
+        return self._result(reply)
+
+    def _result(self, reply: dict[str, Any]) -> LaunchResult:
         code = reply.get("returncode")
         output = reply.get("output", "")
         if not isinstance(code, int) or not isinstance(output, str):
             raise self._error("answered a launch without returncode/output")
         return LaunchResult(returncode=code, output=output)
+
+    async def launch_imex(self, imex: str, config: str, hosts: str, *,
+                          timeout_s: float) -> LaunchResult:
+        """Have the host run ``imex -c config`` with ``hosts`` at the daemon's /etc/hosts;
+        how the start exited. ImexUnavailable, naming the socket, when the host is
+        unreachable, refuses (no ``--imex``, another binary, a file not below its
+        ``--imex-root``), or cannot run it."""
+        try:
+            reply = await self._exchange(
+                {"op": "launch-imex", "imex": imex, "config": config, "hosts": hosts,
+                 "timeout_s": timeout_s}, timeout_s=timeout_s + self.connect_timeout_s)
+            return self._result(reply)
+        except SharingUnavailable as err:
+            raise ImexUnavailable(err.detail, reason=f"mps-host: {err.reason}") from err
 
     async def ping(self) -> dict[str, Any]:
         """The host's answer to ``ping`` (its MPS binary and root); SharingUnavailable when

@@ -4,9 +4,13 @@ request and one reply per connection.
 Requests (``"v"`` is the protocol version, always sent):
 
 - ``{"v": 1, "op": "ping"}`` → ``{"v": 1, "ok": true, "mps_control": ..., "mps_root": ...,
-  "private_shm": bool}``: readiness, and what the host accepts.
+  "private_shm": bool, "imex": ... | null, "imex_root": ... | null}``: readiness, and what
+  the host accepts.
 - ``{"v": 1, "op": "launch", "argv": [...], "env": {...}, "timeout_s": 15.0}`` → ``{"v": 1,
   "ok": true, "returncode": 0, "output": "..."}``: one ``nvidia-cuda-mps-control -d``.
+- ``{"v": 1, "op": "launch-imex", "imex": PATH, "config": PATH, "hosts": PATH,
+  "timeout_s": 15.0}`` → the same answer as ``launch``: one ``nvidia-imex -c config`` start
+  whose daemon sees ``hosts`` at ``/etc/hosts`` (no other key is accepted).
 
 A refusal is ``{"v": 1, "ok": false, "error": KIND, "reason": "...", "field": "..."}`` with
 KIND one of :data:`ERRORS`. A line is at most :data:`MAX_LINE` bytes either way; a peer that
@@ -29,6 +33,10 @@ MAX_LINE = 64 * 1024
 READ_TIMEOUT_S = 5.0
 #: The most seconds a launch may ask for (the host's own bound on one start).
 MAX_LAUNCH_TIMEOUT_S = 120.0
+#: The ops a host answers.
+OPS = ("ping", "launch", "launch-imex")
+#: The keys of a ``launch-imex`` request (``v`` and ``op`` included): any other is refused.
+IMEX_KEYS = ("v", "op", "imex", "config", "hosts", "timeout_s")
 #: Refusal kinds: malformed or oversized request; a version the host does not speak; the
 #: peer is neither root nor in the socket's group; a launch outside the host's policy; the
 #: start could not be run at all; the host is at its connection cap.

@@ -13,11 +13,17 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from agent.mpshost.confine import open_below
+from agent.mpshost.imex import ImexPlan
 from agent.mpshost.policy import LOG, PIPE, LaunchPlan, Parts, Refused
+
+#: A file below the root: never through a symlink, never blocking (a FIFO), never a tty.
+_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 
 @dataclass(frozen=True)
@@ -62,12 +68,56 @@ def opened(plan: LaunchPlan) -> Iterator[OpenedDirectories]:
         yield OpenedDirectories(pipe=pipe, log=log, shm=shm)
 
 
+@dataclass(frozen=True)
+class OpenedFiles:
+    """Descriptors of an IMEX plan's config and hosts files, valid inside
+    :func:`opened_files`."""
+
+    config: int
+    hosts: int
+
+
+@contextlib.contextmanager
+def opened_files(plan: ImexPlan) -> Iterator[OpenedFiles]:
+    """Open the plan's config and hosts files (closed on leaving): each directory component
+    and the file itself without following a symlink; Refused naming the field when one is
+    missing, a symlink, or not a regular file."""
+    with contextlib.ExitStack() as stack:
+        root = os.open(plan.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        stack.callback(os.close, root)
+
+        def regular(parts: Parts, field: str) -> int:
+            try:
+                parent = open_below(root, parts[:-1])
+            except OSError as err:
+                raise Refused(field, _why_at(plan.root, "IMEX", err)) from None
+            try:
+                fd = os.open(parts[-1], _FILE, dir_fd=parent)
+            except OSError as err:
+                err.filename = "/".join(parts)
+                raise Refused(field, _why_at(plan.root, "IMEX", err, what="a file")) from None
+            finally:
+                if parent != root:
+                    os.close(parent)
+            stack.callback(os.close, fd)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise Refused(field, f"{plan.root.joinpath(*parts)} is not a regular file")
+            return fd
+
+        yield OpenedFiles(config=regular(plan.config_parts, "config"),
+                          hosts=regular(plan.hosts_parts, "hosts"))
+
+
 def _why(plan: LaunchPlan, err: OSError) -> str:
-    at = plan.root / str(err.filename)
+    return _why_at(plan.root, "MPS", err)
+
+
+def _why_at(root: Path, kind: str, err: OSError, *, what: str = "a directory") -> str:
+    at = root / str(err.filename)
     if err.errno == errno.ENOENT:
         return f"{at} does not exist"
     if err.errno in (errno.ELOOP, errno.ENOTDIR):
         # O_NOFOLLOW: ELOOP for a symlink; ENOTDIR for anything else that is no directory.
-        return f"{at} is a symlink or not a directory (no symlink is followed below the " \
-               "MPS root)"
+        return f"{at} is a symlink or not {what} (no symlink is followed below the " \
+               f"{kind} root)"
     return f"{at} cannot be opened: {err.strerror or err}"

@@ -96,13 +96,13 @@ class LaunchPolicy:
             raise Refused("argv", "must be a list of strings")
         if argv != [str(self.mps_control), "-d"]:
             raise Refused("argv", f"only [{str(self.mps_control)!r}, '-d'] is run, not "
-                                  f"{_short(argv)}")
+                                  f"{short(argv)}")
         if not isinstance(env, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
             raise Refused("env", "must be an object of strings")
         for key, value in env.items():
-            if not _is_text(key) or not _is_text(value):
-                raise Malformed(f"env.{_printable(key)}", "is not valid Unicode text (a lone "
+            if not is_text(key) or not is_text(value):
+                raise Malformed(f"env.{printable(key)}", "is not valid Unicode text (a lone "
                                                           "surrogate)")
         extra = sorted(set(env) - set(ALLOWED_ENV))
         if extra:
@@ -155,7 +155,8 @@ def _within(inner: Parts, outer: Parts) -> bool:
     return inner[:len(outer)] == outer
 
 
-def _is_text(value: str) -> bool:
+def is_text(value: str) -> bool:
+    """Whether ``value`` encodes as UTF-8 (JSON can carry lone surrogates, paths cannot)."""
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
@@ -163,10 +164,12 @@ def _is_text(value: str) -> bool:
     return True
 
 
-def _printable(value: str) -> str:
+def printable(value: str) -> str:
+    """``value`` in ASCII, anything else escaped (for a reason that names it)."""
     return value.encode("ascii", "backslashreplace").decode("ascii")
 
 
-def _short(value: Any) -> str:
+def short(value: Any) -> str:
+    """``value``'s repr, at most 200 characters (for a reason that quotes it)."""
     text = repr(value)
     return text if len(text) <= 200 else text[:200] + "…"

@@ -8,8 +8,12 @@ supplementary groups from ``/proc``), checks each launch against
 symlink (:mod:`agent.mpshost.directories`) and runs it confined to them
 (:mod:`agent.mpshost.confine`) with :class:`~agent.mps.direct.DirectLauncher`. Everything
 else about a daemon (its commands, ``quit``) the agent does itself through the pipe
-directory. Peers are served concurrently, at most ``max_connections`` open at once (the
-oldest one still waiting for its request line makes room for a new one; see
+directory. With ``--imex`` it also starts the node's IMEX daemon (op ``launch-imex``, checked
+by :class:`~agent.mpshost.imex.ImexPolicy`, its files opened by
+:func:`~agent.mpshost.directories.opened_files`, run by ``DirectLauncher.launch_imex``), so
+that daemon too lives in the host's cgroup. Peers are served concurrently, at most
+``max_connections`` open at once (the oldest one still waiting for its request line makes
+room for a new one; see
 :mod:`agent.mps.protocol`). On SIGTERM it stops accepting, lets the launches in flight
 finish, removes its socket and exits; it never stops a daemon.
 """
@@ -33,7 +37,16 @@ from agent.errors import AgentError
 from agent.mps import protocol
 from agent.mps.direct import DirectLauncher
 from agent.mpshost import confine, directories
-from agent.mpshost.policy import LOG, PIPE, LaunchPlan, LaunchPolicy, Refused
+from agent.mpshost.imex import ImexPolicy
+from agent.mpshost.policy import (
+    LOG,
+    PIPE,
+    LaunchPlan,
+    LaunchPolicy,
+    Malformed,
+    Refused,
+    printable,
+)
 
 log = logging.getLogger("agent.mpshost")
 
@@ -76,8 +89,10 @@ class MpsHost:
 
     def __init__(self, policy: LaunchPolicy, *, socket_path: Path, socket_group: int | None,
                  selinux_context: str | None = None, launcher: DirectLauncher | None = None,
-                 max_connections: int = MAX_CONNECTIONS) -> None:
+                 max_connections: int = MAX_CONNECTIONS,
+                 imex: ImexPolicy | None = None) -> None:
         self.policy = policy
+        self.imex = imex or ImexPolicy()
         self.socket_path = socket_path
         self.socket_group = socket_group
         self.selinux_context = selinux_context
@@ -119,7 +134,7 @@ class MpsHost:
             os.chmod(path, 0o660)
         log.info("mps-host listening", extra={
             "socket": str(path), "socket_group": self.socket_group,
-            "max_connections": self.max_connections, **self.policy.describe()})
+            "max_connections": self.max_connections, **self._describe()})
 
     async def serve(self, stop: asyncio.Event) -> None:
         """Serve until ``stop``; then stop accepting, drain, remove the socket."""
@@ -219,10 +234,16 @@ class MpsHost:
                                     "v")
         op = request.get("op")
         if op == "ping":
-            return {"ok": True, **self.policy.describe()}
+            return {"ok": True, **self._describe()}
         if op == "launch":
             return await self._launch(request, peer)
-        return protocol.refusal("bad-request", f"unknown op {op!r} (ping, launch)", "op")
+        if op == "launch-imex":
+            return await self._launch_imex(request, peer)
+        return protocol.refusal("bad-request", f"unknown op {op!r} "
+                                               f"({', '.join(protocol.OPS)})", "op")
+
+    def _describe(self) -> dict[str, Any]:
+        return {**self.policy.describe(), **self.imex.describe()}
 
     def _allowed(self, peer: Peer) -> bool:
         if peer.uid in (0, os.getuid()):
@@ -232,11 +253,9 @@ class MpsHost:
         return peer.gid == self.socket_group or self.socket_group in _groups_of(peer.pid)
 
     async def _launch(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
-        timeout_s = request.get("timeout_s", 15.0)
-        if not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool) \
-                or not 0 < timeout_s <= protocol.MAX_LAUNCH_TIMEOUT_S:
-            return protocol.refusal("bad-request", "must be a number of seconds in (0, "
-                                    f"{protocol.MAX_LAUNCH_TIMEOUT_S:g}]", "timeout_s")
+        timeout_s = _timeout(request)
+        if timeout_s is None:
+            return _bad_timeout()
         try:
             plan = self.policy.check(request.get("argv"), request.get("env"))
         except Refused as err:
@@ -265,6 +284,41 @@ class MpsHost:
             "private_shm": plan.private_shm, "peer_pid": peer.pid})
         return {"ok": True, "returncode": result.returncode, "output": result.output}
 
+    async def _launch_imex(self, request: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        extra = sorted(str(k) for k in request if k not in protocol.IMEX_KEYS)
+        if extra:
+            return _refusal(Malformed(printable(extra[0])[:80], "unknown field (launch-imex "
+                                    f"takes {', '.join(protocol.IMEX_KEYS[2:])})"), peer)
+        timeout_s = _timeout(request)
+        if timeout_s is None:
+            return _bad_timeout()
+        try:
+            plan = self.imex.check(request.get("imex"), request.get("config"),
+                                   request.get("hosts"))
+        except Refused as err:
+            return _refusal(err, peer)
+        try:
+            async with self._launches:
+                # Opened right before the start (each component without following a
+                # symlink, regular files): the daemon reads the config by the agent's path
+                # (the agent finds it by its argv), and the namespace script opens the hosts
+                # file again, O_NOFOLLOW, to bind it at /etc/hosts.
+                with directories.opened_files(plan):
+                    result = await self._launcher.launch_imex(
+                        plan.imex, plan.config, str(plan.root.joinpath(*plan.hosts_parts)),
+                        timeout_s=timeout_s)
+        except Refused as err:
+            return _refusal(err, peer)
+        except (AgentError, OSError) as err:
+            reason = getattr(err, "detail", None) or str(err)
+            log.warning("mps-host imex launch failed", extra={"config": plan.config,
+                                                              "reason": reason})
+            return protocol.refusal("failed", reason)
+        log.info("imex daemon launched", extra={
+            "config": plan.config, "hosts": plan.hosts, "returncode": result.returncode,
+            "peer_pid": peer.pid})
+        return {"ok": True, "returncode": result.returncode, "output": result.output}
+
     def _label(self, *fds: int | None) -> None:
         """Give the pipe and shm directories the SELinux context containers may use (the
         daemon's sockets and files inherit it), before the daemon creates anything."""
@@ -272,6 +326,21 @@ class MpsHost:
         for fd in fds:
             if fd is not None:
                 os.setxattr(fd, _SELINUX_XATTR, self.selinux_context.encode())
+
+
+def _timeout(request: dict[str, Any]) -> float | None:
+    """The request's ``timeout_s`` (15 s when absent), None when it is no number of seconds
+    the host allows."""
+    timeout_s = request.get("timeout_s", 15.0)
+    if not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool) \
+            or not 0 < timeout_s <= protocol.MAX_LAUNCH_TIMEOUT_S:
+        return None
+    return float(timeout_s)
+
+
+def _bad_timeout() -> dict[str, Any]:
+    return protocol.refusal("bad-request", "must be a number of seconds in (0, "
+                            f"{protocol.MAX_LAUNCH_TIMEOUT_S:g}]", "timeout_s")
 
 
 def _refusal(err: Refused, peer: Peer) -> dict[str, Any]:

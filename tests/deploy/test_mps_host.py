@@ -84,3 +84,27 @@ def test_openshift_labels_pipe_directories_and_admits_the_host() -> None:
     assert {k for v in pod["volumes"] for k in v if k != "name"} <= set(scc["volumes"])
     module = (ROOT / "daemonset/overlays/openshift/mps-selinux.te").read_text()
     assert "allow container_t spc_t:unix_stream_socket { read write };" in module
+
+
+@pytest.mark.parametrize("tree", ["daemonset", "daemonset/overlays/openshift"])
+def test_the_host_starts_the_agent_s_imex_daemon_on_the_node_s_network(tree: str) -> None:
+    """The host's --imex is the binary the agent runs (its driver root's nvidia-imex), its
+    --imex-root is the agent's <state dir>/imex at the same host path (and no more of the
+    agent's state), and its pod uses the node's network: the daemon listens on the node's
+    address, the agent's --imex-address (the node's hostIP)."""
+    agent_pod, host_pod = _pods(tree)
+    agent = _flags(container(agent_pod, "agent")["args"])
+    host = _flags(container(host_pod, "mps-host")["args"])
+    assert host["--imex"] == agent["--driver-root"].rstrip("/") + "/usr/bin/nvidia-imex"
+    assert host["--imex-root"] == agent["--state-dir"] + "/imex"
+    config = host["--imex-root"] + "/config.cfg"
+    assert _host_path_at(host_pod, "mps-host", config) == \
+        _host_path_at(agent_pod, "agent", config) == config
+    volumes = {v["name"]: v for v in host_pod["volumes"]}
+    assert not any(v.get("hostPath", {}).get("path") == agent["--state-dir"]
+                   for v in volumes.values())
+    assert host_pod["hostNetwork"] is True
+    env = {e["name"]: e for e in container(agent_pod, "agent")["env"]}
+    assert env["GPU_AGENT_IMEX_ADDRESS"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
+    if tree.endswith("openshift"):
+        assert by_kind(render(tree), "SecurityContextConstraints")["allowHostNetwork"] is True

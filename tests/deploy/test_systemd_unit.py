@@ -172,3 +172,19 @@ def test_mps_host_outlives_the_agent_and_keeps_its_daemons() -> None:
     assert {flags["--mps-root"], str(Path(flags["--socket"]).parent)} == runtime
     assert not flags["--mps-root"].startswith(f"/run/{agent['RuntimeDirectory'][0]}/")
     assert f"-{flags['--mps-root']}" in agent["ReadWritePaths"][0].split()
+
+
+def test_mps_host_starts_the_agent_s_imex_daemon_from_the_agent_s_imex_directory() -> None:
+    """The host unit runs the IMEX daemon with the agent's <state dir>/imex as its IMEX root,
+    writable in its sandbox (StateDirectory), and lets it use the network it listens on."""
+    host = _directives(MPS_HOST_UNIT)
+    exec_start = host["ExecStart"][0].split()
+    flags = dict(a.split("=", 1) for a in exec_start[2:] if a.startswith("--") and "=" in a)
+    env = dict(line.split("=", 1) for line in ENV_EXAMPLE.read_text().splitlines()
+               if line and not line.startswith("#"))
+    settings = resolve({}, env)
+    assert flags["--imex-root"] == str(settings.state_dir / "imex")
+    assert flags["--imex"] == "${IMEX}" and "IMEX=/usr/bin/nvidia-imex" in host["Environment"]
+    assert host["StateDirectory"] == ["gpu-agent/imex"]
+    families = host["RestrictAddressFamilies"][0].split()
+    assert {"AF_INET", "AF_INET6"} <= set(families)

@@ -27,6 +27,10 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     (("--mps-root", "/run/x", "--mps-control", "/nonexistent/mps"), "not an executable"),
     (("--mps-root", "/run/x", "--mps-control", "/bin/sh", "--socket-group", "no-such-grp"),
      "no group 'no-such-grp'"),
+    (("--mps-root", "/run/x", "--mps-control", "/bin/sh", "--imex", "/bin/sh"),
+     "--imex and --imex-root go together"),
+    (("--mps-root", "/run/x", "--mps-control", "/bin/sh", "--imex-root", "/run/imex"),
+     "--imex and --imex-root go together"),
 ])
 def test_a_configuration_it_cannot_serve_exits_2_saying_why(
         tmp_path: Path, flags: tuple[str, ...], said: str) -> None:
