@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -186,8 +187,9 @@ def test_newest(kube_apiservers, case, tmp_path_factory):
 def test_api_server_tests_run_on_one_worker_per_version(pytester: pytest.Pytester,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Under ``--dist loadgroup`` the tests of one Kubernetes version's shared API servers
-    run in one worker, which starts them once (pytest-xdist#1386 silently dropped the
-    groups on pytest 9.2: every worker then started every server)."""
+    (of one module, for a version split in parts) run in one worker, which starts them once
+    (pytest-xdist#1386 silently dropped the groups on pytest 9.2: every worker then started
+    every server)."""
     pytester.makeconftest(CONFTEST.read_text())
     pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
     pytester.makepyfile(test_grouped=GROUPED)
@@ -198,3 +200,21 @@ def test_api_server_tests_run_on_one_worker_per_version(pytester: pytest.Pyteste
     workers = {group: {(pytester.path / f"{group}-{case}").read_text() for case in range(4)}
                for group in ("1.34", "1.37", "newest")}
     assert all(len(pids) == 1 for pids in workers.values()), workers
+
+
+def test_the_newest_versions_modules_are_spread_over_its_parts_whole() -> None:
+    """A split version's modules go, whole, to the part with the fewest tests so far, the
+    largest first: every part gets some, and none more than the largest module above an
+    even share."""
+    import conftest  # noqa: PLC0415 - the project's root conftest, as pytest loads it
+
+    sizes = {"tests/k8s/test_a.py": 10, "tests/k8s/test_b.py": 7, "tests/k8s/test_c.py": 7,
+             "tests/k8s/test_d.py": 5, "tests/k8s/test_e.py": 2, "tests/k8s/test_f.py": 1}
+    items = [SimpleNamespace(nodeid=f"{module}::test_{i}", fixturenames=["kube_apiservers"])
+             for module, count in sizes.items() for i in range(count)]
+    items.append(SimpleNamespace(nodeid="tests/test_x.py::test_y", fixturenames=[]))
+    part = conftest._parts(items)  # type: ignore[arg-type]
+    assert set(part) == set(sizes)
+    load = [sum(sizes[m] for m, p in part.items() if p == n)
+            for n in range(conftest.PARTS["newest"])]
+    assert all(load) and max(load) - min(load) <= max(sizes.values()), load

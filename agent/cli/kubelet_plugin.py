@@ -60,6 +60,16 @@ def add_parser(sub: Any) -> None:
     plugin.add_argument("--mig-allow-reset", action="store_true",
                         help="with --mig-config-map: let the agent reset a GPU whose MIG mode "
                              "change stays pending (Ampere; the agent's --gpu-reset-command)")
+    plugin.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE"),
+                        metavar="NAMESPACE",
+                        help="take part in electing the one plugin of the cluster that gives "
+                             "compute-domain claims no NVLink clique can hold a Warning Event "
+                             "saying why (a Lease in this namespace; default $POD_NAMESPACE; "
+                             "without one this plugin never explains)")
+    plugin.add_argument("--domain-explain-interval", type=float, default=30.0,
+                        metavar="SECONDS", help=argparse.SUPPRESS)
+    plugin.add_argument("--lease-duration", type=float, default=60.0, metavar="SECONDS",
+                        help=argparse.SUPPRESS)
     plugin.add_argument("--log-format", choices=("text", "json"), default="text",
                         help="text (key=value) or json, one line per event (default text)")
     plugin.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
@@ -85,7 +95,9 @@ def run(args: argparse.Namespace, wire: Any = None) -> int:
         health_listen=args.health_listen, agent_lost_after_s=args.agent_lost_after,
         claim_read_timeout_s=args.claim_read_timeout,
         mig_config_map=args.mig_config_map, mig_token_file=args.mig_token_file,
-        mig_allow_reset=args.mig_allow_reset)
+        mig_allow_reset=args.mig_allow_reset, lease_namespace=args.lease_namespace or None,
+        explain_interval_s=args.domain_explain_interval,
+        lease_duration_s=args.lease_duration)
     try:
         return asyncio.run(process.serve(settings, wire or process.wire_kubernetes))
     except process.PluginStartError as err:

@@ -164,6 +164,15 @@ class DaemonView:
 
 
 @dataclass(frozen=True)
+class _Seen:
+    """One reading of a daemon: its pid, ``-q``'s state and ``-N -j``'s domain."""
+
+    pid: int
+    imex_state: str | None
+    imex: ImexDomainView | None
+
+
+@dataclass(frozen=True)
 class DomainView:
     """What ``GET /v1/domains`` shows of a domain."""
 
@@ -201,6 +210,9 @@ class DomainService:
         self._recovered = False
         #: Why the daemon is failed (its last start or restart), or None.
         self._failure: str | None = None
+        #: What the daemon answered last (supervision reads it every round; a request is
+        #: served from it rather than running nvidia-imex-ctl twice per GET).
+        self._seen: _Seen | None = None
         #: When the running daemon last got SIGUSR1 (monotonic; its adoption time when
         #: adopted: unknown, possibly recent), or None: not since it started.
         self._signalled: float | None = None
@@ -265,13 +277,22 @@ class DomainService:
     async def _view(self, domain: Domain, address: str) -> DomainView:
         pid = domain.pid if domain.pid is not None and \
             self._control.runs(domain.pid, self.files.config) else None
-        imex_state = await self._control.state(self.files.config) if pid else None
-        imex = await self._control.domain(self.files.config) if pid else None
+        seen = None
+        if pid is not None:
+            seen = self._seen if self._seen is not None and self._seen.pid == pid \
+                else await self._observe(pid)
         state: DaemonState = "running" if pid else "failed" if self._failure else "stopped"
         return DomainView(domain=domain, address=address,
-                          daemon=DaemonView(state=state, pid=pid, imex_state=imex_state,
+                          daemon=DaemonView(state=state, pid=pid,
+                                            imex_state=seen.imex_state if seen else None,
                                             reason=None if pid else self._failure),
-                          imex=imex, holders=self.holders())
+                          imex=seen.imex if seen else None, holders=self.holders())
+
+    async def _observe(self, pid: int) -> _Seen:
+        """Ask the daemon now (``-q``, ``-N -j``) and keep the answer for the next view."""
+        self._seen = _Seen(pid, await self._control.state(self.files.config),
+                           await self._control.domain(self.files.config))
+        return self._seen
 
     # -- the domain ------------------------------------------------------------------------
 
@@ -306,6 +327,7 @@ class DomainService:
                     await self._names_in_use(current):
                 domain = replace(domain, reconnect=True)
                 await self._store(domain)
+                self._seen = None
                 await asyncio.to_thread(rewrite_in_place, self.files.hosts,
                                         render_hosts(domain.names, domain.peers).encode())
                 await self._signal_if_due()
@@ -472,6 +494,7 @@ class DomainService:
         await asyncio.to_thread(write_atomic, files.config, render_config(
             files, address=address, port=self.settings.port).encode())
         try:
+            self._seen = None
             await self._control.start(files.config, files.hosts)
         except ImexUnavailable as err:
             self._failure = err.detail
@@ -598,6 +621,7 @@ class DomainService:
             return
         if written != wanted:
             await self._store(replace(domain, reconnect=True))
+            self._seen = None
             await asyncio.to_thread(rewrite_in_place, self.files.hosts, wanted)
 
     async def _restart(self, domain: Domain, address: str, *, why: str) -> None:
@@ -638,7 +662,8 @@ class DomainService:
                 await self._restart(domain, address, why="stopped running")
                 return
             await self._signal_if_due()
-        view = await self._control.domain(self.files.config)
+            pid = domain.pid
+        view = (await self._observe(pid)).imex
         self._metrics.imex_daemon_up.set(1)
         counts = {"READY": 0, "UNAVAILABLE": 0, "other": 0}
         for node in view.nodes if view else ():

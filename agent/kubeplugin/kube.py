@@ -67,6 +67,9 @@ WATCH_TIMEOUT_S = 290
 MAX_OBJECT_BYTES = 3 * 1024 * 1024
 #: The longest list answer read (this node's ResourceSlices of one driver: a few objects).
 MAX_LIST_BYTES = 32 * 1024 * 1024
+#: Objects a page when the plugin reads a whole cluster-wide collection.
+LIST_PAGE = 500
+LEASES_PATH = "/apis/coordination.k8s.io/v1/namespaces/%s/leases"
 #: Answers longer than this are decoded on a thread (a 3 MiB claim takes 40-60 ms).
 DECODE_ON_THREAD_BYTES = 64 * 1024
 _CHUNK_BYTES = 64 * 1024
@@ -608,6 +611,42 @@ class KubeClient:
         return await self._call("PATCH", f"/api/v1/nodes/{segment(name)}",
                                 body={"metadata": metadata},
                                 content_type="application/merge-patch+json")
+
+    # --- The leader lease and pending domains (lease.py, domain_explainer.py) -------------------
+
+    async def get_lease(self, namespace: str, name: str) -> Json:
+        return await self._call("GET", f"{LEASES_PATH % segment(namespace)}/{segment(name)}")
+
+    async def create_lease(self, namespace: str, body: Json) -> Json:
+        return await self._call("POST", LEASES_PATH % segment(namespace), body=body)
+
+    async def update_lease(self, namespace: str, body: Json) -> Json:
+        """Replace the Lease; :class:`KubeConflict` when it changed since it was read."""
+        name = segment(body["metadata"]["name"])
+        return await self._call("PUT", f"{LEASES_PATH % segment(namespace)}/{name}", body=body)
+
+    async def list_driver_slices(self, driver: str) -> list[Json]:
+        """Every ResourceSlice of ``driver`` in the cluster (the slots have no node name)."""
+        return await self._list_all(SLICES_PATH, [("fieldSelector", f"spec.driver={driver}")])
+
+    async def list_resource_claims(self) -> list[Json]:
+        """Every ResourceClaim of the cluster, read a page at a time."""
+        return await self._list_all("/apis/resource.k8s.io/v1/resourceclaims", [])
+
+    async def _list_all(self, path: str, query: list[tuple[str, str]]) -> list[Json]:
+        items: list[Json] = []
+        token = ""
+        while True:
+            page = [*query, ("limit", str(LIST_PAGE))] + ([("continue", token)] if token else [])
+            doc = await self._call("GET", path, query=page, max_bytes=MAX_LIST_BYTES)
+            items += [item for item in doc.get("items") or [] if isinstance(item, dict)]
+            token = str((doc.get("metadata") or {}).get("continue") or "")
+            if not token:
+                return items
+
+    async def create_event(self, namespace: str, body: Json) -> Json:
+        return await self._call("POST", f"/api/v1/namespaces/{segment(namespace)}/events",
+                                body=body)
 
     # --- ResourceClaim device status (claim_status.py) ---------------------------------------
 

@@ -28,12 +28,17 @@ from agent.kubeplugin.credentials import (
     follow_api_credential,
 )
 from agent.kubeplugin.device_health import DeviceHealthView
+from agent.kubeplugin.domain_explainer import INTERVAL_S as EXPLAIN_INTERVAL_S
+from agent.kubeplugin.domain_explainer import LEASE as EXPLAINER_LEASE
+from agent.kubeplugin.domain_explainer import DomainExplainer
 from agent.kubeplugin.domain_slots import DomainSlots
 from agent.kubeplugin.domains import DomainMembership
 from agent.kubeplugin.dra import DraService
 from agent.kubeplugin.health import HealthServer, Readiness, parse_listen
 from agent.kubeplugin.health_stream import HealthStreams
 from agent.kubeplugin.kube import KubeClient, KubeConfigMissing
+from agent.kubeplugin.lease import DURATION_S as LEASE_DURATION_S
+from agent.kubeplugin.lease import LeaderElection
 from agent.kubeplugin.metrics import PluginMetrics
 from agent.kubeplugin.miglabels import MigLabels, settings_problem
 from agent.kubeplugin.protocols import ApiServer, ClaimReader, Publisher
@@ -62,6 +67,7 @@ class PluginStartError(Exception):
 
 
 #: A Node's name: a DNS-1123 subdomain.
+_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?\Z")
 _NODE_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*\Z")
 
 @dataclass(frozen=True)
@@ -82,6 +88,12 @@ class PluginSettings:
     mig_config_map: str | None = None
     mig_token_file: Path | None = None
     mig_allow_reset: bool = False
+    #: The namespace of the Lease whose holder explains unplaceable compute domains (None:
+    #: this plugin never explains them).
+    lease_namespace: str | None = None
+    explain_interval_s: float = EXPLAIN_INTERVAL_S
+    #: How long a Lease nobody renews stays its holder's (it is read every quarter of it).
+    lease_duration_s: float = LEASE_DURATION_S
 
     def check(self) -> None:
         """Refuse settings that cannot work, naming the flag."""
@@ -94,6 +106,14 @@ class PluginSettings:
                                    "(it goes into API paths and field selectors)")
         if self.agent_lost_after_s <= 0:
             raise PluginStartError("--agent-lost-after must be above 0 seconds")
+        if self.lease_namespace is not None and not _NAMESPACE.match(self.lease_namespace):
+            raise PluginStartError(f"--lease-namespace {self.lease_namespace[:80]!r}: a "
+                                   "namespace name (a DNS-1123 label)")
+        if not 4 <= self.lease_duration_s <= 3600:
+            raise PluginStartError("--lease-duration must be 4 to 3600 seconds")
+        if not 0 < self.explain_interval_s <= 3600:
+            raise PluginStartError("--domain-explain-interval must be above 0 and at most "
+                                   "3600 seconds")
         if not 0 < self.claim_read_timeout_s <= 300:
             raise PluginStartError("--claim-read-timeout must be above 0 and at most 300 "
                                    "seconds")
@@ -130,6 +150,8 @@ class Wiring:
     #: Publishes the node's compute-domain slot that the publisher hands over (None: not
     #: published by this process).
     domain_slots: DomainSlots | None = None
+    #: Explains unplaceable compute domains while this plugin holds the Lease (None: off).
+    explaining: Callable[[], Awaitable[None]] | None = None
 
 
 Wire = Callable[[PluginSettings, AgentClient, CollectorRegistry], Awaitable[Wiring]]
@@ -158,6 +180,17 @@ async def wire_kubernetes(settings: PluginSettings, agent: AgentClient,
     members = kube.sibling(connections=DOMAIN_CONNECTIONS)
     domains = DomainMembership(members, agent, node_name=settings.node_name,
                                registry=registry)
+    explaining: Callable[[], Awaitable[None]] | None = None
+    if settings.lease_namespace is not None:
+        election = LeaderElection(kube, namespace=settings.lease_namespace, name=EXPLAINER_LEASE,
+                                  identity=settings.node_name,
+                                  duration_s=settings.lease_duration_s,
+                                  retry_s=settings.lease_duration_s / 4)
+        explainer = DomainExplainer(kube, driver=settings.driver, node_name=settings.node_name,
+                                    registry=registry, interval_s=settings.explain_interval_s)
+
+        async def explaining() -> None:
+            await election.run(explainer.run)
     labels: MigLabels | None = None
     if settings.mig_config_map is not None and settings.mig_token_file is not None:
         try:
@@ -178,7 +211,7 @@ async def wire_kubernetes(settings: PluginSettings, agent: AgentClient,
 
     return Wiring(claims=claims, api=kube, publisher=publisher, close=close, mig_labels=labels,
                   device_health=publisher.device_health, claim_status=writer, credential=kube,
-                  domains=domains, domain_slots=slots)
+                  domains=domains, domain_slots=slots, explaining=explaining)
 
 
 @dataclass
@@ -243,6 +276,9 @@ class Plugin:
         if self.wiring.claim_status is not None:
             self._status_writing = asyncio.create_task(
                 self._write_status(self.wiring.claim_status))
+        if self.wiring.explaining is not None:
+            self._checking.append(asyncio.create_task(self._restarting(
+                "the compute-domain explainer", self.wiring.explaining)))
         if self.wiring.domains is not None:
             self._checking.append(asyncio.create_task(self._recover_domains(
                 self.wiring.domains)))

@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 
 from bench import compute_domains
+from tests.k8s.domain_bed import BED_GROUP
 from tests.k8s.harness import NEWEST, build
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group(f"kube-apiserver-{NEWEST}")
+@pytest.mark.xdist_group(BED_GROUP)
 def test_compute_domain_bench_forms_a_domain_and_counts_its_writes(
         capsys: pytest.CaptureFixture[str]) -> None:
     build(NEWEST)
@@ -25,3 +26,5 @@ def test_compute_domain_bench_forms_a_domain_and_counts_its_writes(
     assert "nodes" in lines[header + 1], lines
     assert lines[header + 2].startswith("3-node job: Pending,"), lines
     assert "cannot allocate all claims" in lines[header + 2], lines
+    assert lines[header + 3].startswith("its claim: ComputeDomainUnfit: asks for a compute "
+                                        "domain of 3 nodes in one NVLink clique"), lines

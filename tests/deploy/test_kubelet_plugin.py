@@ -21,8 +21,11 @@ PLUGIN_SYSTEMD_UNIT = ROOT / "systemd" / "gpu-agent-kubelet-plugin.service"
 #: Every (API group, resource) the plugin may touch and exactly the verbs it may use there.
 PLUGIN_RBAC = {
     ("resource.k8s.io", "resourceslices"): {"list", "watch", "create", "update", "delete"},
-    ("resource.k8s.io", "resourceclaims"): {"get"},
+    # get: every prepare; list: the explainer's round (the one plugin holding its Lease).
+    ("resource.k8s.io", "resourceclaims"): {"get", "list"},
     ("resource.k8s.io", "resourceclaims/status"): {"patch"},
+    # The explainer's Warning Event on a compute-domain claim no clique can hold.
+    ("", "events"): {"create"},
     # The API server's per-driver check of status.devices writes (1.36+), own node only.
     ("resource.k8s.io", "resourceclaims/driver"): {"associated-node:patch"},
     # Its Node's UID; its own Node's compute-domain label and membership (patch, narrowed by
@@ -31,6 +34,11 @@ PLUGIN_RBAC = {
 }
 #: The rules narrowed to names: (API group, resource) -> the names.
 PLUGIN_RESOURCE_NAMES = {("resource.k8s.io", "resourceclaims/driver"): [DRIVER]}
+#: The namespaced Role: the explainer's Lease, created, then read and renewed by name.
+LEASE_RULES = [
+    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+     "resourceNames": ["gpu-node-agent-domain-explainer"], "verbs": ["get", "update"]}]
 
 #: The `gpu-agent kubelet-plugin` flags (the CLI line the plugin and the manifests share);
 #: True for the ones without a default.
@@ -102,6 +110,25 @@ def test_plugin_role_is_exactly_what_it_uses() -> None:
                                     "name": account["metadata"]["name"],
                                     "namespace": account["metadata"]["namespace"]}]
     assert _pod()["serviceAccountName"] == account["metadata"]["name"]
+
+
+def test_the_lease_role_is_the_explainers_lease_in_the_agents_namespace() -> None:
+    """The Role is the explainer's Lease only, in the namespace the plugin's POD_NAMESPACE
+    (its --lease-namespace) names, bound to the pod's ServiceAccount."""
+    docs = render("daemonset")
+    role = by_name(docs, "Role", "gpu-node-agent-kubelet-plugin")
+    assert role["rules"] == LEASE_RULES
+    account = by_kind(docs, "ServiceAccount")
+    assert role["metadata"]["namespace"] == account["metadata"]["namespace"]
+    binding = by_name(docs, "RoleBinding", "gpu-node-agent-kubelet-plugin")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount",
+                                    "name": account["metadata"]["name"],
+                                    "namespace": account["metadata"]["namespace"]}]
+    env = {e["name"]: e for e in container(_pod(), "kubelet-plugin")["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath":
+                                                              "metadata.namespace"}}
 
 
 @pytest.mark.parametrize("flags", [

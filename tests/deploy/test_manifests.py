@@ -172,7 +172,7 @@ def test_openshift_scc_is_bound_to_the_service_account() -> None:
     role = by_name(docs, "ClusterRole", "gpu-node-agent-scc")
     assert role["rules"][0]["resourceNames"] == [scc["metadata"]["name"]]
     assert role["rules"][0]["verbs"] == ["use"]
-    binding = by_kind(docs, "RoleBinding")
+    binding = by_name(docs, "RoleBinding", "gpu-node-agent-scc")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "gpu-node-agent",
                                     "namespace": "gpu-node-agent"}]

@@ -33,7 +33,7 @@ from agent.gpu.imex import ImexDomainView, ImexNode
 from agent.ledger.ledger import NodeLedger
 from agent.metrics.agent import AgentMetrics
 
-ME, OTHER = "10.0.0.5", "10.0.0.6"
+ME, OTHER, THIRD = "10.0.0.5", "10.0.0.6", "10.0.0.7"
 
 
 class FakeImex:
@@ -49,6 +49,9 @@ class FakeImex:
         self.starts = 0
         self.fail: str | None = None
         self.ready = True
+        #: nvidia-imex-ctl runs (-q and -N -j each count one).
+        self.queries = 0
+        self.status = "UP"
 
     async def start(self, config: Path, hosts: Path) -> None:
         self.starts += 1
@@ -65,14 +68,16 @@ class FakeImex:
         return True
 
     async def state(self, config: Path) -> str | None:
+        self.queries += 1
         if config not in self.running.values():
             return None
         return "READY" if self.ready else "WAITING_FOR_PEERS"
 
     async def domain(self, config: Path) -> ImexDomainView | None:
+        self.queries += 1
         if config not in self.running.values():
             return None
-        return ImexDomainView("UP", (ImexNode(0, ME, "READY"),))
+        return ImexDomainView(self.status, (ImexNode(0, ME, "READY"),))
 
     def find(self, config: Path) -> int | None:
         return next((pid for pid, c in self.running.items() if c == config), None)
@@ -155,6 +160,31 @@ async def test_the_first_holder_starts_the_daemon_and_the_last_stops_it(
     assert not (tmp_path / "imex" / "hosts").exists()
     assert node.kinds() == ["domain.configured", "domain.daemon_started", "domain.left"]
     assert node.metric("gpu_agent_imex_daemon_up") == 0
+
+
+async def test_views_are_served_from_the_last_supervision_round(tmp_path: Path,
+                                                                 tools: FakeImex) -> None:
+    """A GET runs no nvidia-imex-ctl while supervision keeps a reading of the running
+    daemon; the next round's reading is what the GET after it shows, and a seat change or a
+    new daemon is read afresh."""
+    node = await _member(tmp_path, tools)
+    node.service.reserve("c1", "job")
+    await node.service.ready("job")
+    await node.service.check()
+    before = tools.queries
+    for _ in range(3):
+        [view] = await node.service.views()
+        assert view.imex is not None and view.imex.status == "UP"
+    assert tools.queries == before
+    tools.status = "DEGRADED"
+    [view] = await node.service.views()
+    assert view.imex is not None and view.imex.status == "UP"  # until the next round
+    await node.service.check()
+    [view] = await node.service.views()
+    assert view.imex is not None and view.imex.status == "DEGRADED"
+    before = tools.queries
+    await node.service.configure("job", [THIRD, ME])  # a seat moves: read again at once
+    assert tools.queries == before + 2
 
 
 async def test_refusals_change_nothing(tmp_path: Path, tools: FakeImex) -> None:

@@ -28,6 +28,7 @@ from tests.k8s.harness import NEWEST, ApiServer, KubeScheduler, schedulable_node
 from tests.k8s.scheduling import RESOURCE, create_workload
 from tests.k8s.stack import (
     DEVICE_CLASSES,
+    PLUGIN_NAMESPACE,
     Stack,
     apply_shipped,
     plugin_kubeconfig,
@@ -43,6 +44,9 @@ CLIQUE_ATTRIBUTE = "gpu.nodeagent.dev/fabricClique"
 RACKS = ("6c3a0d1e-0a5b-4c8e-9f1a-1b2c3d4e5f60", "7d4b1e2f-1b6c-4d9f-8a2b-2c3d4e5f6071")
 #: The simulated nodes' IMEX addresses: 127.0.<ADDRESS_BLOCK>.<n> (one bed runs at a time).
 ADDRESS_BLOCK = 90
+#: The pytest-xdist group of every test starting a bed: one worker runs them one after the
+#: other, since their beds share the address block and IMEX's port.
+BED_GROUP = "compute-domain-bed"
 
 
 @dataclass(frozen=True)
@@ -90,28 +94,22 @@ class DomainBed:
                      "deviceClassName": DOMAIN_CLASS, "allocationMode": "ExactCount",
                      "count": nodes}}],
                  "constraints": [{"requests": ["nodes"], "matchAttribute": CLIQUE_ATTRIBUTE}]}}},
-            {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
-             "metadata": {"name": f"{name}-gpus"},
-             "spec": {"spec": {"devices": {"requests": [{"name": "gpus", "exactly": {
-                 "deviceClassName": GPU_CLASS, "allocationMode": "ExactCount",
-                 "count": 4}}]}}}}]
+            _gpus_template(f"{name}-gpus")]
         pods = [f"{name}-{i}" for i in range(nodes)]
-        for pod in pods:
-            docs.append({
-                "apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod,
-                                                                "labels": {"job": name}},
-                "spec": {"restartPolicy": "Never",
-                         "resourceClaims": [{"name": "domain", "resourceClaimName": claim},
-                                            {"name": "gpus",
-                                             "resourceClaimTemplateName": f"{name}-gpus"}],
-                         "containers": [{"name": "worker", "image": "registry.invalid/worker",
-                                         "resources": {"claims": [{"name": "domain"},
-                                                                  {"name": "gpus"}]}}]}})
+        docs += [_pod(pod, name, claim, f"{name}-gpus") for pod in pods]
         create_workload(self.server, docs, namespace)
         status, body = self.server.request(
             "GET", f"{RESOURCE}/namespaces/{namespace}/resourceclaims/{claim}")
         assert status == 200, body
         return Job(namespace, claim, pods, uid=body["metadata"]["uid"])
+
+    def add_pod(self, job: Job, pod: str) -> None:
+        """One more pod of the job sharing its domain claim (what its controller makes when a
+        pod is lost), with a GPU claim of its own."""
+        name = job.claim.removesuffix("-domain")
+        create_workload(self.server, [_gpus_template(f"{pod}-gpus"),
+                                      _pod(pod, name, job.claim, f"{pod}-gpus")], job.namespace)
+        job.pods.append(pod)
 
     def pod(self, job: Job, pod: str) -> Json:
         status, body = self.server.request("GET",
@@ -191,6 +189,15 @@ class DomainBed:
         raw = body["metadata"].get("annotations", {}).get(MEMBER_ANNOTATION)
         return dict(json.loads(raw)) if raw else None
 
+    def unfit_event(self, job: Job) -> Json | None:
+        """The Warning Event the explaining plugin gave the job's domain claim, if any."""
+        status, body = self.server.request(
+            "GET", f"/api/v1/namespaces/{job.namespace}/events?fieldSelector="
+                   f"involvedObject.name%3D{job.claim},reason%3DComputeDomainUnfit")
+        assert status == 200, body
+        items = body.get("items") or []
+        return dict(items[-1]) if items else None
+
     def lose(self, node: str) -> None:
         """The node is lost: its agent, plugin and kubelet gone, and its Node marked as the
         node lifecycle controller marks an unreachable node (Ready Unknown, the unreachable
@@ -231,6 +238,32 @@ class DomainBed:
         return writes
 
 
+def _gpus_template(name: str) -> Json:
+    """A claim template for all four GPUs of a node (one pod a node)."""
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+            "metadata": {"name": name},
+            "spec": {"spec": {"devices": {"requests": [{"name": "gpus", "exactly": {
+                "deviceClassName": GPU_CLASS, "allocationMode": "ExactCount",
+                "count": 4}}]}}}}
+
+
+def _pod(pod: str, job: str, claim: str, template: str) -> Json:
+    """A pod of ``job``: the domain claim and a GPU claim from ``template``."""
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod, "labels": {"job": job}},
+            "spec": {"restartPolicy": "Never",
+                     "resourceClaims": [{"name": "domain", "resourceClaimName": claim},
+                                        {"name": "gpus", "resourceClaimTemplateName": template}],
+                     "containers": [{"name": "worker", "image": "registry.invalid/worker",
+                                     "resources": {"claims": [{"name": "domain"},
+                                                              {"name": "gpus"}]}}]}}
+
+
+#: Every plugin takes part in electing the explainer of unplaceable domains, on a short
+#: Lease and a short round (the defaults: 60 s and 30 s).
+EXPLAINING = ("--lease-namespace", PLUGIN_NAMESPACE, "--lease-duration", "8",
+              "--domain-explain-interval", "1")
+
+
 def node_name(clique: int, index: int) -> str:
     return f"nvl72-{'ab'[clique]}-{index:02d}"
 
@@ -262,7 +295,7 @@ def start_bed(root: Path, size: BedSize) -> Iterator[DomainBed]:
         def one(name: str, clique: int) -> Stack:
             return start(server, "gb200-nvl72", node=name, agent_extra=(
                 "--sim-cluster-uuid", RACKS[clique], "--sim-clique-id", "1",
-                "--imex-address", addresses[name]))
+                "--imex-address", addresses[name]), plugin_extra=EXPLAINING)
 
         with ThreadPoolExecutor(8) as pool:
             started = dict(zip([n for n, _ in plan],
@@ -286,10 +319,21 @@ def nodes_of(job_nodes: dict[str, str]) -> list[str]:
 
 
 def imex_nodes_config(stack: Stack) -> list[str]:
-    """The node list the agent wrote for its IMEX daemon (one address a line)."""
+    """The node list the agent wrote for its IMEX daemon (one seat's name a line)."""
     path = stack.agent_dir / "imex" / "nodes_config.cfg"
     return [line.strip() for line in path.read_text().splitlines()
             if line.strip() and not line.startswith("#")]
+
+
+def imex_seats(stack: Stack, pid: int) -> list[str | None]:
+    """The node list as the IMEX daemon ``pid`` resolves it: each name of its node list
+    through the /etc/hosts of its own mount namespace (None: no address for that seat)."""
+    hosts: dict[str, str] = {}
+    for line in Path(f"/proc/{pid}/root/etc/hosts").read_text().splitlines():
+        address, *names = line.split("#")[0].split() or [""]
+        for name in names:
+            hosts.setdefault(name, address)
+    return [hosts.get(name) for name in imex_nodes_config(stack)]
 
 
 def dumps(value: Any) -> str:

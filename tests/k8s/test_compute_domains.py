@@ -19,20 +19,20 @@ from collections.abc import Iterator
 import pytest
 
 from tests.k8s.domain_bed import (
+    BED_GROUP,
     BedSize,
     DomainBed,
     Job,
     Json,
     dumps,
-    imex_nodes_config,
+    imex_seats,
     nodes_of,
     start_bed,
 )
-from tests.k8s.harness import NEWEST
 from tests.k8s.scheduling import unschedulable
 from tests.waiting import wait_for
 
-pytestmark = [pytest.mark.xdist_group(f"kube-apiserver-{NEWEST}"), pytest.mark.slow]
+pytestmark = [pytest.mark.xdist_group(BED_GROUP), pytest.mark.slow]
 
 SIZE = BedSize(first=4, second=2)
 DOMAIN = 3
@@ -49,15 +49,35 @@ def placed(bed: DomainBed, job: Job) -> dict[str, str]:
                     and found, f"every pod of {job.claim} bound", 60) or {}
 
 
-def domain_up(bed: DomainBed, job: Job, members: list[str]) -> bool:
-    """Every member's agent has the domain with exactly the members' addresses and reports
-    it UP (every node READY and connected, as nvidia-imex-ctl -N says)."""
+def domain_up(bed: DomainBed, job: Job, members: list[str], *,
+              state: str = "UP") -> bool:
+    """Every member's agent has the domain with exactly the members' addresses in its seats
+    and reports it ``state`` (UP: every node READY and connected, as nvidia-imex-ctl -N
+    says)."""
     want = sorted(bed.addresses[n] for n in members)
     for node in members:
         view = bed.domain_view(node, job.uid)
-        if view is None or sorted(view["peers"]) != want or view["state"] != "UP":
+        if view is None or sorted(p for p in view["peers"] if p) != want \
+                or view["state"] != state:
             return False
     return True
+
+
+def daemon_pid(bed: DomainBed, job: Job, node: str) -> int:
+    view = bed.domain_view(node, job.uid)
+    assert view is not None and view["daemon"]["pid"], view
+    return int(view["daemon"]["pid"])
+
+
+def resolved_seats(bed: DomainBed, job: Job, node: str) -> list[str | None]:
+    """The member's IMEX node list as its daemon resolves it (its names through its hosts)."""
+    return imex_seats(bed.stacks[node], daemon_pid(bed, job, node))
+
+
+def seat(bed: DomainBed, node: str) -> int:
+    member = bed.member(node)
+    assert member is not None and isinstance(member.get("seat"), int), member
+    return int(member["seat"])
 
 
 def held_channels(bed: DomainBed, node: str) -> list[str]:
@@ -98,9 +118,12 @@ def test_a_domain_job_forms_on_one_clique_and_survives_its_faults(bed: DomainBed
         paths = [d["path"] for d in injected["device_nodes"]]
         assert CHANNEL in paths, dumps(injected)
     wait_for(lambda: domain_up(bed, job, members), "the domain UP on every member", 60)
+    seats = resolved_seats(bed, job, members[0])
+    assert sorted(a for a in seats if a) == sorted(bed.addresses[n] for n in members), seats
     for node in members:
-        assert sorted(imex_nodes_config(bed.stacks[node])) == sorted(
-            bed.addresses[n] for n in members)
+        # Every daemon resolves the same names to the same members, each at its seat.
+        assert resolved_seats(bed, job, node) == seats
+        assert seats[seat(bed, node)] == bed.addresses[node]
         # Two writes of its own Node to join, whatever the domain's size.
         plugin = bed.stacks[node].plugin
         assert plugin.metric("gpu_agent_plugin_domain_node_writes_total", what="join") == 1
@@ -129,14 +152,34 @@ def test_a_domain_job_forms_on_one_clique_and_survives_its_faults(bed: DomainBed
     # A member node lost (its stack gone, its Node NotReady and tainted as the node
     # lifecycle controller marks it): the others run IMEX with the two left.
     lost = members[2]
+    lost_seat = seat(bed, lost)
+    pids = {node: daemon_pid(bed, job, node) for node in members[:2]}
     bed.lose(lost)
     left = members[:2]
-    wait_for(lambda: domain_up(bed, job, left), "the domain UP with the two left", 60)
+    wait_for(lambda: domain_up(bed, job, left, state="DEGRADED"),
+             "the two left DEGRADED, the lost node's seat empty", 60)
     for node in left:
-        assert sorted(imex_nodes_config(bed.stacks[node])) == sorted(
-            bed.addresses[n] for n in left)
+        assert resolved_seats(bed, job, node)[lost_seat] is None
+
+    # The lost pod's replacement (its controller's new pod) lands on the clique's spare node
+    # and takes the lost node's seat; the two healthy members let it in by a hosts change and
+    # a reconnect, their daemons not restarted, and the domain is UP again.
+    bed.add_pod(job, "domain-job-again")
+    where.update(placed(bed, job))
+    spare = where["domain-job-again"]
+    assert spare not in members and bed.cliques[spare] == bed.cliques[lost], where
+    answer = bed.prepare(job, "domain-job-again", spare, within_s=120)
+    assert answer.get("ok"), f"{answer}\n{bed.stacks[spare].plugin.log()}"
+    now = [*left, spare]
+    wait_for(lambda: domain_up(bed, job, now), "the domain UP with the replacement", 60)
+    assert seat(bed, spare) == lost_seat
+    for node in left:
+        assert daemon_pid(bed, job, node) == pids[node], f"{node}'s IMEX was restarted"
+        assert resolved_seats(bed, job, node)[lost_seat] == bed.addresses[spare]
+    assert resolved_seats(bed, job, spare) == resolved_seats(bed, job, left[0])
 
     # The job ends: every member leaves, stops IMEX and holds no channel.
+    left = now
     still = {pod: node for pod, node in where.items() if node != lost}
     for pod, answer in bed.unprepare_all(job, still).items():
         assert answer.get("ok"), f"{pod}: {answer}"
@@ -169,7 +212,7 @@ def test_a_domain_forms_with_a_plugin_and_an_agent_killed_while_it_forms(
     members = nodes_of(where)
     wait_for(lambda: domain_up(bed, job, members), "the domain UP on every member", 60)
     for node in members:
-        assert sorted(imex_nodes_config(bed.stacks[node])) == sorted(
+        assert sorted(a for a in resolved_seats(bed, job, node) if a) == sorted(
             bed.addresses[n] for n in members)
     for pod, answer in bed.unprepare_all(job, where).items():
         assert answer.get("ok"), f"{pod}: {answer}"
@@ -187,6 +230,13 @@ def test_a_job_larger_than_any_clique_stays_pending_saying_why(bed: DomainBed) -
                            f"{pod} unschedulable", 60)
         assert "cannot allocate all claims" in message, message
     assert bed.bound(job) == {}
+    # That is all the scheduler says; the plugin holding the explainer Lease says why, on the
+    # claim, naming the largest clique.
+    event = wait_for(lambda: bed.unfit_event(job), "the claim's ComputeDomainUnfit Event", 60)
+    assert event["type"] == "Warning" and event["involvedObject"]["uid"] == job.uid, event
+    assert f"{SIZE.first + 1} nodes in one NVLink clique" in event["message"], event
+    assert f"the largest clique, {bed.cliques['nvl72-a-00']}, has {SIZE.first} nodes" \
+        in event["message"], event
     status, claim = bed.server.request(
         "GET", f"/apis/resource.k8s.io/v1/namespaces/{job.namespace}/resourceclaims/"
                f"{job.claim}")

@@ -364,9 +364,13 @@ BEYOND = [
     ("PATCH", "/api/v1/nodes/{node}/status", {}),
     ("GET", "/api/v1/namespaces/gpu-node-agent/secrets", None),
     ("GET", "/api/v1/pods", None),
-    ("GET", CLAIMS, None),
+    ("DELETE", f"{CLAIMS}/x", None),  # claims: get, list (the explainer) only
     ("PUT", f"{CLAIMS}/x/status", {}),
-    ("POST", "/api/v1/namespaces/default/events", {}),
+    ("PATCH", "/api/v1/namespaces/default/events/x", {}),  # events: create only
+    # Leases: the explainer's own, in the agent's namespace only.
+    ("POST", "/apis/coordination.k8s.io/v1/namespaces/default/leases", {}),
+    ("PUT", "/apis/coordination.k8s.io/v1/namespaces/gpu-node-agent/leases/other", {}),
+    ("GET", "/apis/coordination.k8s.io/v1/namespaces/gpu-node-agent/leases", None),
     ("POST", "/apis/resource.k8s.io/v1/deviceclasses", {}),
 ]
 
