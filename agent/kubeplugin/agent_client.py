@@ -237,8 +237,9 @@ class AgentClient:
         address = imex.get("address") if isinstance(imex, dict) else None
         return address if isinstance(address, str) and address else None
 
-    async def configure_domain(self, domain: str, peers: list[str]) -> None:
-        """``PUT /v1/domains/{domain}``: the domain's IMEX node list on this node."""
+    async def configure_domain(self, domain: str, peers: list[str | None]) -> None:
+        """``PUT /v1/domains/{domain}``: the domain's IMEX node list on this node, by seat
+        (None: a seat no node holds now)."""
         status, headers, answer = await self._call(
             "PUT", f"/v1/domains/{quote(domain, safe='')}", body={"peers": peers},
             timeout_s=self._claim_timeout_s)

@@ -8,17 +8,26 @@ not for a node: the pods may run on any node of the clique, so the members are t
 that prepared the claim, not the nodes whose slots were allocated.
 
 Each member writes only its own Node: the label :data:`DOMAIN_LABEL` (the claim's UID, which
-every member lists by) and the annotation :data:`MEMBER_ANNOTATION` (its IMEX address and
-its state). No object is written by all members, so a member's write never conflicts with
-another's, and the writes per node do not grow with the domain (NVIDIA's driver keeps one
-status object per domain that every node updates, with lost writes and 409 storms at scale).
+every member lists by) and the annotation :data:`MEMBER_ANNOTATION` (its IMEX address, its
+state, and its seat with the seat's generation). No object is written by all members, so a
+member's write never conflicts with another's, and the writes per node do not grow with the
+domain (NVIDIA's driver keeps one status object per domain that every node updates, with lost
+writes and 409 storms at scale).
+
+A domain of ``size`` has seats ``0..size-1``, one IMEX node index each: a member keeps its
+seat while its Node is Ready, so a change of members changes the node list only at the seats
+that changed hands and IMEX reconnects instead of restarting. :func:`seats` decides who holds
+which seat from the members' records alone, the same on every member, without a lock: a
+claim on a seat is a record on the claimant's own Node, and a conflict between two records
+is settled by a rule every member applies alike (the higher generation, then the lower node
+name), not by whichever write came first.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from agent.device_names import SLOT_DEVICE, SLOT_POOL_SUFFIX
@@ -26,7 +35,8 @@ from agent.kubeplugin.claims import ClaimError, KubeletClaim, allocation_results
 
 #: The UID of the domain a node is a member of (one at a time).
 DOMAIN_LABEL = "gpu.nodeagent.dev/compute-domain"
-#: The member's record: ``{"domain", "address", "state"}`` as JSON.
+#: The member's record: ``{"domain", "address", "state", "seat", "generation"}`` as JSON
+#: (``seat`` and ``generation`` absent while the member holds no seat of its own record).
 MEMBER_ANNOTATION = "gpu.nodeagent.dev/compute-domain-member"
 
 MemberState = Literal["Joining", "Ready", "Degraded", "NotReady"]
@@ -74,21 +84,35 @@ def domain_claim(claim: KubeletClaim, obj: Mapping[str, Any], *,
                        pool=str(slots[0]["pool"]))
 
 
-def member_annotation(domain: str, address: str, state: MemberState) -> str:
-    """The value of :data:`MEMBER_ANNOTATION` a node writes on itself."""
-    return json.dumps({"domain": domain, "address": address, "state": state},
-                      separators=(",", ":"), sort_keys=True)
+def member_annotation(domain: str, address: str, state: MemberState,
+                      seat: int | None = None, generation: int = 0) -> str:
+    """The value of :data:`MEMBER_ANNOTATION` a node writes on itself (``seat`` None: no
+    seat claimed, as while joining)."""
+    record: dict[str, Any] = {"domain": domain, "address": address, "state": state}
+    if seat is not None:
+        record.update(seat=seat, generation=generation)
+    return json.dumps(record, separators=(",", ":"), sort_keys=True)
 
 
 @dataclass(frozen=True)
 class Member:
     """One node of a domain as its Node object says: its IMEX address, the state it
-    announced, and whether the Node is Ready (a lost node is not a peer)."""
+    announced, whether the Node is Ready (a lost node is not a peer), and the seat it
+    claims with that seat's generation (None: no claim, as while joining)."""
 
     node: str
     address: str
     state: MemberState
     node_ready: bool
+    seat: int | None = None
+    generation: int = 0
+
+
+def _count(value: Any) -> int | None:
+    """A non-negative JSON integer (a bool is no seat), else None."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
 
 
 def _node_ready(node: Mapping[str, Any]) -> bool:
@@ -119,8 +143,12 @@ def member_of(node: Mapping[str, Any], domain: str) -> Member | None:
     address, state = record.get("address"), record.get("state")
     if not isinstance(address, str) or not address or state not in MEMBER_STATES:
         return None
+    # A record without a seat (written before seats, or joining) claims none; a seat that
+    # is no count is no claim either (the member is then seated like a joining one).
+    seat = _count(record.get("seat"))
+    generation = _count(record.get("generation")) if seat is not None else None
     return Member(node=str(meta.get("name", "")), address=address, state=state,
-                  node_ready=_node_ready(node))
+                  node_ready=_node_ready(node), seat=seat, generation=generation or 0)
 
 
 def members(nodes: Iterable[Mapping[str, Any]], domain: str) -> tuple[Member, ...]:
@@ -129,7 +157,53 @@ def members(nodes: Iterable[Mapping[str, Any]], domain: str) -> tuple[Member, ..
     return tuple(sorted((m for m in found if m is not None), key=lambda m: m.node))
 
 
-def peers(found: Sequence[Member]) -> tuple[str, ...]:
-    """The IMEX node list: the addresses of the members whose Node is Ready, in node-name
-    order (every member computes the same list from the same Nodes), each once."""
-    return tuple(dict.fromkeys(m.address for m in found if m.node_ready))
+def seats(found: Iterable[Member], size: int) -> dict[int, Member]:
+    """Who holds which of the ``size`` seats: the same answer on every member from the same
+    records, whatever their order. Only members whose Node is Ready hold seats (a lost
+    node's seat is free).
+
+    1. A seat claimed in a record (``seat < size``) goes to the claim of the highest
+       generation, ties to the lowest node name: a member that took a lost node's seat
+       (a higher generation) keeps it when the lost node comes back.
+    2. The members left (no claim, or a claim that lost), by node name, take the free seats
+       lowest first, each seat at generation one above the highest any record has for it
+       (also a lost node's: so the taker's claim, once written, beats the lost node's),
+       0 for a seat no record names. Those left then hold no seat.
+
+    The returned members carry the seat and generation they hold (a taken seat is what the
+    member writes in its record when it next announces itself)."""
+    ordered = sorted(found, key=lambda m: m.node)
+    held: dict[int, Member] = {}
+    for member in ordered:  # by name: on a tie the first (lowest) name stays
+        if not member.node_ready or member.seat is None or member.seat >= size:
+            continue
+        holder = held.get(member.seat)
+        if holder is None or member.generation > holder.generation:
+            held[member.seat] = member
+    seated = {m.node for m in held.values()}
+    highest: dict[int, int] = {}
+    for member in ordered:
+        if member.seat is not None:
+            highest[member.seat] = max(highest.get(member.seat, -1), member.generation)
+    free = (seat for seat in range(size) if seat not in held)
+    for member, seat in zip((m for m in ordered if m.node_ready and m.node not in seated),
+                            free, strict=False):
+        held[seat] = replace(member, seat=seat, generation=highest.get(seat, -1) + 1)
+    return dict(sorted(held.items()))
+
+
+def node_list(held: Mapping[int, Member], size: int) -> tuple[str | None, ...]:
+    """The IMEX node list by seat: the holder's address at its seat, None at a free one. An
+    address already at a lower seat is not listed twice (two nodes configured with one IMEX
+    address: the agent refuses a list naming one twice)."""
+    listed: list[str | None] = []
+    for seat in range(size):
+        member = held.get(seat)
+        address = member.address if member is not None else None
+        listed.append(address if address not in listed else None)
+    return tuple(listed)
+
+
+def seat_of(held: Mapping[int, Member], node: str) -> Member | None:
+    """The seat ``node`` holds in ``held`` (the member, with seat and generation), or None."""
+    return next((m for m in held.values() if m.node == node), None)
