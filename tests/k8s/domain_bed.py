@@ -150,11 +150,18 @@ class DomainBed:
                    for pod, node in placed.items()}
         return {pod: future.result() for pod, future in futures.items()}
 
-    def unprepare_all(self, job: Job, placed: dict[str, str]) -> dict[str, Json]:
+    def unprepare_all(self, job: Job, placed: dict[str, str], *,
+                      within_s: float = 60) -> dict[str, Json]:
+        """Every pod unprepared on its node at once, again while it fails (kubelet retries an
+        unprepare too: a plugin just restarted may be registered again a moment later)."""
         def unprepare(pod: str, node: str) -> Json:
             kubelet = self.stacks[node].kubelet
             assert kubelet is not None
-            return kubelet.unprepare(f"{job.namespace}/{pod}")
+            deadline = time.monotonic() + within_s
+            while True:
+                answer = kubelet.unprepare(f"{job.namespace}/{pod}")
+                if answer.get("ok") or time.monotonic() > deadline:
+                    return answer
         futures = {pod: self._pool.submit(unprepare, pod, node) for pod, node in placed.items()}
         return {pod: future.result() for pod, future in futures.items()}
 
