@@ -12,6 +12,7 @@ it starts the containers, retried as kubelet's pod sync retries it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import ssl
@@ -34,6 +35,7 @@ from tests.k8s.stack import (
     plugin_kubeconfig,
     stack_factory,
 )
+from tests.waiting import wait_for
 
 Json = dict[str, Any]
 DOMAIN_CLASS = "compute-domain.gpu.nodeagent.dev"
@@ -157,11 +159,15 @@ class DomainBed:
         def unprepare(pod: str, node: str) -> Json:
             kubelet = self.stacks[node].kubelet
             assert kubelet is not None
-            deadline = time.monotonic() + within_s
-            while True:
-                answer = kubelet.unprepare(f"{job.namespace}/{pod}")
-                if answer.get("ok") or time.monotonic() > deadline:
-                    return answer
+            answers: list[Json] = []
+
+            def done() -> bool:
+                answers.append(kubelet.unprepare(f"{job.namespace}/{pod}"))
+                return bool(answers[-1].get("ok"))
+
+            with contextlib.suppress(AssertionError):  # the last answer says why
+                wait_for(done, f"{pod} unprepared on {node}", within_s, every_s=0.2)
+            return answers[-1]
         futures = {pod: self._pool.submit(unprepare, pod, node) for pod, node in placed.items()}
         return {pod: future.result() for pod, future in futures.items()}
 
