@@ -176,6 +176,7 @@ class NodePod:
             else:
                 path = entry["valueFrom"]["fieldRef"]["fieldPath"]
                 env[entry["name"]] = {"spec.nodeName": self.node,
+                                      "metadata.namespace": self.namespace,
                                       "status.podIP": "127.0.0.1",
                                       "status.hostIP": "127.0.0.1"}[path]
         args = [self._arg(view, env, a) for a in spec.get("args", [])]

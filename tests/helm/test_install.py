@@ -200,7 +200,7 @@ def test_install_then_upgrade_keeps_a_prepared_claim(server: ApiServer, node_roo
     objects = manifest_objects(server, home)
     assert ("DaemonSet", "gpu-node-agent") in objects and ("Secret", "gpu-node-agent-tokens") \
         in objects and ("ServiceMonitor", "gpu-node-agent") in objects, objects
-    assert len(objects) == 22, objects
+    assert len(objects) == 24, objects
     assert daemonset_image(server) == {"ghcr.io/gpu-node-agent/gpu-node-agent:0.1.0"}
     tokens, tls = secret_data(server, "gpu-node-agent-tokens"), secret_data(
         server, "gpu-node-agent-tls")
