@@ -71,7 +71,8 @@ def run_one(bed: DomainBed, nodes: int) -> Run:
     wait_for(up, "the domain UP on every member", 120)
     up_s = time.monotonic() - started
     writes = bed.api_writes() - before
-    # The explainer's Lease renewals are the cluster's, a few a minute whatever the domains.
+    # Lease renewals (the scheduler's, the domain explainer's) are the cluster's, a few a
+    # minute whatever the domains.
     writes.pop("leases", None)
     assert len({bed.cliques[n] for n in members}) == 1, where
     for node in members:
