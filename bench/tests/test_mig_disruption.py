@@ -20,7 +20,9 @@ def test_run_counts_destroyed_instances(preset: str) -> None:
     assert result.clear_and_recreate > 0
     assert 0.0 <= result.ratio <= 1.0
     assert result.planned_mean == result.planned / 20
-    assert 0.0 < result.plan_median_s <= result.plan_p99_s < 1.0
+    # Times are measured, not bounded here (a 1 s stall of a loaded machine is no failure):
+    # only that they were taken.
+    assert 0.0 < result.plan_median_s <= result.plan_p99_s
 
 
 def test_run_is_reproducible_from_the_seed() -> None:
