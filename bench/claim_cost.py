@@ -356,7 +356,7 @@ def _filesystem(path: str) -> str:
 
 
 def machine() -> str:
-    return (f"{os.cpu_count()} CPUs {platform.processor() or platform.machine()}, "
+    return (f"{os.cpu_count()} CPUs {platform.machine()}, "
             f"Python {platform.python_version()}")
 
 

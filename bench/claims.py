@@ -173,7 +173,7 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def machine() -> str:
-    return (f"{os.cpu_count()} CPUs {platform.processor() or platform.machine()}, "
+    return (f"{os.cpu_count()} CPUs {platform.machine()}, "
             f"Python {platform.python_version()}")
 
 

@@ -149,7 +149,7 @@ def _current() -> Tree:
 
 
 def machine() -> str:
-    return (f"{os.cpu_count()} CPUs {platform.processor() or platform.machine()}, "
+    return (f"{os.cpu_count()} CPUs {platform.machine()}, "
             f"Python {platform.python_version()}")
 
 

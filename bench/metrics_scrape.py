@@ -300,7 +300,7 @@ def figures(scrapes: int = 200, rounds: int = 2) -> dict[str, float]:
 
 
 def main(idle_s: float = IDLE_S, soak_s: float = SOAK_S) -> None:
-    cpu = platform.processor() or platform.machine()
+    cpu = platform.machine()
     print(f"# /metrics: dgx-h100, every GPU 7x 1g.10gb (8 GPUs + 56 MIG devices), collect "
           f"interval {INTERVAL_S:g} s; {os.cpu_count()} CPUs {cpu}, "
           f"Python {platform.python_version()}")

@@ -212,7 +212,7 @@ def run(preset: str, pairs: int = DEFAULT_PAIRS, seed: int = DEFAULT_SEED) -> Di
 
 
 def main(pairs: int = DEFAULT_PAIRS, seed: int = DEFAULT_SEED) -> None:
-    cpu = platform.processor() or platform.machine()
+    cpu = platform.machine()
     print(f"# MIG disruption: instances destroyed over {pairs} seeded (current -> desired) "
           f"pairs per preset, seed {seed}; {os.cpu_count()} CPUs {cpu}, "
           f"Python {platform.python_version()}")

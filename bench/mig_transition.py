@@ -116,7 +116,7 @@ def figures(runs: int = 1, scenarios: int = len(SCENARIOS)) -> dict[str, float]:
 
 def main(runs: int = 3) -> None:
     print(f"# MIG transition overhead: simulated latencies {LATENCY_S} s; median of {runs} "
-          f"runs; {os.cpu_count()} CPUs {platform.processor() or platform.machine()}, "
+          f"runs; {os.cpu_count()} CPUs {platform.machine()}, "
           f"Python {platform.python_version()}")
     print(f"{'scenario':<26} {'hardware s':>10} {'1 GPU s':>9} {'ratio':>6} "
           f"{'overhead ms':>11} {'<=1.05x+20ms':>12} {'8 GPUs s':>9} {'8 vs 1':>7} "

@@ -597,7 +597,7 @@ def report(r: PackingResult) -> list[str]:
     lines = [
         f"# Packing: MIG slices made on demand; admitted = share of requests, capacity = share "
         f"of requested memory slices; seed {r.seed}, {r.gpu}; {os.cpu_count()} CPUs "
-        f"{platform.processor() or platform.machine()}, Python {platform.python_version()}",
+        f"{platform.machine()}, Python {platform.python_version()}",
         f"{r.large_gpus}x H100: {r.large_events} events ({ours.requests} requests and their "
         f"releases), offered load {r.large_load:g}, profile mix "
         + ", ".join(f"{p} {w:g}" for p, w in PROFILE_WEIGHTS.items()),

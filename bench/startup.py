@@ -61,7 +61,7 @@ def one_start(preset: str) -> tuple[float, float, float]:
 
 
 def main(runs: int) -> None:
-    cpu = platform.processor() or platform.machine()
+    cpu = platform.machine()
     print(f"# start-up and idle RSS: {runs} starts per preset, medians (min-max); "
           f"{os.cpu_count()} CPUs {cpu}, Python {platform.python_version()}")
     print(f"{'preset':<20} {'ready s':>18} {'idle RSS MiB':>20} {'RSS after 20 reads':>22}")

@@ -226,7 +226,7 @@ def run_case(kind: str, n: int, size: int, trials: int, seed: int) -> dict[str, 
 
 
 def main(trials: int = TRIALS, seed: int = 1) -> None:
-    cpu = platform.processor() or platform.machine()
+    cpu = platform.machine()
     print(f"# best-set selection: {trials} inputs per row (random busy GPUs), time = best of 3 "
           f"per input; {os.cpu_count()} CPUs {cpu}, Python {platform.python_version()}; "
           f"exact-search limit {EXACT_LIMIT} class choices")
